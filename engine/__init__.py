@@ -1,0 +1,1 @@
+"""tokentop's inference engine. Never imports `app`."""

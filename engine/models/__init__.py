@@ -1,0 +1,1 @@
+"""Model path: GGUF files -> config, weights, tokenizer, decoder."""
