@@ -62,6 +62,7 @@ class WorkerConfig:
     threads: int = 0                      # 0 = all cores torch sees
     max_active: int = 8
     max_batched_tokens: int = 512
+    max_context: int = 4096               # per sequence, prompt + output (capped by the model's)
     page_size: int = 16
     kv_cache_memory: int = 256 * 2**20    # bytes for K and V pages together
     kv_cache: str = "paged"

@@ -1,0 +1,1 @@
+"""KV cache memory: page pool and block tables (prefix index comes later)."""

@@ -1,0 +1,141 @@
+"""Page pool with reference counts, and block-table management per sequence.
+
+A page holds `page_size` consecutive token positions of one sequence (K and V for every
+layer). Pages are refcounted from the start so the prefix cache can share them: a page
+returns to the free list only when its last holder releases it.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from engine.sequence import Sequence
+
+FREE, USED, SHARED, CACHED = 0, 1, 2, 3   # page states shown by the dashboard's grid
+
+
+class OutOfPages(Exception):
+    """Raised by allocate() when the pool is empty; the scheduler preempts and retries."""
+
+
+class PagePool:
+    def __init__(self, num_pages: int, page_size: int):
+        if num_pages < 1:
+            raise ValueError("a KV page pool needs at least one page")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.refcount = [0] * num_pages
+        self._free: deque[int] = deque(range(num_pages))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise OutOfPages
+        page = self._free.popleft()
+        self.refcount[page] = 1
+        return page
+
+    def take(self, page: int) -> None:
+        """Allocate one specific free page (contiguous regions need a fixed run of pages)."""
+        self._free.remove(page)
+        self.refcount[page] = 1
+
+    def retain(self, page: int) -> None:
+        if self.refcount[page] <= 0:
+            raise RuntimeError(f"retain of free page {page}")
+        self.refcount[page] += 1
+
+    def release(self, page: int) -> None:
+        if self.refcount[page] <= 0:
+            raise RuntimeError(f"page {page} released more often than retained")
+        self.refcount[page] -= 1
+        if self.refcount[page] == 0:
+            self._free.append(page)
+
+    def states(self) -> bytes:
+        return bytes(FREE if r == 0 else USED if r == 1 else SHARED for r in self.refcount)
+
+
+class BlockManager:
+    """Grows and frees block tables; turns (sequence, positions) into KV slot indices.
+
+    paged: any free page can hold the next positions of any sequence; attention gathers
+    a sequence's slots through its block table.
+    contiguous (benchmark baseline): each admitted sequence owns one fixed region of
+    `region_pages` consecutive pages, so its slots are a plain range and attention reads a view.
+    """
+
+    def __init__(self, pool: PagePool, mode: str = "paged", region_pages: int = 0):
+        self.pool = pool
+        self.mode = mode
+        self.page_size = pool.page_size
+        if mode == "contiguous":
+            if region_pages < 1:
+                raise ValueError("contiguous mode needs region_pages >= 1")
+            self.region_pages = region_pages
+            self._free_regions = deque(range(pool.num_pages // region_pages))
+            self._region_of: dict[str, int] = {}
+
+    def pages_needed(self, seq: Sequence, upto_tokens: int) -> int:
+        have = len(seq.block_table)
+        need = -(-upto_tokens // self.page_size)
+        if self.mode == "contiguous":
+            return 0 if seq.id in self._region_of else self.region_pages
+        return max(0, need - have)
+
+    def can_grow(self, seq: Sequence, upto_tokens: int) -> bool:
+        if self.mode == "contiguous":
+            if seq.id in self._region_of:
+                return upto_tokens <= self.region_pages * self.page_size
+            return bool(self._free_regions) and upto_tokens <= self.region_pages * self.page_size
+        return self.pages_needed(seq, upto_tokens) <= self.pool.num_free
+
+    def grow(self, seq: Sequence, upto_tokens: int) -> None:
+        """Make seq's block table cover positions [0, upto_tokens). Raises OutOfPages."""
+        if self.mode == "contiguous":
+            if seq.id not in self._region_of:
+                if not self._free_regions:
+                    raise OutOfPages
+                region = self._free_regions.popleft()
+                self._region_of[seq.id] = region
+                first = region * self.region_pages
+                for p in range(first, first + self.region_pages):
+                    self.pool.take(p)
+                seq.block_table = list(range(first, first + self.region_pages))
+            if upto_tokens > self.region_pages * self.page_size:
+                raise OutOfPages
+            return
+        need = self.pages_needed(seq, upto_tokens)
+        if need > self.pool.num_free:
+            raise OutOfPages
+        for _ in range(need):
+            seq.block_table.append(self.pool.allocate())
+
+    def free(self, seq: Sequence) -> None:
+        for page in reversed(seq.block_table):
+            self.pool.release(page)
+        seq.block_table = []
+        if self.mode == "contiguous":
+            region = self._region_of.pop(seq.id, None)
+            if region is not None:
+                self._free_regions.append(region)
+
+    def slots(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
+        """KV slot of each position in [start, end) of seq."""
+        ps = self.page_size
+        pos = torch.arange(start, end)
+        table = torch.tensor(seq.block_table, dtype=torch.int64)
+        return table[pos // ps] * ps + pos % ps
+
+    def contiguous_start(self, seq: Sequence) -> int | None:
+        if self.mode != "contiguous":
+            return None
+        return seq.block_table[0] * self.page_size

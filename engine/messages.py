@@ -1,0 +1,138 @@
+"""What crosses the boundary between the engine facade and a worker (process or thread).
+
+Plain picklable dataclasses only: a worker in another process receives commands and sends
+events through multiprocessing queues, a worker thread through queue.Queue, same types.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.config import SamplingParams
+
+
+# --- commands: facade -> worker --------------------------------------------------------
+@dataclass(frozen=True)
+class Submit:
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    arrival: float                 # time.monotonic() at the facade
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class SetPolicy:
+    policy: str
+
+
+@dataclass(frozen=True)
+class SetTracing:
+    enabled: bool
+
+
+@dataclass(frozen=True)
+class DrainTrace:
+    """Ask the worker to send its collected trace events."""
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass
+
+
+# --- events: worker -> facade ------------------------------------------------------------
+@dataclass(frozen=True)
+class WorkerLoading:
+    worker: int
+    message: str
+
+
+@dataclass(frozen=True)
+class WorkerReady:
+    worker: int
+    info: dict                     # model name, arch, dtype, pages, page_size, max_context...
+
+
+@dataclass(frozen=True)
+class WorkerDead:
+    worker: int
+    message: str
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    request_id: str
+    token_id: int
+    text: str
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    queue_time: float | None       # arrival -> first scheduled (s)
+    ttft: float | None             # arrival -> first token (s)
+    itl_mean: float | None         # mean inter-token latency (s)
+    itl_max: float | None
+    e2e: float                     # arrival -> finished (s)
+    preemptions: int = 0
+
+
+@dataclass(frozen=True)
+class Finished:
+    request_id: str
+    reason: str                    # stop | length | abort | error
+    error: str | None
+    metrics: RequestMetrics
+
+
+@dataclass(frozen=True)
+class StepEvents:
+    """Everything one worker step produced, sent as one message to keep IPC cheap."""
+    worker: int
+    tokens: tuple[TokenDelta, ...]
+    finished: tuple[Finished, ...]
+    preempted: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class SeqView:
+    request_id: str
+    state: str
+    prompt_tokens: int
+    cached_tokens: int
+    computed_tokens: int
+    output_tokens: int
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """A worker's periodic self-portrait (a few Hz)."""
+    worker: int
+    running: int
+    waiting: int
+    pages_total: int
+    pages_used: int
+    page_states: bytes
+    prefill_tps: float             # recent, measured over the last second or so
+    decode_tps: float
+    steps: int
+    tokens_in_last_step: int
+    policy: str
+    seqs: tuple[SeqView, ...] = field(default_factory=tuple)
+    prefill_tokens_total: int = 0
+    decode_tokens_total: int = 0
+
+
+@dataclass(frozen=True)
+class TraceEvents:
+    worker: int
+    events: list

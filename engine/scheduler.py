@@ -1,0 +1,161 @@
+"""Iteration-level continuous batching.
+
+Every step mixes the decode tokens of running sequences with chunks of prompts, under a
+token budget (max_batched_tokens) and at most max_active sequences. When pages run out a
+running sequence is preempted by recompute: its pages are freed and it goes back to the
+front of the queue, to be prefilled again (prompt + output so far). That can never
+deadlock: the oldest running sequence is never preempted for a younger one.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from engine.kv.pages import BlockManager, OutOfPages
+from engine.sequence import Sequence, SeqState
+
+POLICIES = ("fcfs", "spf")
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int        # new tokens of this sequence computed in this step
+    samples: bool          # the step ends this sequence's pending tokens: sample a token
+
+
+@dataclass
+class StepPlan:
+    items: list[ScheduledSeq]
+    preempted: list[Sequence]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(i.num_tokens for i in self.items)
+
+    @property
+    def num_decode(self) -> int:
+        return sum(1 for i in self.items if i.seq.state == SeqState.DECODE)
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, *, max_active: int, max_batched_tokens: int,
+                 max_context: int, policy: str = "fcfs", prefill_chunk: int = 0):
+        self.blocks = blocks
+        self.max_active = max_active
+        self.max_batched_tokens = max_batched_tokens
+        self.max_context = max_context
+        self.policy = policy
+        # deterministic mode fixes the chunk size so a prompt's chunks never depend on what
+        # else is in the batch (0 = whatever the budget leaves)
+        self.prefill_chunk = prefill_chunk
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    # --- queue management -------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.state = SeqState.WAITING
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out of the queues and free its pages (finish or abort)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq)
+
+    def set_policy(self, policy: str) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown scheduler policy {policy!r}; choose one of {', '.join(POLICIES)}")
+        self.policy = policy
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    # --- one step ---------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        budget = self.max_batched_tokens
+        items: list[ScheduledSeq] = []
+        preempted: list[Sequence] = []
+
+        # 1. running sequences, oldest first: decodes need 1 token, prefills continue a chunk
+        for seq in sorted(self.running, key=lambda s: s.arrival):
+            if seq not in self.running:
+                continue   # preempted earlier in this loop
+            n = self._chunk(seq, budget)
+            if n == 0:
+                continue
+            while not self._fits(seq, n):
+                victim = self._youngest_other(seq)
+                if victim is None:
+                    break
+                for item in items:
+                    if item.seq is victim:
+                        budget += item.num_tokens
+                items = [i for i in items if i.seq is not victim]
+                self._preempt(victim)
+                preempted.append(victim)
+            if not self._fits(seq, n):
+                # alone it still does not fit: it goes back to wait (recompute later)
+                self._preempt(seq)
+                preempted.append(seq)
+                continue
+            self.blocks.grow(seq, seq.num_computed + n)
+            items.append(ScheduledSeq(seq, n, n == seq.num_pending))
+            budget -= n
+
+        # 2. admit waiting sequences while there is room
+        for seq in self._admission_order():
+            if budget <= 0 or len(self.running) >= self.max_active:
+                break
+            n = self._chunk(seq, budget)
+            if n == 0 or not self._fits(seq, n):
+                break   # keep order: don't let later requests overtake on memory
+            self.waiting.remove(seq)
+            self.blocks.grow(seq, seq.num_computed + n)
+            seq.state = SeqState.PREFILL
+            if seq.first_scheduled is None:
+                seq.first_scheduled = time.monotonic()
+            self.running.append(seq)
+            items.append(ScheduledSeq(seq, n, n == seq.num_pending))
+            budget -= n
+        return StepPlan(items, preempted)
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens of seq to compute this step (0 = none fit the budget)."""
+        if self.prefill_chunk and seq.num_pending > 1:
+            n = min(seq.num_pending, self.prefill_chunk)
+            return n if n <= budget else 0
+        return max(0, min(seq.num_pending, budget))
+
+    def _fits(self, seq: Sequence, n: int) -> bool:
+        return n > 0 and self.blocks.can_grow(seq, seq.num_computed + n)
+
+    def _admission_order(self) -> list[Sequence]:
+        if self.policy == "spf":
+            return sorted(self.waiting, key=lambda s: (s.num_pending, s.arrival))
+        return list(self.waiting)
+
+    def _youngest_other(self, seq: Sequence) -> Sequence | None:
+        others = [s for s in self.running if s is not seq and s.arrival >= seq.arrival]
+        return max(others, key=lambda s: s.arrival) if others else None
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.num_computed = 0
+        seq.num_cached = 0
+        seq.state = SeqState.WAITING
+        seq.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    # --- after the forward pass -------------------------------------------------------
+    def advance(self, plan: StepPlan) -> None:
+        """Account the computed tokens; sequences whose pending tokens are done go to decode."""
+        for item in plan.items:
+            item.seq.num_computed += item.num_tokens
+            if item.samples:
+                item.seq.state = SeqState.DECODE

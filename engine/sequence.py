@@ -1,0 +1,77 @@
+"""A request as the worker sees it: token ids, KV block table, progress and timings."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+from engine.config import SamplingParams
+
+
+class SeqState(str, Enum):
+    WAITING = "waiting"      # queued, or preempted and waiting to recompute
+    PREFILL = "prefill"      # admitted, prompt (or recompute) not fully in the KV cache yet
+    DECODE = "decode"        # generating one token per step
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)   # page ids, in position order
+    num_computed: int = 0        # tokens whose K/V are in the cache
+    num_cached: int = 0          # prompt tokens restored from the prefix cache (not computed)
+    state: SeqState = SeqState.WAITING
+    preemptions: int = 0
+    # timings (time.monotonic, comparable across processes on Linux)
+    first_scheduled: float | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    finished_at: float | None = None
+    itl_sum: float = 0.0
+    itl_max: float = 0.0
+    finish_reason: str | None = None   # stop | length | abort | error
+    error: str | None = None
+    # filled by the worker
+    sampler: object | None = None
+    detok: object | None = None
+    text: str = ""
+    held_text: str = ""     # decoded text held back while it could still start a stop string
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens known but not yet in the KV cache (prompt chunk, recompute, or the last sample)."""
+        return self.num_tokens - self.num_computed
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+    def pending_ids(self, count: int) -> list[int]:
+        start = self.num_computed
+        ids = self.prompt_ids[start:start + count]
+        if len(ids) < count:
+            off = max(0, start - len(self.prompt_ids))
+            ids += self.output_ids[off:off + count - len(ids)]
+        return ids
+
+    @property
+    def remaining_decode(self) -> int:
+        return max(0, self.params.max_tokens - len(self.output_ids))
+
+    def record_token(self, now: float) -> None:
+        if self.first_token_at is None:
+            self.first_token_at = now
+        else:
+            gap = now - (self.last_token_at or now)
+            self.itl_sum += gap
+            self.itl_max = max(self.itl_max, gap)
+        self.last_token_at = now

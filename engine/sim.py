@@ -1,0 +1,72 @@
+"""Simulated workers (`--device sim:NAME`): the real scheduler and KV accounting, no model.
+
+The forward pass is replaced by a timed wait derived from declared rates, and the tokens are
+placeholders. Everything a simulated worker produces is labelled "simulated"; it exists so
+routing can be studied and tested on machines without the hardware.
+
+Timing model (documented, deliberately simple): the declared rates are the worker's
+aggregate throughputs, so a step with P prompt tokens and D decode tokens takes
+P / prefill_tps + D / decode_tps seconds, times (1 ± jitter).
+"""
+from __future__ import annotations
+
+import random
+import time
+
+from engine.config import WorkerConfig
+from engine.errors import ConfigError
+from engine.models.tokenizer import Tokenizer
+from engine.scheduler import StepPlan
+
+PLACEHOLDER_TEXT = " sim"
+
+
+class SimRunner:
+    def __init__(self, cfg: WorkerConfig, model_path: str):
+        if cfg.sim_prefill_tps <= 0 or cfg.sim_decode_tps <= 0:
+            raise ConfigError(f"simulated worker {cfg.device!r} needs both rates, e.g. "
+                              "--device sim:gpu0:prefill=2551,decode=293")
+        self.cfg = cfg
+        self.tokenizer = Tokenizer.from_gguf(model_path)
+        self.placeholder = self.tokenizer.encode(PLACEHOLDER_TEXT, add_special=False)[0]
+        self.model_context = 32768
+        self.bytes_per_slot = 1024          # accounting only: no KV memory is allocated
+        self.rng = random.Random(0)
+        self.info = {"model": cfg.model, "arch": "simulated", "dtype": "simulated",
+                     "weights": "simulated", "simulated": True,
+                     "sim_prefill_tps": cfg.sim_prefill_tps, "sim_decode_tps": cfg.sim_decode_tps}
+
+    def allocate_kv(self, num_slots: int) -> None:
+        pass
+
+    def start_sequence(self, seq) -> None:
+        seq.detok = _PlaceholderText()
+
+    def end_sequence(self, seq) -> None:
+        pass
+
+    def execute(self, plan: StepPlan, blocks) -> tuple[dict, dict]:
+        decode = plan.num_decode
+        prefill = plan.num_tokens - decode
+        seconds = prefill / self.cfg.sim_prefill_tps + decode / self.cfg.sim_decode_tps
+        if self.cfg.sim_jitter:
+            seconds *= 1 + self.rng.uniform(-self.cfg.sim_jitter, self.cfg.sim_jitter)
+        time.sleep(max(0.0, seconds))
+        sampled = {i.seq.id: (self.placeholder, None, ()) for i in plan.items if i.samples}
+        return sampled, {}
+
+    def set_tracing(self, enabled: bool) -> None:
+        pass
+
+    def drain_trace(self) -> list:
+        return []
+
+
+class _PlaceholderText:
+    """Stands in for the detokenizer: every simulated token reads as PLACEHOLDER_TEXT."""
+
+    def push(self, token_id: int) -> str:
+        return PLACEHOLDER_TEXT
+
+    def flush(self) -> str:
+        return ""

@@ -1,0 +1,75 @@
+"""Immutable pictures of the engine for dashboards and JSON output.
+
+The UI reads these a few times a second; it never reaches into engine internals and never
+holds an engine lock while it renders.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.router import RouteDecision
+
+
+@dataclass(frozen=True)
+class RequestView:
+    id: str
+    worker: int | None
+    state: str               # queued | prefill | decode | finished | error | aborted
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    max_tokens: int
+    queue_time: float | None
+    ttft: float | None
+    itl_mean: float | None
+    e2e: float | None        # so far, while running
+    text_tail: str
+    error: str | None
+    burst: str | None
+    age: float               # seconds since submission
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    index: int
+    name: str
+    device: str
+    model: str
+    dtype: str
+    weights: str
+    simulated: bool
+    state: str               # starting | loading | ready | dead | stopped
+    message: str
+    running: int
+    waiting: int
+    prefill_tps: float
+    decode_tps: float
+    prefill_history: tuple[float, ...]
+    decode_history: tuple[float, ...]
+    pages_total: int
+    pages_used: int
+    page_states: bytes
+    page_size: int
+    policy: str
+    steps: int
+    profile_prefill_tps: float
+    profile_decode_tps: float
+    max_active: int
+
+
+@dataclass(frozen=True)
+class LogLine:
+    time: float
+    level: str               # info | warning | error
+    text: str
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    time: float
+    workers: tuple[WorkerView, ...]
+    requests: tuple[RequestView, ...]
+    routing: tuple[RouteDecision, ...]
+    router_policy: str
+    log: tuple[LogLine, ...]
+    tracing: bool
