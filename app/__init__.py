@@ -1,0 +1,1 @@
+"""tokentop: the Textual dashboard and the command line."""
