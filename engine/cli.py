@@ -1,0 +1,209 @@
+"""Command line for the engine: `tokentop generate`, `tokentop bench ...`, `tokentop models`.
+
+The dashboard (`tokentop` with no subcommand) lives in app/cli.py and reuses the engine
+flags defined here. Every user error is one line on stderr and exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import replace
+
+from engine.config import EngineConfig, SamplingParams, WorkerConfig
+from engine.errors import TokentopError
+
+EXIT_USAGE = 2
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a bad flag is a single line (and exit code 2), not a usage dump."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(EXIT_USAGE, f"tokentop: error: {message} (see `{self.prog} --help`)\n")
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default="qwen2.5-coder-0.5b",
+                   help="catalog name (see `tokentop models`), a .gguf path, or owner/repo/file.gguf")
+    g.add_argument("--device", action="append", default=None, metavar="DEV",
+                   help="repeatable: cpu, cuda, cuda:N, sim:NAME[:prefill=R,decode=R] (default: cpu)")
+    g.add_argument("--threads", type=int, default=0, help="CPU threads per worker (0 = all)")
+    g.add_argument("--max-active", type=int, default=8, help="max running requests per worker")
+    g.add_argument("--max-batched-tokens", type=int, default=512, help="token budget per step")
+    g.add_argument("--max-context", type=int, default=4096, help="max prompt + output tokens per request")
+    g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    g.add_argument("--kv-cache-memory", default="256MiB", help="KV memory per worker, e.g. 256MiB")
+    g.add_argument("--kv-cache", choices=["paged", "contiguous"], default="paged")
+    g.add_argument("--policy", choices=["fcfs", "spf"], default="fcfs", help="scheduler policy")
+    g.add_argument("--router-policy", choices=["round-robin", "least-loaded", "cost"], default="cost")
+    g.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant greedy output (fixed kernels and prefill chunks)")
+    g.add_argument("--activation-dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto")
+    g.add_argument("--weights", choices=["faithful", "fast"], default="faithful",
+                   help="faithful keeps every GGUF type's precision; fast requantizes to int4 (lossy)")
+    g.add_argument("--worker-mode", choices=["process", "thread"], default=None,
+                   help="run each worker in its own process (default for several workers) or a thread")
+    g.add_argument("--trace-dir", default=None, help="write a Perfetto (Chrome JSON) trace here")
+    g.add_argument("--routing-log", default=None, help="append every routing decision as JSON lines")
+
+
+def engine_config_from(args: argparse.Namespace, default_mode: str = "process") -> EngineConfig:
+    from engine.devices import parse_devices, parse_size
+
+    base = WorkerConfig(
+        model=args.model, threads=args.threads, max_active=args.max_active,
+        max_batched_tokens=args.max_batched_tokens, max_context=args.max_context,
+        page_size=args.page_size, kv_cache_memory=parse_size(args.kv_cache_memory),
+        kv_cache=args.kv_cache, policy=args.policy, deterministic=args.deterministic,
+        activation_dtype=args.activation_dtype, weights=args.weights)
+    workers = parse_devices(args.device or ["cpu"], base)
+    return EngineConfig(workers=workers, router_policy=args.router_policy, trace_dir=args.trace_dir,
+                        routing_log=args.routing_log, worker_mode=args.worker_mode or default_mode)
+
+
+def build_parser() -> OneLineParser:
+    p = OneLineParser(prog="tokentop", description="htop for an LLM inference engine")
+    sub = p.add_subparsers(dest="command", parser_class=OneLineParser)
+
+    g = sub.add_parser("generate", help="generate text from a prompt (streams to stdout)")
+    g.add_argument("prompt", nargs="?", help="the prompt text")
+    g.add_argument("--prompt-file", help="read the prompt from this file ('-' = stdin)")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message (chat template)")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    add_engine_flags(g)
+
+    b = sub.add_parser("bench", help="benchmarks (JSON out)")
+    b.add_argument("scenario", choices=["single", "batching", "routing", "dashboard", "trace"])
+    b.add_argument("--models", default="qwen2.5-coder-0.5b", help="comma-separated (bench single)")
+    b.add_argument("--runs", type=int, default=3)
+    b.add_argument("--quick", action="store_true", help="fewer/shorter runs (smoke test)")
+    b.add_argument("--out", default=None, help="also write the JSON report here")
+    add_engine_flags(b)
+
+    m = sub.add_parser("models", help="list bundled models and whether they are installed")
+    m.add_argument("--json", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            return cmd_generate(args)
+        if args.command == "bench":
+            from engine.bench import run_bench
+            return run_bench(args)
+        if args.command == "models":
+            return cmd_models(args)
+        build_parser().print_help()
+        return EXIT_USAGE
+    except TokentopError as exc:
+        print(f"tokentop: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+def read_prompt(args) -> str:
+    if args.prompt is not None and args.prompt_file:
+        raise TokentopError("give the prompt as an argument or --prompt-file, not both")
+    if args.prompt_file:
+        try:
+            if args.prompt_file == "-":
+                return sys.stdin.read()
+            with open(args.prompt_file, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise TokentopError(f"cannot read --prompt-file {args.prompt_file}: {exc}") from None
+    if args.prompt is None:
+        raise TokentopError('no prompt: write tokentop generate "your prompt" or use --prompt-file')
+    return args.prompt
+
+
+def cmd_generate(args) -> int:
+    from engine.engine import Engine
+    from engine.models.catalog import tty_progress
+
+    prompt = read_prompt(args)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
+        stop=tuple(args.stop), ignore_eos=args.ignore_eos).validate()
+    if not prompt.strip():
+        raise TokentopError("the prompt is empty; type some text")
+    config = engine_config_from(args, default_mode="thread")
+    if len(config.workers) > 1:
+        config = replace(config, worker_mode=args.worker_mode or "process")
+    bars = {}
+
+    def progress(name, done, total):
+        bars.setdefault(name, tty_progress(f"assembling {name}"))(done, total)
+
+    engine = Engine(config, progress=progress)
+    try:
+        engine.start()
+        kw = {"messages": [{"role": "user", "content": prompt}]} if args.chat else {"prompt": prompt}
+        handle = engine.submit(params=params, **kw)
+        if not args.json:
+            for delta in handle:
+                sys.stdout.write(delta.text)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+        result = handle.result()
+        if result.finish_reason == "error":
+            raise TokentopError(result.error or "generation failed")
+        if args.json:
+            print(json.dumps(result_json(engine, result, args.model), ensure_ascii=False))
+        if args.trace_dir:
+            path = engine.export_trace(args.trace_dir)
+            print(f"trace written to {path}", file=sys.stderr)
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def result_json(engine, result, model: str) -> dict:
+    m = result.metrics
+    prefill_time = m.ttft if m and m.ttft else None
+    decode_time = (m.e2e - m.ttft) if m and m.ttft is not None else None
+    n_out = len(result.token_ids)
+    return {
+        "model": model,
+        "prompt_token_ids": result.prompt_token_ids,
+        "token_ids": result.token_ids,
+        "text": result.text,
+        "finish_reason": result.finish_reason,
+        "prefill_tokens_per_s": (m.prompt_tokens - m.cached_tokens) / prefill_time if prefill_time else None,
+        "decode_tokens_per_s": (n_out - 1) / decode_time if decode_time and n_out > 1 else None,
+        "metrics": m.__dict__ if m else None,
+        "worker": result.worker,
+    }
+
+
+def cmd_models(args) -> int:
+    from engine.models.catalog import list_models
+
+    models = list_models()
+    if args.json:
+        print(json.dumps(models, indent=2))
+        return 0
+    for m in models:
+        flag = "assembled" if m.get("assembled") else "installed" if m.get("installed") else "not installed"
+        print(f"{m['name']:22} {m.get('arch', ''):8} {m.get('size', 0) / 1e6:8.0f} MB  {flag}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
