@@ -1,0 +1,160 @@
+"""Benchmark scenarios. Every figure here is measured by running the engine; nothing is assumed.
+
+single    prefill tok/s (500-token prompt) and one-stream decode tok/s (128 tokens), peak RSS,
+          per model, as ratios to llama.cpp's figures measured on this machine (models.md)
+batching  N concurrent requests vs the same requests one after another; paged vs contiguous
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from dataclasses import replace
+
+from engine.bench import median, peak_rss_mb
+from engine.config import EngineConfig, SamplingParams, WorkerConfig
+
+# llama.cpp 0.3.36 (-march=native, n_threads=2) on this machine, from models.md: prefill, decode tok/s
+LLAMA_CPP = {"qwen2.5-coder-0.5b": (190.0, 37.0), "qwen2.5-coder-1.5b": (88.0, 23.0),
+             "gemma-3-270m": (630.0, 60.0)}
+GOALS = {"qwen2.5-coder-0.5b": (1.5, 1.2), "qwen2.5-coder-1.5b": (1.3, 1.0)}
+
+FILLER = ("The scheduler admits requests in arrival order, charges each step against a token "
+          "budget, and preempts the youngest sequence when the page pool runs dry. ")
+
+
+def base_worker(args, **over) -> WorkerConfig:
+    from engine.devices import parse_size
+    w = WorkerConfig(model=getattr(args, "model", WorkerConfig.model), threads=args.threads or 2,
+                     max_active=args.max_active, max_batched_tokens=args.max_batched_tokens,
+                     page_size=args.page_size, kv_cache_memory=parse_size(args.kv_cache_memory),
+                     kv_cache=args.kv_cache, deterministic=args.deterministic,
+                     activation_dtype=args.activation_dtype, weights=args.weights)
+    return replace(w, **over)
+
+
+def start_engine(workers, mode="thread", trace_dir=None):
+    from engine.engine import Engine
+    return Engine(EngineConfig(workers=tuple(workers), worker_mode=mode, trace_dir=trace_dir)).start()
+
+
+def prompt_of(engine, n_tokens: int, salt: str = "") -> list[int]:
+    ids = engine.tokenizer.encode(salt + FILLER * (n_tokens // 20 + 2), add_special=False)
+    return ids[:n_tokens]
+
+
+# --- single ------------------------------------------------------------------------------
+def _single_child(worker: WorkerConfig, runs: int, prompt_len: int, out_tokens: int, q) -> None:
+    try:
+        import torch
+        torch.set_num_threads(worker.threads)
+        engine = start_engine([worker])
+        try:
+            greedy = SamplingParams(max_tokens=8, ignore_eos=True)
+            engine.generate(prompt_ids=prompt_of(engine, 64, "warm up "), params=greedy)
+            prefill, decode = [], []
+            for r in range(runs):
+                res = engine.generate(prompt_ids=prompt_of(engine, prompt_len, f"run {r}: "),
+                                      params=SamplingParams(max_tokens=1))
+                prefill.append(prompt_len / res.metrics.ttft)
+                res = engine.generate(prompt_ids=prompt_of(engine, 16, f"decode {r}: "),
+                                      params=SamplingParams(max_tokens=out_tokens, ignore_eos=True))
+                m = res.metrics
+                decode.append((m.output_tokens - 1) / (m.e2e - m.ttft))
+            q.put({"prefill_tok_s": prefill, "decode_tok_s": decode, "peak_rss_mb": peak_rss_mb()})
+        finally:
+            engine.shutdown()
+    except Exception as exc:  # report, don't hang the parent
+        q.put({"error": f"{type(exc).__name__}: {exc}"})
+
+
+def bench_single(args) -> dict:
+    runs = 1 if args.quick else args.runs
+    out_tokens = 32 if args.quick else 128
+    rows = []
+    for model in [m.strip() for m in args.models.split(",") if m.strip()]:
+        worker = base_worker(args, model=model)
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        p = ctx.Process(target=_single_child, args=(worker, runs, 500, out_tokens, q))
+        p.start()
+        res = q.get()
+        p.join()
+        row = {"model": model, "threads": worker.threads, "weights": worker.weights,
+               "activation_dtype": worker.activation_dtype, **res}
+        if "error" not in res:
+            row["prefill_tok_s_median"] = median(res["prefill_tok_s"])
+            row["decode_tok_s_median"] = median(res["decode_tok_s"])
+            if model in LLAMA_CPP:
+                lp, ld = LLAMA_CPP[model]
+                row["llama_cpp"] = {"prefill_tok_s": lp, "decode_tok_s": ld, "source": "models.md"}
+                row["prefill_ratio"] = round(row["prefill_tok_s_median"] / lp, 3)
+                row["decode_ratio"] = round(row["decode_tok_s_median"] / ld, 3)
+                if model in GOALS:
+                    gp, gd = GOALS[model]
+                    row["goals"] = {"prefill_ratio": gp, "decode_ratio": gd,
+                                    "prefill_met": row["prefill_ratio"] >= gp,
+                                    "decode_met": row["decode_ratio"] >= gd}
+        rows.append(row)
+    return {"prompt_tokens": 500, "output_tokens": out_tokens, "runs": runs, "results": rows}
+
+
+# --- batching ----------------------------------------------------------------------------
+def _burst(engine, n: int, out_tokens: int, concurrent: bool, salt: str) -> float:
+    """Wall seconds to finish n requests, all at once or one after another."""
+    params = SamplingParams(max_tokens=out_tokens, ignore_eos=True)
+    prompts = [prompt_of(engine, 24, f"{salt} request {i}: ") for i in range(n)]
+    t0 = time.perf_counter()
+    if concurrent:
+        handles = [engine.submit(prompt_ids=p, params=params) for p in prompts]
+        results = [h.result() for h in handles]
+    else:
+        results = [engine.generate(prompt_ids=p, params=params) for p in prompts]
+    wall = time.perf_counter() - t0
+    assert all(r.finish_reason == "length" for r in results), [r.error for r in results]
+    return wall
+
+
+def bench_batching(args) -> dict:
+    runs = 1 if args.quick else args.runs
+    out_tokens = 32 if args.quick else 128
+    ns = [1, 2, 4, 8] if args.quick else [1, 2, 3, 4, 5, 8]
+    paged = start_engine([base_worker(args, max_active=8, kv_cache="paged")])
+    try:
+        _burst(paged, 2, 8, True, "warm")
+        table = []
+        for n in ns:
+            batched, sequential = [], []
+            for r in range(runs):   # interleave the two variants
+                batched.append(n * out_tokens / _burst(paged, n, out_tokens, True, f"b{r}"))
+                sequential.append(n * out_tokens / _burst(paged, n, out_tokens, False, f"s{r}"))
+            b, s = median(batched), median(sequential)
+            table.append({"n": n, "batched_tok_s": b, "sequential_tok_s": s, "ratio": round(b / s, 3),
+                          "batched_runs": batched, "sequential_runs": sequential})
+        one = next(t for t in table if t["n"] == 1)["batched_tok_s"]
+        eight = next(t for t in table if t["n"] == 8)["batched_tok_s"]
+    finally:
+        paged.shutdown()
+
+    contiguous = start_engine([base_worker(args, max_active=8, kv_cache="contiguous")])
+    paged = start_engine([base_worker(args, max_active=8, kv_cache="paged")])
+    try:
+        _burst(contiguous, 2, 8, True, "warm")
+        _burst(paged, 2, 8, True, "warm")
+        kv = []
+        for n in (1, 8):
+            res = {"paged": [], "contiguous": []}
+            for r in range(runs):
+                for name, eng in (("paged", paged), ("contiguous", contiguous)):
+                    res[name].append(n * out_tokens / _burst(eng, n, out_tokens, True, f"{name}{r}"))
+            p, c = median(res["paged"]), median(res["contiguous"])
+            kv.append({"n": n, "paged_tok_s": p, "contiguous_tok_s": c, "paged_over_contiguous": round(p / c, 3)})
+    finally:
+        paged.shutdown()
+        contiguous.shutdown()
+    return {
+        "output_tokens": out_tokens, "runs": runs, "model": args.model, "batching": table,
+        "aggregate_n8_over_n1": round(eight / one, 3), "paged_vs_contiguous": kv,
+        "goals": {"batched_ge_sequential_all_n": all(t["ratio"] >= 1.0 for t in table),
+                  "n8_at_least_3x_one_stream": eight / one >= 3.0,
+                  "paged_ge_95pct_contiguous": all(k["paged_over_contiguous"] >= 0.95 for k in kv)},
+    }
