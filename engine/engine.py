@@ -176,10 +176,9 @@ class Engine:
     def start(self, wait: bool = True, timeout: float = 600.0) -> "Engine":
         from engine.models.catalog import resolve_model
         from engine.models.tokenizer import Tokenizer
-        from engine.trace import get_tracer
+        from engine.trace import Tracer
 
-        self._tracer = get_tracer()
-        self._tracer.enabled = self.tracing
+        self._tracer = Tracer("engine", enabled=self.tracing)
         paths = {}
         for cfg in self.config.workers:
             if cfg.model not in paths:
@@ -550,7 +549,7 @@ class Engine:
     def set_tracing(self, enabled: bool) -> None:
         self.tracing = enabled
         if self._tracer is not None:
-            self._tracer.enabled = enabled
+            self._tracer.set_enabled(enabled)
         for w in self._workers:
             if w.state == "ready":
                 w.commands.put(msg.SetTracing(enabled))
@@ -564,8 +563,11 @@ class Engine:
             marks.append(("prefill", t0 + m.queue_time))
         if m.ttft is not None:
             marks.append(("decode", t0 + m.ttft))
-        marks.append(("finished", t0 + m.e2e))
-        self._tracer.request_lifecycle(rec.id, marks, worker=rec.worker)
+        end = {"abort": "aborted", "error": "failed"}.get(rec.finish_reason or "", "finished")
+        marks.append((end, t0 + m.e2e))
+        # time.monotonic and the tracer's perf_counter_ns are both CLOCK_MONOTONIC on Linux
+        for phase, t in marks:
+            self._tracer.request_phase(rec.id, phase, ts_ns=int(t * 1e9), worker=rec.worker)
 
     def export_trace(self, path: str | Path | None = None, timeout: float = 5.0) -> Path:
         """Collect every worker's trace events plus the facade's and write one Chrome JSON file."""
@@ -592,9 +594,10 @@ def _alive(proc) -> bool:
 
 
 def _worker_entry(index, cfg, model_path, commands, events, tracing) -> None:
-    from engine.trace import get_tracer, set_process_label
+    from engine.trace import Tracer, set_tracer
     from engine.worker import worker_main
 
-    set_process_label(f"worker {index} ({cfg.device})", index + 1)
-    get_tracer().enabled = tracing
+    tracer = Tracer(f"worker {index} ({cfg.device})", enabled=tracing)
+    set_tracer(tracer)
+    tracer.set_thread_name("worker loop")
     worker_main(index, cfg, model_path, commands, events)

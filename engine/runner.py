@@ -64,8 +64,10 @@ class ModelRunner:
         if not sample_ids:
             return {}, {}
         from engine.sampling import sample
+        from engine.trace import get_tracer
 
-        result = sample(logits, samplers)
+        with get_tracer().scope("sampler", rows=len(samplers)):
+            result = sample(logits, samplers)
         sampled, errors = {}, {}
         for row, seq_id in enumerate(sample_ids):
             if row in result.errors:
@@ -105,7 +107,7 @@ class ModelRunner:
 
     def set_tracing(self, enabled: bool) -> None:
         from engine.trace import get_tracer
-        get_tracer().enabled = enabled
+        get_tracer().set_enabled(enabled)
 
     def drain_trace(self) -> list:
         from engine.trace import get_tracer

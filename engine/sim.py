@@ -56,10 +56,12 @@ class SimRunner:
         return sampled, {}
 
     def set_tracing(self, enabled: bool) -> None:
-        pass
+        from engine.trace import get_tracer
+        get_tracer().set_enabled(enabled)
 
     def drain_trace(self) -> list:
-        return []
+        from engine.trace import get_tracer
+        return get_tracer().drain()
 
 
 class _PlaceholderText:

@@ -247,6 +247,11 @@ class Tracer:
         self._open_requests: dict[str, tuple[str, int, int, dict[str, Any]]] = {}
         self._request_tracks = 0
 
+    def set_enabled(self, enabled: bool) -> None:
+        """Turn Chrome-event recording on or off at run time (NVTX stays as configured)."""
+        self.enabled = enabled
+        self.active = enabled or self._nvtx is not None
+
     # -- recording -------------------------------------------------------------------------
 
     def scope(self, name: str, **args: Any) -> _Scope | _NoopScope:

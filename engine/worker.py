@@ -16,6 +16,7 @@ from engine.errors import TokentopError
 from engine.kv.pages import BlockManager, PagePool
 from engine.scheduler import Scheduler, StepPlan
 from engine.sequence import Sequence, SeqState
+from engine.trace import get_tracer
 
 STATS_INTERVAL = 0.2     # seconds between WorkerStats events (5 Hz)
 RATE_WINDOW = 2.0        # seconds of history behind the prefill / decode tok/s shown
@@ -124,7 +125,18 @@ class Worker:
 
     # --- one step ---------------------------------------------------------------------
     def step(self) -> None:
-        plan = self.scheduler.schedule()
+        tracer = get_tracer()
+        with tracer.scope("engine step", step=self.steps):
+            self._step(tracer)
+        if tracer.enabled:
+            tracer.counter("kv pages", used=self.pool.num_used, free=self.pool.num_free)
+            tracer.counter("requests", running=len(self.scheduler.running),
+                           waiting=len(self.scheduler.waiting))
+            tracer.counter("tokens in step", tokens=self.last_step_tokens)
+
+    def _step(self, tracer) -> None:
+        with tracer.scope("scheduler decision"):
+            plan = self.scheduler.schedule()
         if not plan.items:
             self._fail_unschedulable()
             return
