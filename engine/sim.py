@@ -13,8 +13,12 @@ from __future__ import annotations
 import random
 import time
 
+import torch
+
 from engine.config import WorkerConfig
 from engine.errors import ConfigError
+from engine.models.batch import KVStore
+from engine.models.gguf import load_gguf
 from engine.models.tokenizer import Tokenizer
 from engine.scheduler import StepPlan
 
@@ -27,10 +31,13 @@ class SimRunner:
             raise ConfigError(f"simulated worker {cfg.device!r} needs both rates, e.g. "
                               "--device sim:gpu0:prefill=2551,decode=293")
         self.cfg = cfg
-        self.tokenizer = Tokenizer.from_gguf(model_path)
+        gf = load_gguf(model_path)          # metadata only (mmap): tokenizer and KV geometry
+        self.tokenizer = Tokenizer.from_metadata(gf.metadata)
         self.placeholder = self.tokenizer.encode(PLACEHOLDER_TEXT, add_special=False)[0]
-        self.model_context = 32768
-        self.bytes_per_slot = 1024          # accounting only: no KV memory is allocated
+        self.model_context = gf.config.context_length
+        # page accounting as the real model would need (fp32 K and V); nothing is allocated
+        self.bytes_per_slot = KVStore.bytes_per_slot(gf.config.n_layers, gf.config.n_kv_heads,
+                                                     gf.config.head_dim, torch.float32)
         self.rng = random.Random(0)
         self.info = {"model": cfg.model, "arch": "simulated", "dtype": "simulated",
                      "weights": "simulated", "simulated": True,
