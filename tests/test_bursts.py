@@ -1,0 +1,119 @@
+"""Burst files: every shipped file loads; every kind of mistake names its file and line."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engine.bursts import BurstFileError, default_prompts_dir, list_burst_files, load_burst
+from engine.config import SamplingParams
+from engine.errors import InvalidRequest
+
+SHIPPED = ("code_refactor.jsonl", "creative_scene.jsonl", "identical.jsonl", "mixed.jsonl",
+           "shared_document.jsonl")
+
+
+def _write(tmp_path: Path, *lines: str, name: str = "b.jsonl") -> Path:
+    path = tmp_path / name
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def test_every_shipped_file_loads():
+    directory = default_prompts_dir()
+    files = list_burst_files(directory)
+    assert [f.name for f in files] == list(SHIPPED)
+    for f in files:
+        items = load_burst(f)
+        assert items, f
+        for item in items:
+            assert (item.prompt is None) != (item.messages is None)
+            assert item.params == item.params.validate()
+
+
+def test_shipped_files_fit_their_experiments():
+    directory = default_prompts_dir()
+    identical = load_burst(directory / "identical.jsonl")
+    assert len(identical) == 4 and len({i.prompt for i in identical}) == 1
+    assert all(i.params.greedy for i in identical)
+
+    shared = load_burst(directory / "shared_document.jsonl")
+    assert len(shared) == 8
+    prefix = shared[0].prompt[: shared[0].prompt.index("Q: ")]
+    assert len(prefix) > 2000   # ~512 tokens of text
+    assert all(i.prompt.startswith(prefix) for i in shared)
+    assert len({i.prompt for i in shared}) == 8
+
+    refactor = load_burst(directory / "code_refactor.jsonl")
+    assert len(refactor) >= 3
+    assert len({json.dumps(i.messages[:1]) for i in refactor}) == 1   # one shared system message
+
+
+def test_fields_become_sampling_params_and_ids_default_to_line(tmp_path):
+    path = _write(
+        tmp_path,
+        '{"prompt": "Hi", "max_tokens": 8, "temperature": 0.5, "top_k": 40, "stop": "\\n", "seed": 3}',
+        "",
+        '{"id": "chat", "messages": [{"role": "user", "content": "Hello"}], "stop": ["a", "b"], "ignore_eos": true}',
+        name="demo.jsonl",
+    )
+    first, second = load_burst(path)
+    assert first.id == "demo-1" and first.prompt == "Hi" and first.messages is None
+    assert first.params == SamplingParams(max_tokens=8, temperature=0.5, top_k=40, stop=("\n",), seed=3)
+    assert first.source == f"{path}:1"
+    assert second.id == "chat" and second.messages == [{"role": "user", "content": "Hello"}]
+    assert second.params.stop == ("a", "b") and second.params.ignore_eos is True
+    assert second.source == f"{path}:3"
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"prompt": "x", ', "not valid JSON"),
+    ('["prompt"]', "expected a JSON object, got list"),
+    ('{"max_tokens": 4}', "found neither"),
+    ('{"prompt": "x", "messages": [{"role": "user", "content": "y"}]}', "found both"),
+    ('{"prompt": ""}', '"prompt" must be a non-empty string'),
+    ('{"prompt": 12}', '"prompt" must be a non-empty string'),
+    ('{"messages": []}', '"messages" must be a non-empty list'),
+    ('{"messages": [{"role": "user"}]}', 'messages[0] must be an object with exactly "role" and "content"'),
+    ('{"messages": [{"role": "robot", "content": "x"}]}', "messages[0].role must be one of"),
+    ('{"messages": [{"role": "user", "content": 5}]}', "messages[0].content must be a string"),
+    ('{"prompt": "x", "id": 7}', '"id" must be a non-empty string'),
+    ('{"prompt": "x", "max_tokens": "many"}', '"max_tokens" must be an integer, got "many"'),
+    ('{"prompt": "x", "max_tokens": 12.5}', '"max_tokens" must be an integer'),
+    ('{"prompt": "x", "max_tokens": true}', '"max_tokens" must be an integer, got true'),
+    ('{"prompt": "x", "temperature": "hot"}', '"temperature" must be a number'),
+    ('{"prompt": "x", "stop": [1]}', '"stop" must be a string or a list of strings'),
+    ('{"prompt": "x", "ignore_eos": 1}', '"ignore_eos" must be true or false'),
+    ('{"prompt": "x", "max_token": 5}', "unknown field max_token; accepted: id, prompt, messages"),
+    ('{"prompt": "x", "temperature": -1}', "temperature must be >= 0"),
+    ('{"prompt": "x", "max_tokens": 0}', "max_tokens must be a positive integer"),
+])
+def test_bad_line_names_file_and_line(tmp_path, line, message):
+    path = _write(tmp_path, '{"prompt": "fine"}', line)
+    with pytest.raises(BurstFileError) as err:
+        load_burst(path)
+    assert str(err.value).startswith(f"{path}:2: ")
+    assert message in str(err.value)
+    assert isinstance(err.value, InvalidRequest)
+
+
+def test_duplicate_ids_empty_missing_and_undecodable_files(tmp_path):
+    dup = _write(tmp_path, '{"id": "a", "prompt": "x"}', '{"id": "a", "prompt": "y"}', name="dup.jsonl")
+    with pytest.raises(BurstFileError, match=r"dup.jsonl:2: id 'a' is already used on .*dup.jsonl:1"):
+        load_burst(dup)
+    with pytest.raises(BurstFileError, match="has no requests"):
+        load_burst(_write(tmp_path, "", "   ", name="empty.jsonl"))
+    with pytest.raises(BurstFileError, match="Burst file not found: .*nope.jsonl"):
+        load_burst(tmp_path / "nope.jsonl")
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes('{"prompt": "café"}\n'.encode("latin-1"))
+    with pytest.raises(BurstFileError, match="Cannot read burst file .*latin1.jsonl"):
+        load_burst(latin1)
+
+
+def test_list_burst_files_sorted_jsonl_only(tmp_path):
+    for name in ("b.jsonl", "a.jsonl", "notes.md", "c.json"):
+        (tmp_path / name).write_text("{}")
+    (tmp_path / "dir.jsonl").mkdir()
+    assert [p.name for p in list_burst_files(tmp_path)] == ["a.jsonl", "b.jsonl"]
