@@ -385,9 +385,10 @@ def _probe(url: str) -> str | None:
 
 
 def _unreachable(ref: str, why: str) -> str:
+    cache = _hf_cache_dir()
     return (
         f"Cannot reach the Hugging Face Hub for {ref} (offline: {why}) and the file is not in "
-        f"the local Hugging Face cache{f' ({_hf_cache_dir()})' if _hf_cache_dir() else ''}. "
+        f"the local Hugging Face cache{f' ({cache})' if cache else ''}. "
         "Download the file elsewhere and pass its path, or use a bundled model: "
         f"{', '.join(CATALOG)}."
     )
