@@ -1,0 +1,396 @@
+"""GGUF tokenizer metadata → a `tokenizers.Tokenizer`, chat templates, and streaming detokenization.
+
+A GGUF file carries no tokenizer.json, only llama.cpp's `tokenizer.*` keys. Two families matter here:
+
+- `gpt2`: byte-level BPE (Qwen2, Llama 3). The merges are in the file; the split regex is named by
+  `tokenizer.ggml.pre`.
+- `llama`: SentencePiece BPE with byte fallback (Gemma 3). Files often list no merges, so they are
+  rebuilt from the vocabulary, best piece first.
+
+Control tokens (type 3) become special tokens and user-defined ones (type 4) plain added tokens, so
+both are matched whole in the text and never cut by the BPE.
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import tokenizers
+from jinja2.exceptions import SecurityError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
+from tokenizers.models import BPE
+
+from engine.errors import InvalidRequest, ModelError
+
+# llama.cpp's token types (tokenizer.ggml.token_type).
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+SPIECE_SPACE = "\u2581"  # "▁": how SentencePiece spells a space
+
+# Split regexes, as the models' own tokenizer.json files spell them.
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+BPE_SPLITS = {
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "llama3": _LLAMA3_SPLIT,
+    "gpt2": _GPT2_SPLIT,
+}
+
+# Tokens that end a generation when the model emits them, besides tokenizer.ggml.eos_token_id.
+_EOG_NAMES = ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<eos>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>")
+_EOG_ID_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+class Tokenizer:
+    """Encode, decode and render chats for one model, built from its GGUF metadata."""
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        model_name: str,
+        tokens: list[str],
+        token_types: list[int],
+        bos_id: int | None,
+        eos_id: int | None,
+        add_bos: bool,
+        add_eos: bool,
+        eog_ids: frozenset[int],
+        chat_template: str | None,
+    ) -> None:
+        self.backend = backend
+        self.model_name = model_name
+        self._tokens = tokens
+        self._types = token_types
+        self.bos_id = bos_id
+        self.eos_id = eos_id
+        self.add_bos = add_bos
+        self.add_eos = add_eos
+        self.eog_ids = eog_ids
+        self.chat_template = chat_template
+        self._compiled_template: jinja2.Template | None = None
+
+    # ---- construction -------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> Tokenizer:
+        return cls.from_metadata(_read_metadata(path))
+
+    @classmethod
+    def from_metadata(cls, md: dict[str, Any]) -> Tokenizer:
+        """Build from decoded GGUF metadata (key → str / int / bool / float / list)."""
+        name = str(md.get("general.name") or md.get("general.architecture") or "this model")
+        kind = md.get("tokenizer.ggml.model")
+        tokens = md.get("tokenizer.ggml.tokens")
+        if not tokens:
+            raise ModelError(f"{name}: the file has no tokenizer.ggml.tokens; it cannot be tokenized. "
+                             "Re-convert it with a recent llama.cpp convert_hf_to_gguf.py.")
+        tokens = list(tokens)
+        types = list(md.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
+        if kind == "gpt2":
+            backend = _byte_level_bpe(md, tokens, name)
+            default_add_bos = False
+        elif kind == "llama":
+            backend = _sentencepiece_bpe(md, tokens)
+            default_add_bos = True  # llama.cpp's default for SentencePiece vocabularies
+        else:
+            raise ModelError(f"{name}: tokenizer type {kind!r} is not supported (only 'gpt2' byte-level BPE "
+                             "and 'llama' SentencePiece BPE are). Use a Qwen2, Llama 3 or Gemma 3 GGUF.")
+        _add_special_tokens(backend, tokens, types)
+
+        bos_id = md.get("tokenizer.ggml.bos_token_id")
+        eos_id = md.get("tokenizer.ggml.eos_token_id")
+        by_name = {tok: i for i, tok in enumerate(tokens) if types[i] in (CONTROL, USER_DEFINED)}
+        eog = {md[k] for k in _EOG_ID_KEYS if md.get(k) is not None}
+        eog |= {by_name[t] for t in _EOG_NAMES if t in by_name}
+        return cls(
+            backend,
+            model_name=name,
+            tokens=tokens,
+            token_types=types,
+            bos_id=bos_id,
+            eos_id=eos_id,
+            add_bos=bool(md.get("tokenizer.ggml.add_bos_token", default_add_bos)) and bos_id is not None,
+            add_eos=bool(md.get("tokenizer.ggml.add_eos_token", False)) and eos_id is not None,
+            eog_ids=frozenset(eog),
+            chat_template=md.get("tokenizer.chat_template") or None,
+        )
+
+    # ---- tokens -------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tokens)
+
+    def encode(self, text: str, *, add_special: bool = True) -> list[int]:
+        """Token ids of `text`. Special tokens written in the text (e.g. <|im_start|>) are matched whole.
+        With add_special, BOS/EOS are added when the model asks for them."""
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if add_special and self.add_bos:
+            ids.insert(0, self.bos_id)
+        if add_special and self.add_eos:
+            ids.append(self.eos_id)
+        return ids
+
+    def decode(self, ids: list[int], skip_special: bool = False) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special)
+
+    def token_str(self, token_id: int) -> str:
+        """The vocabulary entry as the model file spells it ('Ġworld', '▁world', '<0x0A>'); decode([id]) gives text."""
+        return self._tokens[token_id]
+
+    def is_special(self, token_id: int) -> bool:
+        return self._types[token_id] == CONTROL
+
+    def is_byte_fallback(self, token_id: int) -> bool:
+        return self._types[token_id] == BYTE
+
+    # ---- chat ---------------------------------------------------------------------------
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self.chat_template is not None
+
+    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
+        """Render `messages` with the model's own chat template, in a sandbox (the template is untrusted)."""
+        if self.chat_template is None:
+            raise InvalidRequest(f"model {self.model_name} has no chat template; drop --chat or send a plain "
+                                 "prompt (it is a base model: it continues text), or pick an instruct model.")
+        validate_messages(messages)
+        try:
+            if self._compiled_template is None:
+                self._compiled_template = _TemplateSandbox().from_string(self.chat_template)
+            return self._compiled_template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                tools=None,
+                documents=None,
+                bos_token=self._token_or_empty(self.bos_id),
+                eos_token=self._token_or_empty(self.eos_id),
+            )
+        except Exception as e:  # the template is foreign code: any failure in it is a refused request
+            raise InvalidRequest(f"the chat template of model {self.model_name} refused these messages: "
+                                 f"{type(e).__name__}: {e}") from e
+
+    def _token_or_empty(self, token_id: int | None) -> str:
+        return self._tokens[token_id] if token_id is not None else ""
+
+
+def validate_messages(messages: Any) -> None:
+    """Raise InvalidRequest unless `messages` is a non-empty list of {role, content: str} dicts."""
+    if not isinstance(messages, list):
+        raise InvalidRequest(f"messages must be a list of {{'role': ..., 'content': ...}} dicts, "
+                             f"got {type(messages).__name__}.")
+    if not messages:
+        raise InvalidRequest("messages is empty; send at least one {'role': 'user', 'content': ...} message.")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise InvalidRequest(f"messages[{i}] must be a dict with 'role' and 'content', "
+                                 f"got {type(message).__name__}.")
+        role, content = message.get("role"), message.get("content")
+        if role not in CHAT_ROLES:
+            raise InvalidRequest(f"messages[{i}]['role'] is {role!r}; use one of {', '.join(CHAT_ROLES)}.")
+        if not isinstance(content, str):
+            raise InvalidRequest(f"messages[{i}]['content'] must be a string, got {type(content).__name__}.")
+
+
+# ---- building the backend -------------------------------------------------------------------
+
+
+def _byte_level_bpe(md: dict, tokens: list[str], name: str) -> tokenizers.Tokenizer:
+    pre = md.get("tokenizer.ggml.pre", "gpt2")
+    split = BPE_SPLITS.get(pre)
+    if split is None:
+        raise ModelError(f"{name}: pre-tokenizer {pre!r} is not supported (known: {', '.join(BPE_SPLITS)}); "
+                         "its text would be split differently from training. Use a Qwen2 or Llama 3 GGUF.")
+    merges = md.get("tokenizer.ggml.merges")
+    if not merges:
+        raise ModelError(f"{name}: a byte-level BPE file must list tokenizer.ggml.merges; re-convert the model.")
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    backend = tokenizers.Tokenizer(BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges],
+                                       fuse_unk=False, byte_fallback=False))
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(split), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _sentencepiece_bpe(md: dict, tokens: list[str]) -> tokenizers.Tokenizer:
+    """SentencePiece BPE: spaces become ▁, unknown characters fall back to <0xNN> byte tokens."""
+    # Gemma files store pieces made only of spaces with real spaces; the text they match has ▁ instead.
+    tokens = [SPIECE_SPACE * len(t) if t and not t.strip(" ") else t for t in tokens]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    merges = md.get("tokenizer.ggml.merges")
+    if merges:
+        merges = [tuple(m.split(" ", 1)) for m in merges]
+    else:
+        # Gemma's scores do not follow the order its merges were learned in; its vocabulary order does.
+        by_position = str(md.get("general.architecture", "")).startswith("gemma")
+        scores = None if by_position else md.get("tokenizer.ggml.scores")
+        merges = _merges_from_vocab(tokens, vocab, scores)
+    unk_id = md.get("tokenizer.ggml.unknown_token_id")
+    backend = tokenizers.Tokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True,
+                                       unk_token=tokens[unk_id] if unk_id is not None else None))
+    decode_steps = [decoders.Replace(SPIECE_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if md.get("tokenizer.ggml.add_space_prefix", True):
+        # Llama-2 style: "▁" before the text so the first word looks like every other word.
+        backend.normalizer = normalizers.Sequence([normalizers.Prepend(SPIECE_SPACE),
+                                                   normalizers.Replace(" ", SPIECE_SPACE)])
+        decode_steps.append(decoders.Strip(" ", 1, 0))
+    else:
+        backend.normalizer = normalizers.Replace(" ", SPIECE_SPACE)
+    backend.decoder = decoders.Sequence(decode_steps)
+    return backend
+
+
+def _merges_from_vocab(tokens: list[str], vocab: dict[str, int],
+                       scores: list[float] | None) -> list[tuple[str, str]]:
+    """Every split of a piece into two pieces of the vocabulary, best piece first (highest score, or
+    earliest position when there are no usable scores), longer left part first within a piece."""
+    order = range(len(tokens))
+    if scores is not None:
+        order = sorted(order, key=lambda i: -scores[i])  # stable: equal scores keep vocabulary order
+    merges = []
+    seen = set()
+    for i in order:
+        piece = tokens[i]
+        if piece in seen:
+            continue
+        seen.add(piece)
+        for cut in range(len(piece) - 1, 0, -1):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                merges.append((left, right))
+    return merges
+
+
+def _add_special_tokens(backend: tokenizers.Tokenizer, tokens: list[str], types: list[int]) -> None:
+    """Control tokens become special tokens, user-defined ones plain added tokens: both are matched
+    whole in the raw text (before any normalization) instead of being cut into pieces."""
+    special = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == CONTROL]
+    # A SentencePiece run of spaces is a vocabulary piece of ▁ (see _sentencepiece_bpe): the BPE makes it.
+    plain = [AddedToken(t, special=False, normalized=False)
+             for t, k in zip(tokens, types) if k == USER_DEFINED and t.strip(" ")]
+    backend.add_special_tokens(special)
+    backend.add_tokens(plain)
+
+
+def _read_metadata(path: str | Path) -> dict[str, Any]:
+    """Decoded GGUF metadata; prefers the engine's GGUF loader when it is available."""
+    try:
+        from engine.models.gguf import load_gguf
+    except ImportError:
+        load_gguf = None
+    if load_gguf is not None:
+        return load_gguf(path).metadata
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+
+
+# ---- chat template sandbox ------------------------------------------------------------------
+
+MAX_TEMPLATE_REPEAT = 1_000_000  # longest string or list a template may build with * (a memory bomb otherwise)
+
+
+class _TemplateSandbox(ImmutableSandboxedEnvironment):
+    """Jinja2 as Hugging Face renders chat templates (trim_blocks, lstrip_blocks, loop controls,
+    raise_exception / strftime_now / tojson), but an unsafe attribute access fails loudly instead of
+    rendering as an empty string, and `*` / `**` cannot build huge values."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def __init__(self) -> None:
+        super().__init__(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        self.filters["tojson"] = _tojson
+        self.globals["raise_exception"] = _raise_exception
+        self.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+
+    def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
+        raise SecurityError(f"access to attribute {attribute!r} of a {type(obj).__name__!r} object is unsafe")
+
+    def call_binop(self, context: Any, op: str, left: Any, right: Any) -> Any:
+        if op == "**":
+            if isinstance(right, (int, float)) and abs(right) > 100:
+                raise SecurityError(f"exponent {right} is too large for a chat template")
+            return operator.pow(left, right)
+        for seq, count in ((left, right), (right, left)):
+            if isinstance(seq, (str, list, tuple)) and isinstance(count, int):
+                if len(seq) * count > MAX_TEMPLATE_REPEAT:
+                    raise SecurityError(f"a chat template may not build a sequence longer than {MAX_TEMPLATE_REPEAT:,}")
+        return operator.mul(left, right)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # Jinja's own tojson escapes HTML characters, which changes the prompt.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+# ---- streaming detokenization ---------------------------------------------------------------
+
+
+@dataclass
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text pieces that are always whole characters.
+
+    A byte-level token can end in the middle of a UTF-8 character, and a run of <0xNN> byte tokens
+    decodes as a unit; so text is released only once the window's tail decodes cleanly. Only a short
+    window (prefix_offset..) is re-decoded per token, like vLLM's prefix/read offsets. The pieces
+    returned by push() and flush() concatenate to decode(all ids).
+    """
+
+    tokenizer: Tokenizer
+    skip_special: bool = False
+
+    def __post_init__(self) -> None:
+        self.ids: list[int] = []
+        self._prefix_offset = 0  # start of the window re-decoded for context
+        self._read_offset = 0  # end of the text already returned
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        if self.tokenizer.is_byte_fallback(token_id):
+            return ""  # a run of byte tokens decodes together; wait for the run to end
+        prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        new_text = self._decode(self._prefix_offset, len(self.ids))
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""  # nothing new yet, or a character still incomplete
+        self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
+        return new_text[len(prefix_text):]
+
+    def flush(self) -> str:
+        """The text still held back (an incomplete character decodes as U+FFFD, like decode())."""
+        prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        new_text = self._decode(self._prefix_offset, len(self.ids))
+        self._prefix_offset = self._read_offset = len(self.ids)
+        return new_text[len(prefix_text):]
+
+    def _decode(self, start: int, end: int) -> str:
+        return self.tokenizer.decode(self.ids[start:end], skip_special=self.skip_special)
