@@ -4,6 +4,11 @@ The reference is Hugging Face transformers' own GGUF loader (`AutoTokenizer.from
 gguf_file=...)`), an implementation independent of engine/models/tokenizer.py. transformers is NOT a
 dependency of tokentop: run this in a separate venv, and the tests only read the JSON it writes.
 
+Gemma's file has no merges: transformers rebuilds them from the vocabulary order, as tokentop does. As
+a check that does not share that step, the Gemma ids are also computed with SentencePiece's own
+algorithm as llama.cpp runs it (user-defined and control pieces matched whole, then the adjacent pair
+whose merged piece has the best score merged first, byte fallback) and the agreement is recorded.
+
     python -m venv /work/refvenv && /work/refvenv/bin/pip install transformers sentencepiece gguf
     /work/refvenv/bin/python tools/make_tokenizer_reference.py \
         --qwen /tmp/models/qwen0.5.gguf --gemma /tmp/models/gemma3-270m.gguf
@@ -20,6 +25,7 @@ import json
 import shutil
 from pathlib import Path
 
+import gguf
 import tokenizers
 import transformers
 from transformers import AutoTokenizer
@@ -105,6 +111,44 @@ def ensure_gemma(path: Path) -> None:
                 shutil.copyfileobj(f, out, 1 << 20)
 
 
+class ScoreOrderedSentencePiece:
+    """SentencePiece BPE the way llama.cpp's llm_tokenizer_spm runs it; slow (quadratic), for checking only."""
+
+    def __init__(self, path: Path) -> None:
+        fields = gguf.GGUFReader(str(path)).fields
+        self.tokens = fields["tokenizer.ggml.tokens"].contents()
+        self.scores = fields["tokenizer.ggml.scores"].contents()
+        types = fields["tokenizer.ggml.token_type"].contents()
+        self.bos = fields["tokenizer.ggml.bos_token_id"].contents()
+        self.ids = {t: i for i, t in enumerate(self.tokens)}
+        self.whole = sorted((t for t, k in zip(self.tokens, types) if k in (3, 4)), key=len, reverse=True)
+
+    def encode(self, text: str) -> list[int]:
+        ids, start, i = [self.bos], 0, 0
+        while i < len(text):
+            match = next((w for w in self.whole if text.startswith(w, i)), None)
+            if match is None:
+                i += 1
+                continue
+            ids += self._bpe(text[start:i]) + [self.ids[match]]
+            start = i = i + len(match)
+        return ids + self._bpe(text[start:])
+
+    def _bpe(self, text: str) -> list[int]:
+        symbols = list(text.replace(" ", "\u2581"))
+        while True:
+            candidates = [(self.scores[self.ids[a + b]], -j) for j, (a, b) in enumerate(zip(symbols, symbols[1:]))
+                          if a + b in self.ids]
+            if not candidates:
+                break
+            j = -max(candidates)[1]
+            symbols[j:j + 2] = [symbols[j] + symbols[j + 1]]
+        out = []
+        for s in symbols:
+            out += [self.ids[s]] if s in self.ids else [self.ids[f"<0x{b:02X}>"] for b in s.encode("utf-8")]
+        return out
+
+
 def reference_for(path: Path, expected_sha: str) -> dict:
     actual = sha256(path)
     if actual != expected_sha:
@@ -138,13 +182,20 @@ def main() -> None:
     parser.add_argument("--gemma", type=Path, default=Path("/tmp/models/gemma3-270m.gguf"))
     args = parser.parse_args()
     ensure_gemma(args.gemma)
+    gemma = reference_for(args.gemma, GEMMA_SHA256)
+    spm = ScoreOrderedSentencePiece(args.gemma)
+    disagree = [case["text"] for case in gemma["cases"] if spm.encode(case["text"]) != case["ids"]]
+    gemma["crosscheck"] = (f"llama.cpp-style score-ordered SentencePiece agrees on "
+                           f"{len(gemma['cases']) - len(disagree)} of {len(gemma['cases'])} strings")
+    gemma["crosscheck_disagrees_on"] = disagree
+    print(gemma["crosscheck"])
     data = {
         "reference": (f"transformers {transformers.__version__} GGUF loader (AutoTokenizer.from_pretrained(dir, "
                       f"gguf_file=...)), tokenizers {tokenizers.__version__}; ids include the special tokens "
                       "the model adds (add_special_tokens=True)"),
         "models": {
             "qwen2.5-coder-0.5b": reference_for(args.qwen, QWEN_SHA256),
-            "gemma-3-270m": reference_for(args.gemma, GEMMA_SHA256),
+            "gemma-3-270m": gemma,
         },
     }
     OUT.parent.mkdir(parents=True, exist_ok=True)

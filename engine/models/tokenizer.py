@@ -376,8 +376,10 @@ class IncrementalDetokenizer:
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        if self.tokenizer.is_byte_fallback(token_id):
-            return ""  # a run of byte tokens decodes together; wait for the run to end
+        if self.tokenizer.is_byte_fallback(token_id) or (self.skip_special and self.tokenizer.is_special(token_id)):
+            # A run of <0xNN> tokens decodes as one unit (a skipped special token does not end it):
+            # wait for the run to end.
+            return ""
         prefix_text = self._decode(self._prefix_offset, self._read_offset)
         new_text = self._decode(self._prefix_offset, len(self.ids))
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
