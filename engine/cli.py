@@ -46,6 +46,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="faithful keeps every GGUF type's precision; fast requantizes to int4 (lossy)")
     g.add_argument("--worker-mode", choices=["process", "thread"], default=None,
                    help="run each worker in its own process (default for several workers) or a thread")
+    g.add_argument("--recalibrate", action="store_true",
+                   help="measure each worker's prefill/decode speed again (else cached after first use)")
     g.add_argument("--trace-dir", default=None, help="write a Perfetto (Chrome JSON) trace here")
     g.add_argument("--routing-log", default=None, help="append every routing decision as JSON lines")
 
@@ -58,7 +60,9 @@ def engine_config_from(args: argparse.Namespace, default_mode: str = "process") 
         max_batched_tokens=args.max_batched_tokens, max_context=args.max_context,
         page_size=args.page_size, kv_cache_memory=parse_size(args.kv_cache_memory),
         kv_cache=args.kv_cache, policy=args.policy, deterministic=args.deterministic,
-        activation_dtype=args.activation_dtype, weights=args.weights)
+        activation_dtype=args.activation_dtype, weights=args.weights, recalibrate=args.recalibrate,
+        # a speed profile only matters when a router has a choice to make
+        calibrate=len(args.device or ["cpu"]) > 1 or args.recalibrate)
     workers = parse_devices(args.device or ["cpu"], base)
     return EngineConfig(workers=workers, router_policy=args.router_policy, trace_dir=args.trace_dir,
                         routing_log=args.routing_log, worker_mode=args.worker_mode or default_mode)

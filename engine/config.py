@@ -71,6 +71,8 @@ class WorkerConfig:
     activation_dtype: str = "auto"        # auto | bf16 | fp16 | fp32
     weights: str = "faithful"             # faithful | fast (requantize to int4, labelled)
     compile: bool = False
+    recalibrate: bool = False             # measure the speed profile again instead of the cached one
+    calibrate: bool = True                # False: skip the profile (tests, benchmarks of one worker)
     # simulated workers only
     sim_prefill_tps: float = 0.0
     sim_decode_tps: float = 0.0

@@ -14,6 +14,7 @@ from engine import messages as msg
 from engine.config import WorkerConfig
 from engine.errors import TokentopError
 from engine.kv.pages import BlockManager, PagePool
+from engine.profile import worker_profile
 from engine.scheduler import Scheduler, StepPlan
 from engine.sequence import Sequence, SeqState
 from engine.trace import get_tracer
@@ -47,6 +48,10 @@ class Worker:
             self.blocks, max_active=cfg.max_active, max_batched_tokens=cfg.max_batched_tokens,
             max_context=self.max_context, policy=cfg.policy,
             prefill_chunk=64 if cfg.deterministic else 0)
+        profile = {}
+        if cfg.calibrate or cfg.simulated:
+            emit(msg.WorkerLoading(index, "measuring prefill / decode speed (first use only)"))
+            profile = worker_profile(self.runner, self.blocks, cfg, model_path)
         self.seqs: dict[str, Sequence] = {}
         self.steps = 0
         self.last_step_tokens = 0
@@ -60,6 +65,9 @@ class Worker:
             "max_context": self.max_context, "kv_bytes": num_pages * cfg.page_size * self.runner.bytes_per_slot,
             "device": cfg.device, "simulated": cfg.simulated, "name": cfg.name or cfg.device,
             "max_active": cfg.max_active, "policy": cfg.policy, "kv_cache": cfg.kv_cache,
+            "profile_prefill_tps": profile.get("prefill_tps", 0.0),
+            "profile_decode_tps": profile.get("decode_tps", 0.0),
+            "profile_source": profile.get("source", "none"),
         }))
 
     # --- loop -------------------------------------------------------------------------

@@ -28,7 +28,7 @@ def base_worker(args, **over) -> WorkerConfig:
                      max_active=args.max_active, max_batched_tokens=args.max_batched_tokens,
                      page_size=args.page_size, kv_cache_memory=parse_size(args.kv_cache_memory),
                      kv_cache=args.kv_cache, deterministic=args.deterministic,
-                     activation_dtype=args.activation_dtype, weights=args.weights)
+                     activation_dtype=args.activation_dtype, weights=args.weights, calibrate=False)
     return replace(w, **over)
 
 
