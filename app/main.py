@@ -1,0 +1,375 @@
+"""The tokentop dashboard: TokentopApp and `run_dashboard(argv)` (`tokentop` with no subcommand).
+
+The app owns one Engine. It starts it on a background thread so the screen appears at once
+and shows model assembly and loading; then, five times a second, it takes one immutable
+`engine.snapshot()` and hands the pieces to the panels, which update in place. Keys send
+commands (submit, abort, policies, tracing); anything slow (bursts, trace export, shutdown)
+runs on a daemon thread and reports back through a queue read by the same timer.
+"""
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+from dataclasses import replace
+from multiprocessing import resource_tracker
+from pathlib import Path
+from typing import Iterable
+
+from textual.app import App, ComposeResult, SystemCommand
+from textual.binding import Binding
+from textual.containers import Horizontal, HorizontalScroll
+from textual.screen import Screen
+from textual.widgets import Footer
+
+from app.burst_runner import BurstRun, BurstSpec
+from app.screens.burst import BurstDialog, DEFAULTS
+from app.screens.help import HelpScreen
+from app.screens.prompt import PromptDialog
+from app.settings import load_settings, save_settings
+from app.widgets.backend import BackendPanel
+from app.widgets.event_log import EventLog
+from app.widgets.line import Line
+from app.widgets.panel import Panel
+from app.widgets.requests import RequestsTable
+from app.widgets.routing import RoutingPanel
+from app.widgets.streams import StreamsPanel
+from engine.bursts import default_prompts_dir, list_burst_files, load_burst
+from engine.cli import EXIT_USAGE, OneLineParser, add_engine_flags, engine_config_from
+from engine.config import SCHED_POLICIES, EngineConfig, SamplingParams
+from engine.engine import Engine
+from engine.errors import TokentopError
+from engine.router import POLICIES as ROUTER_POLICIES
+from engine.snapshot import EngineSnapshot
+from themes import KV_DEFAULTS, STYLESHEET, THEMES
+
+REFRESH_S = 0.2              # 5 Hz, as often as workers report their stats
+SHUTDOWN_TIMEOUT_S = 2.0     # per worker join before the engine terminates it
+THEME_CYCLE = tuple(t.name for t in THEMES)
+# Dashboard keys. The footer, the help screen and the command palette are generated from them.
+ACTIONS = (
+    Binding("b", "burst", "Burst", tooltip="Fire a burst of requests from a sample prompt file"),
+    Binding("n", "prompt", "Prompt", tooltip="Submit one prompt you type"),
+    Binding("p", "cycle_scheduler", "Sched", tooltip="Cycle the scheduler policy (fcfs, spf)"),
+    Binding("r", "cycle_router", "Router", tooltip="Cycle the router policy (round-robin, least-loaded, cost)"),
+    Binding("x,delete", "abort", "Abort", tooltip="Abort the request selected in the request table"),
+    Binding("t", "export_trace", "Trace", tooltip="Export a Perfetto trace (tracing must be on)"),
+    Binding("T", "toggle_tracing", "Tracing", show=False, tooltip="Turn trace collection on or off"),
+    Binding("d", "cycle_theme", "Theme", show=False, tooltip="Switch between the dark and light theme"),
+    Binding("z", "zoom", "Zoom", show=False, tooltip="Zoom the focused panel to the full screen, or back"),
+    Binding("question_mark", "help", "Help", tooltip="Show every key and what the panels mean"),
+    Binding("q", "quit", "Quit", tooltip="Quit (stops the engine)"),
+)
+DASHBOARD_ACTIONS = {b.action for b in ACTIONS} - {"quit"}
+
+
+def build_parser() -> OneLineParser:
+    p = OneLineParser(prog="tokentop", description="htop for an LLM inference engine: the dashboard. "
+                      "Subcommands generate, bench and models run without it.")
+    add_engine_flags(p)
+    return p
+
+
+def run_dashboard(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        app = TokentopApp(engine_config_from(args, default_mode="process"))
+    except (TokentopError, OSError) as exc:
+        print(f"tokentop: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    app.run()
+    app.wait_for_shutdown()
+    return app.return_code or 0
+
+
+class TokentopApp(App[int]):
+    TITLE = "tokentop"
+    CSS_PATH = STYLESHEET
+    BINDINGS = list(ACTIONS)
+
+    def __init__(self, config: EngineConfig, *, settings_path: Path | None = None,
+                 live: bool = True) -> None:
+        """live=False: the engine is not started and nothing refreshes by itself; the caller
+        feeds show_snapshot() (snapshot tests, replays)."""
+        super().__init__()
+        self.config = config
+        self.settings_path = settings_path
+        self.settings = load_settings(settings_path)
+        self.live = live
+        if live and config.worker_mode == "process":
+            # Start multiprocessing's resource tracker while sys.stderr is still the real one:
+            # inside the app it is a capture object whose fileno() is -1, and spawning the
+            # tracker from there fails with "bad value(s) in fds_to_keep".
+            resource_tracker.ensure_running()
+        self.engine = Engine(config, progress=self._on_progress)
+        self.scheduler_policy = config.workers[0].policy
+        self.router_policy = config.router_policy
+        self.last_snapshot: EngineSnapshot | None = None
+        self.bursts: list[BurstRun] = []
+        self.burst_count = 0
+        self.prompt_params = SamplingParams(max_tokens=int(DEFAULTS["max_tokens"]),
+                                            temperature=float(DEFAULTS["temperature"]))
+        self._assembly: dict[str, tuple[int, int]] = {}
+        self._start_error: str | None = None
+        self._started = threading.Event()
+        self._notices: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
+        self._shutdown_thread: threading.Thread | None = None
+
+    # --- layout -------------------------------------------------------------------------
+    def compose(self) -> ComposeResult:
+        yield Line(id="status")
+        with HorizontalScroll(id="backends"):
+            for i, cfg in enumerate(self.config.workers):
+                yield BackendPanel(i, cfg)
+        with Horizontal(id="middle", classes="row"):
+            yield Panel("requests", RequestsTable(id="requests"), id="requests-panel")
+            yield Panel("routing", RoutingPanel(id="routing"), id="routing-panel")
+        with Horizontal(id="bottom", classes="row"):
+            yield Panel("streams", StreamsPanel(id="streams"), id="streams-panel")
+            yield Panel("log", EventLog(id="log"), id="log-panel")
+        yield Footer(compact=True)
+
+    def get_theme_variable_defaults(self) -> dict[str, str]:
+        return {**super().get_theme_variable_defaults(), **KV_DEFAULTS}
+
+    def on_mount(self) -> None:
+        for theme in THEMES:
+            self.register_theme(theme)
+        self.theme = self.settings.theme if self.settings.theme in self.available_themes else THEME_CYCLE[0]
+        self.theme_changed_signal.subscribe(self, self._remember_theme)
+        # Widgets are looked up once: queries on the app search the top screen, a dialog included.
+        self._backends = list(self.query(BackendPanel))
+        self._requests = self.query_one(RequestsTable)
+        self._routing = self.query_one(RoutingPanel)
+        self._streams = self.query_one(StreamsPanel)
+        self._log = self.query_one(EventLog)
+        self._status = self.query_one("#status", Line)
+        self._requests.focus()
+        self._show_status()
+        if self.live:
+            threading.Thread(target=self._start_engine, name="tokentop-start", daemon=True).start()
+            self.set_interval(REFRESH_S, self.refresh_dashboard)
+
+    # --- engine lifecycle (background threads) -----------------------------------------
+    def _on_progress(self, name: str, done: int, total: int) -> None:
+        self._assembly[name] = (done, total)   # read by the UI timer; one dict store is atomic
+
+    def _start_engine(self) -> None:
+        try:
+            self.engine.start(wait=False)
+        except TokentopError as exc:
+            self._start_error = str(exc)
+        except Exception as exc:  # an engine bug must not become a traceback over the UI
+            self._start_error = f"the engine failed to start: {type(exc).__name__}: {exc}"
+        if self._start_error:
+            self._notices.put(("error", self._start_error))
+        self._started.set()
+
+    def begin_shutdown(self) -> None:
+        """Stop bursts and the engine on a daemon thread, so quitting never waits on a worker."""
+        if self._shutdown_thread is not None:
+            return
+        for run in self.bursts:
+            run.stop()
+        self._shutdown_thread = threading.Thread(
+            target=self.engine.shutdown, kwargs={"timeout": SHUTDOWN_TIMEOUT_S},
+            name="tokentop-shutdown", daemon=True)
+        self._shutdown_thread.start()
+
+    def wait_for_shutdown(self, timeout: float = 10.0) -> None:
+        """After the UI is gone: give the workers a moment to stop cleanly."""
+        self.begin_shutdown()
+        self._shutdown_thread.join(timeout)
+
+    def on_unmount(self) -> None:
+        self.begin_shutdown()
+
+    # --- the 5 Hz refresh ---------------------------------------------------------------
+    def refresh_dashboard(self) -> None:
+        while not self._notices.empty():
+            severity, text = self._notices.get()
+            self.notify(text, severity=severity, timeout=8 if severity == "error" else 4)
+        self._finish_bursts()
+        self.show_snapshot(self.engine.snapshot())
+
+    def show_snapshot(self, snap: EngineSnapshot) -> None:
+        self.last_snapshot = snap
+        views = {w.index: w for w in snap.workers}
+        for panel in self._backends:
+            view = views.get(panel.index)
+            loading = view is None or view.state in ("starting", "loading")
+            done, total = self._assembly.get(panel.cfg.model, (0, 0))
+            if loading and self._start_error:
+                panel.show_failure(self._start_error)
+            elif loading and done < total:
+                panel.show_assembly(done, total)
+            elif view is not None:
+                panel.show_view(view)
+        self._requests.show_requests(snap.requests)
+        self._routing.show_decisions(snap.routing)
+        self._streams.show_streams(snap.requests)
+        self._log.show_lines(snap.log)
+        self._show_status()
+
+    def _show_status(self) -> None:
+        snap = self.last_snapshot
+        workers = snap.workers if snap else ()
+        ready = sum(w.state == "ready" for w in workers)
+        active = sum(r.state in ("queued", "prefill", "decode") for r in snap.requests) if snap else 0
+        tracing = "[b $success]on[/]" if self.engine.tracing else "off"
+        parts = ["[b $accent]tokentop[/]", f"router [b]{self.router_policy}[/]",
+                 f"sched [b]{self.scheduler_policy}[/]", f"trace {tracing}",
+                 f"{ready}/{len(self.config.workers)} ready", f"{active} active"]
+        for run in self.bursts:
+            parts.append(f"burst {run.name} {run.submitted}/{run.spec.count}")
+        self._status.set(" " + " · ".join(parts))
+
+    def _finish_bursts(self) -> None:
+        for run in [r for r in self.bursts if r.done]:
+            self.bursts.remove(run)
+            summary = run.summary()
+            self.engine.log("info", summary.text())
+            self.notify(summary.text(), title="burst finished", timeout=6)
+
+    # --- actions --------------------------------------------------------------------------
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        # Dashboard keys act only on the dashboard itself, not under a dialog.
+        if action in DASHBOARD_ACTIONS and self.screen is not self.screen_stack[0]:
+            return False
+        return True
+
+    def _engine_ready(self) -> bool:
+        if self.engine.ready:
+            return True
+        self.notify(self._start_error or "the engine is still starting: wait until a worker is ready",
+                    severity="warning")
+        return False
+
+    def action_burst(self) -> None:
+        try:
+            files = list_burst_files(default_prompts_dir())
+        except TokentopError as exc:
+            self.notify(str(exc), severity="error")
+            return
+        if not files:
+            self.notify(f"no burst files (*.jsonl) in {default_prompts_dir()}", severity="error")
+            return
+        self.push_screen(BurstDialog(files), self.fire_burst)
+
+    def fire_burst(self, spec: BurstSpec | None) -> None:
+        if spec is None or not self._engine_ready():
+            return
+        try:
+            items = load_burst(spec.path)
+        except TokentopError as exc:
+            self.notify(str(exc), severity="error", timeout=8)
+            return
+        self.burst_count += 1
+        self.prompt_params = replace(self.prompt_params, max_tokens=spec.max_tokens,
+                                     temperature=spec.temperature)
+        name = f"{spec.path.stem}#{self.burst_count}"
+        self.bursts.append(BurstRun(self.engine, spec, items, name).start())
+        self.notify(f"burst {name}: {spec.count} requests, one every {spec.interval_ms} ms")
+        self._show_status()
+
+    def action_prompt(self) -> None:
+        self.push_screen(PromptDialog(), self.submit_prompt)
+
+    def submit_prompt(self, text: str | None) -> None:
+        if text is None or not self._engine_ready():
+            return
+        try:
+            handle = self.engine.submit(text, params=self.prompt_params)
+        except TokentopError as exc:
+            self.notify(str(exc), title="prompt refused", severity="error")
+            return
+        self.notify(f"submitted {handle.id}")
+
+    def action_cycle_scheduler(self) -> None:
+        policy = _next(SCHED_POLICIES, self.scheduler_policy)
+        try:
+            self.engine.set_scheduler_policy(policy)
+        except TokentopError as exc:
+            self.notify(str(exc), severity="error")
+            return
+        self.scheduler_policy = policy
+        self._show_status()
+        self.notify(f"scheduler policy: {policy}")
+
+    def action_cycle_router(self) -> None:
+        policy = _next(ROUTER_POLICIES, self.router_policy)
+        self.engine.set_router_policy(policy)
+        self.router_policy = policy
+        self._show_status()
+        self.notify(f"router policy: {policy}")
+
+    def action_abort(self) -> None:
+        rid = self._requests.selected_id
+        if rid is None:
+            self.notify("no request selected: pick one in the request table", severity="warning")
+        elif self.engine.abort(rid):
+            self.notify(f"aborting {rid}")
+        else:
+            self.notify(f"{rid} has already finished", severity="warning")
+
+    def action_toggle_tracing(self) -> None:
+        self.engine.set_tracing(not self.engine.tracing)
+        self._show_status()
+        self.notify(f"tracing {'on' if self.engine.tracing else 'off'}")
+
+    def action_export_trace(self) -> None:
+        if not self.engine.tracing:
+            self.notify("tracing is off: press T (shift+t) to turn it on, let it run, then press t",
+                        severity="warning")
+            return
+        threading.Thread(target=self._export_trace, name="tokentop-trace", daemon=True).start()
+        self.notify("exporting trace…")
+
+    def _export_trace(self) -> None:
+        try:
+            path = self.engine.export_trace(self.config.trace_dir)
+        except (TokentopError, OSError) as exc:
+            self._notices.put(("error", f"trace export failed: {exc}"))
+            return
+        self._notices.put(("information", f"trace written to {path}"))
+        self.engine.log("info", f"trace written to {path}")
+
+    def action_cycle_theme(self) -> None:
+        self.theme = _next(THEME_CYCLE, self.theme)
+
+    def _remember_theme(self, theme) -> None:
+        self.settings = replace(self.settings, theme=theme.name)
+        try:
+            save_settings(self.settings, self.settings_path)
+        except OSError as exc:
+            self.notify(f"could not remember the theme: {exc}", severity="warning")
+
+    def action_zoom(self) -> None:
+        screen = self.screen
+        if screen.maximized is not None:
+            screen.minimize()
+        elif screen.focused is not None:
+            screen.maximize(screen.focused)
+
+    def key_display(self, binding: Binding) -> str:
+        """'x,delete' -> 'x / del': every key of a binding, as the footer shows keys."""
+        return " / ".join(self.get_key_display(replace(binding, key=k)) for k in binding.key.split(","))
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen([(self.key_display(b), b.tooltip) for b in ACTIONS]))
+
+    async def action_quit(self) -> None:
+        self.begin_shutdown()
+        self.exit(0)
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
+        for binding in ACTIONS:
+            if binding.action != "quit":
+                yield SystemCommand(f"{binding.description} ({self.key_display(binding)})",
+                                    binding.tooltip, lambda a=binding.action: self.run_action(a))
+
+
+def _next(options: Iterable[str], current: str) -> str:
+    options = tuple(options)
+    return options[(options.index(current) + 1) % len(options)] if current in options else options[0]

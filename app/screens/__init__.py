@@ -1,0 +1,1 @@
+"""Dialogs and overlays on top of the dashboard."""

@@ -1,0 +1,96 @@
+"""The burst dialog: which burst file, how many requests, how fast, how long, how random.
+
+Enter in any field fires with what is shown; Escape cancels. The dialog only checks and
+returns a BurstSpec; the app loads the file and fires.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Grid, Horizontal, Vertical
+from textual.screen import ModalScreen
+from textual.widgets import Button, Input, Label, Select, Static
+
+from app.burst_runner import BurstSpec
+
+DEFAULTS = {"count": "16", "interval": "100", "max_tokens": "64", "temperature": "0.0"}
+DEFAULT_FILE = "mixed.jsonl"
+
+
+def parse_spec(path: Path, count: str, interval: str, max_tokens: str, temperature: str) -> BurstSpec:
+    """Check the fields; a ValueError carries a message for the user."""
+    def number(text: str, name: str, kind, low: float, high: float):
+        try:
+            value = kind(text.strip())
+        except ValueError:
+            raise ValueError(f"{name} must be {'a whole number' if kind is int else 'a number'}, "
+                             f"got {text!r}") from None
+        if not low <= value <= high:
+            raise ValueError(f"{name} must be between {low:g} and {high:g}, got {value:g}")
+        return value
+
+    return BurstSpec(path=path, count=number(count, "count", int, 1, 10_000),
+                     interval_ms=number(interval, "interval", int, 0, 60_000),
+                     max_tokens=number(max_tokens, "max tokens", int, 1, 32_768),
+                     temperature=number(temperature, "temperature", float, 0.0, 5.0))
+
+
+class BurstDialog(ModalScreen[BurstSpec | None]):
+    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+
+    def __init__(self, files: list[Path]) -> None:
+        super().__init__()
+        self.files = files
+
+    def compose(self) -> ComposeResult:
+        names = [p.name for p in self.files]
+        initial = self.files[names.index(DEFAULT_FILE)] if DEFAULT_FILE in names else self.files[0]
+        with Vertical(id="burst-dialog", classes="dialog"):
+            yield Static("[b]Fire a burst[/b]", classes="dialog-title")
+            with Grid(id="burst-fields"):
+                yield Label("burst file")
+                yield Select([(p.name, p) for p in self.files], value=initial, allow_blank=False,
+                             id="burst-file", compact=True)
+                yield Label("count")
+                yield Input(DEFAULTS["count"], id="burst-count", type="integer", compact=True)
+                yield Label("interval ms")
+                yield Input(DEFAULTS["interval"], id="burst-interval", type="integer", compact=True)
+                yield Label("max tokens")
+                yield Input(DEFAULTS["max_tokens"], id="burst-max-tokens", type="integer", compact=True)
+                yield Label("temperature")
+                yield Input(DEFAULTS["temperature"], id="burst-temperature", type="number", compact=True)
+            yield Static("", id="burst-error", classes="dialog-error")
+            with Horizontal(classes="dialog-buttons"):
+                yield Button("Fire", variant="primary", id="fire", compact=True)
+                yield Button("Cancel", id="cancel", compact=True)
+            yield Static("[$text-muted]Enter fires · Esc cancels[/]", classes="dialog-hint")
+
+    def on_mount(self) -> None:
+        self.query_one("#burst-count", Input).focus()
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        event.stop()
+        self.fire()
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        event.stop()
+        if event.button.id == "fire":
+            self.fire()
+        else:
+            self.dismiss(None)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+    def fire(self) -> None:
+        value = lambda wid: self.query_one(wid, Input).value  # noqa: E731
+        try:
+            spec = parse_spec(self.query_one("#burst-file", Select).value, value("#burst-count"),
+                              value("#burst-interval"), value("#burst-max-tokens"),
+                              value("#burst-temperature"))
+        except ValueError as exc:
+            self.query_one("#burst-error", Static).update(str(exc))
+            return
+        self.dismiss(spec)

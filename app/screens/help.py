@@ -1,0 +1,45 @@
+"""The help screen: every key (from the app's own bindings, so it cannot drift) and a legend."""
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import VerticalScroll
+from textual.markup import escape
+from textual.screen import ModalScreen
+from textual.widgets import Static
+
+from app.widgets.kv_grid import FREE, GLYPHS, STATE_NAMES
+
+PANELS = """\
+[b]Panels[/b]
+  backends  per worker: state, load, prefill / decode tok/s (history and
+            profiled rate), KV page grid
+  requests  what the engine remembers; select a row (↑ ↓) to abort it
+  routing   recent decisions, newest first: every candidate's score and
+            inputs, [$success]✓[/] on the chosen one (cost scores: est. seconds)
+  streams   live text of the active requests, one colour per request
+  log       errors, preemptions, worker deaths, policy changes, bursts"""
+
+
+class HelpScreen(ModalScreen[None]):
+    BINDINGS = [Binding("escape,question_mark,q", "close", "Close")]
+
+    def __init__(self, keys: list[tuple[str, str]]) -> None:
+        super().__init__()
+        self.keys = keys
+
+    def compose(self) -> ComposeResult:
+        width = max(len(k) for k, _ in self.keys)
+        keys = "\n".join(f"  [b $accent]{escape(k):<{width}}[/]  {escape(d)}" for k, d in self.keys)
+        legend = "  ".join(f"[{'$text-muted' if s == FREE else '$kv-' + STATE_NAMES[s]}]{g}[/] {STATE_NAMES[s]}"
+                           for s, g in GLYPHS.items())
+        with VerticalScroll(id="help-dialog", classes="dialog"):
+            yield Static("[b]tokentop: keys[/b]  (also in the command palette, ctrl+p)", classes="dialog-title")
+            yield Static(keys)
+            yield Static(PANELS)
+            yield Static(f"[b]KV grid[/b]  {legend}\n  with many pages, one cell stands for several "
+                         "and shows\n  the most notable state among them")
+            yield Static("[$text-muted]Esc, ? or q closes[/]", classes="dialog-hint")
+
+    def action_close(self) -> None:
+        self.dismiss(None)

@@ -1,0 +1,1 @@
+"""Dashboard panels; each updates itself in place from snapshot pieces."""

@@ -1,0 +1,140 @@
+"""The request table: one row per request the engine still remembers, newest first.
+
+A Line API widget rather than a DataTable: under a burst every active row's timings change
+at every refresh, and DataTable re-renders each visible cell through Rich (about 1 ms a
+cell here), which kept the UI thread busy. Here a row is a handful of segments, only
+visible rows are drawn, and nothing is drawn at all when no row changed. The cursor
+stays on the request it is on while newer requests push it down.
+"""
+from __future__ import annotations
+
+from rich.segment import Segment
+from rich.style import Style
+from textual.binding import Binding
+from textual.events import Click
+from textual.geometry import Region, Size
+from textual.scroll_view import ScrollView
+from textual.strip import Strip
+
+from app.widgets.fmt import fmt_seconds
+from engine.snapshot import RequestView
+
+# (header, width). The columns that matter most come first: on a narrow terminal the last
+# ones are cut off (left / right scroll, z zooms the panel).
+COLUMNS = (("id", 5), ("w", 2), ("state", 8), ("out", 9), ("TTFT", 6), ("ITL", 5), ("e2e", 6),
+           ("prompt", 6), ("cached", 6))
+TABLE_WIDTH = sum(w for _, w in COLUMNS) + len(COLUMNS) - 1
+STATE_COLOUR = {"prefill": "warning", "decode": "success", "error": "error"}
+DIM_STATES = ("queued", "aborted")
+
+
+def request_cells(r: RequestView) -> tuple[str, ...]:
+    return (r.id, "-" if r.worker is None else str(r.worker), r.state,
+            f"{r.output_tokens}/{r.max_tokens}", fmt_seconds(r.ttft), fmt_seconds(r.itl_mean),
+            fmt_seconds(r.e2e), str(r.prompt_tokens), str(r.cached_tokens))
+
+
+def request_number(request_id: str) -> int:
+    """Engine ids are r1, r2, ...: order by the number, not the string."""
+    digits = request_id.lstrip("r")
+    return int(digits) if digits.isdigit() else 0
+
+
+def row_text(cells: tuple[str, ...]) -> list[str]:
+    return [cell[:width].ljust(width) for cell, (_, width) in zip(cells, COLUMNS)]
+
+
+class RequestsTable(ScrollView, can_focus=True):
+    COMPONENT_CLASSES = {"requests-table--header", "requests-table--cursor"}
+    BINDINGS = [
+        Binding("up", "cursor(-1)", "Up", show=False),
+        Binding("down", "cursor(1)", "Down", show=False),
+        Binding("pageup", "page(-1)", "Page up", show=False),
+        Binding("pagedown", "page(1)", "Page down", show=False),
+        Binding("home", "cursor(-1000000)", "First", show=False),
+        Binding("end", "cursor(1000000)", "Last", show=False),
+    ]
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._rows: list[tuple[str, tuple[str, ...]]] = []    # (request id, cells), newest first
+        self._cursor = 0
+        self._selected: str | None = None
+
+    # --- data ------------------------------------------------------------------------------
+    @property
+    def row_count(self) -> int:
+        return len(self._rows)
+
+    @property
+    def selected_id(self) -> str | None:
+        return self._rows[self._cursor][0] if self._rows else None
+
+    def show_requests(self, requests: tuple[RequestView, ...]) -> None:
+        rows = sorted(((r.id, request_cells(r)) for r in requests), key=lambda row: -request_number(row[0]))
+        if rows == self._rows:
+            return
+        count_changed = len(rows) != len(self._rows)
+        self._rows = rows
+        ids = [rid for rid, _ in rows]
+        self._cursor = ids.index(self._selected) if self._selected in ids else min(self._cursor, max(0, len(rows) - 1))
+        self._selected = self.selected_id
+        if count_changed:
+            self.virtual_size = Size(TABLE_WIDTH, len(rows) + 1)
+        self.refresh()
+
+    # --- cursor -----------------------------------------------------------------------------
+    def action_cursor(self, delta: int) -> None:
+        self.move_cursor(self._cursor + delta)
+
+    def action_page(self, direction: int) -> None:
+        self.move_cursor(self._cursor + direction * max(1, self.size.height - 1))
+
+    def move_cursor(self, row: int) -> None:
+        if not self._rows:
+            return
+        self._cursor = max(0, min(row, len(self._rows) - 1))
+        self._selected = self.selected_id
+        visible = max(1, self.size.height - 1)          # minus the header line
+        top = int(self.scroll_y)
+        if self._cursor < top:
+            self.scroll_to(y=self._cursor, animate=False)
+        elif self._cursor >= top + visible:
+            self.scroll_to(y=self._cursor - visible + 1, animate=False)
+        self.refresh()
+
+    def on_click(self, event: Click) -> None:
+        if event.y >= 1:
+            self.move_cursor(int(self.scroll_y) + event.y - 1)
+
+    # --- rendering --------------------------------------------------------------------------
+    def render_lines(self, crop: Region) -> list[Strip]:
+        # Styles are resolved once per paint, not per line (rich_style walks the ancestors).
+        self._styles = (self.rich_style, self.get_component_rich_style("requests-table--header"),
+                        self.get_component_rich_style("requests-table--cursor"))
+        return super().render_lines(crop)
+
+    def render_line(self, y: int) -> Strip:
+        scroll_x, scroll_y = self.scroll_offset
+        base, header, cursor = self._styles
+        width = self.size.width
+        if y == 0:
+            text = " ".join(name.ljust(w) for name, w in COLUMNS)
+            return Strip([Segment(text, base + header)]).crop_extend(scroll_x, scroll_x + width, base)
+        index = scroll_y + y - 1
+        if index >= len(self._rows):
+            return Strip.blank(width, base)
+        rid, cells = self._rows[index]
+        if index == self._cursor:
+            base += cursor
+        state = cells[2]
+        colours = self.app.theme_variables
+        if state in STATE_COLOUR:
+            state_style = Style(color=colours[STATE_COLOUR[state]], bold=state == "error")
+        else:
+            state_style = Style(dim=state in DIM_STATES)
+        texts = row_text(cells)
+        segments = [Segment(" ".join(texts[:2]) + " ", base),
+                    Segment(texts[2], base + state_style),
+                    Segment(" " + " ".join(texts[3:]), base)]
+        return Strip(segments).crop_extend(scroll_x, scroll_x + width, base)

@@ -1,0 +1,91 @@
+"""Live token streams: the tail of each active request's text, labelled and coloured per request.
+
+Each stream is one widget keyed by request id, rewritten only when its text grows; the most
+recently finished requests stay a little longer (dimmed) so a short answer can be read.
+The text is wrapped here, by characters, so the newest tokens are always on the last
+visible line and a stream's height changes only when its line count does (a layout pass
+for the whole screen is the most expensive thing a refresh can trigger).
+"""
+from __future__ import annotations
+
+from textual.containers import VerticalScroll
+from textual.content import Content
+from textual.widgets import Static
+
+from app.widgets.requests import request_number
+from engine.snapshot import RequestView
+
+ACTIVE = ("queued", "prefill", "decode")
+KEEP_FINISHED = 4
+MAX_STREAMS = 24
+TAIL_LINES = 3          # lines of text per stream at most
+PALETTE = ("$primary", "$secondary", "$accent", "$success", "$warning")
+
+
+def streams_to_show(requests: tuple[RequestView, ...]) -> list[RequestView]:
+    """Active requests plus the few most recently finished ones, oldest first."""
+    active = [r for r in requests if r.state in ACTIVE]
+    done = sorted((r for r in requests if r.state not in ACTIVE), key=lambda r: r.age)[:KEEP_FINISHED]
+    chosen = sorted(active + done, key=lambda r: request_number(r.id))
+    return chosen[-MAX_STREAMS:]
+
+
+def stream_lines(label: str, text: str, width: int, max_lines: int = TAIL_LINES) -> list[str]:
+    """Label plus the tail of `text`, hard-wrapped at `width`: at most `max_lines` lines,
+    the label always first, the newest character always last."""
+    # Visible newlines would waste whole lines of a small panel; show them as a glyph.
+    text = text.replace("\r", "").replace("\n", "⏎")
+    budget = max(1, width * max_lines - len(label) - 1)
+    if len(text) > budget:
+        text = "…" + text[-(budget - 1):]
+    plain = f"{label} {text}"
+    return [plain[i:i + width] for i in range(0, len(plain), width)] or [label]
+
+
+def stream_content(r: RequestView, width: int) -> tuple[Content, int]:
+    """The stream's rendering and its height in lines."""
+    label = f" {r.id} w{r.worker if r.worker is not None else '-'} "
+    body = r.text_tail or f"({r.state})"
+    if r.state == "error":
+        body += f"  {r.error or 'error'}"
+    elif r.state not in ACTIVE and r.text_tail:
+        body += f"  ({r.state})"
+    lines = stream_lines(label, body, max(len(label) + 8, width))
+    content = Content("\n".join(lines))
+    content = content.stylize(f"bold reverse {PALETTE[request_number(r.id) % len(PALETTE)]}", 0, len(label))
+    if r.state == "error":
+        content = content.stylize("$error", len(label) + 1, len(content))
+    elif r.state not in ACTIVE or not r.text_tail:
+        content = content.stylize("$text-muted", len(label) + 1, len(content))
+    return content, len(lines)
+
+
+class StreamsPanel(VerticalScroll):
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._shown: dict[str, tuple[Static, tuple]] = {}   # request id -> (widget, what it shows)
+        self._empty = Static("[$text-muted]no active requests[/]")
+
+    def compose(self):
+        yield self._empty
+
+    def show_streams(self, requests: tuple[RequestView, ...]) -> None:
+        wanted = streams_to_show(requests)
+        width = max(20, self.scrollable_content_region.width)
+        keep = {r.id for r in wanted}
+        for rid in [rid for rid in self._shown if rid not in keep]:
+            self._shown.pop(rid)[0].remove()
+        for r in wanted:
+            content, height = stream_content(r, width)
+            key = (r.state, content.plain)    # Content compares its text only, not its styles
+            widget, shown = self._shown.get(r.id, (None, None))
+            if widget is None:
+                widget = Static(content, classes="stream")
+                widget.styles.height = height
+                self.mount(widget)
+            elif shown != key:
+                if widget.styles.height is None or widget.styles.height.value != height:
+                    widget.styles.height = height
+                widget.update(content, layout=False)
+            self._shown[r.id] = (widget, key)
+        self._empty.display = not wanted

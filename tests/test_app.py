@@ -1,0 +1,351 @@
+"""The dashboard, driven through Textual's pilot against a real engine with simulated workers.
+
+Simulated workers run the real scheduler, router and KV page accounting with a timed wait
+instead of a forward pass; they need only a tokenizer, taken from a tiny random GGUF. They
+run in threads here (the dashboard's default is one process per worker) to keep tests fast.
+Snapshot tests render a hand-built EngineSnapshot, so no live timing can reach the picture.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from app.main import TokentopApp, run_dashboard
+from app.screens.burst import BurstDialog
+from app.screens.prompt import PromptDialog
+from app.settings import Settings, load_settings, save_settings
+from app.widgets import event_log
+from app.widgets.backend import BackendPanel
+from app.widgets.kv_grid import CACHED, FREE, SHARED, USED, downsample, pages_per_cell
+from app.widgets.requests import RequestsTable
+from app.widgets.streams import StreamsPanel
+from engine.config import EngineConfig, WorkerConfig
+from engine.devices import parse_devices
+from engine.router import Candidate, RouteDecision
+from engine.snapshot import EngineSnapshot, LogLine, RequestView, WorkerView
+from tests.fixtures.tiny_gguf import write_tiny_model
+
+SIZE = (120, 40)
+# Fast enough for short tests, slow enough that a burst is still running while we look.
+SIM_DEVICES = ["sim:gpu0:prefill=20000,decode=150", "sim:gpu1:prefill=20000,decode=150"]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    # A long context: the sample prompts are ~1000 tokens in the tiny byte-level vocabulary.
+    return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny.gguf", "qwen2", context_length=8192)
+
+
+def sim_config(model: Path, trace_dir: Path | None = None) -> EngineConfig:
+    base = WorkerConfig(model=str(model), kv_cache_memory=4 * 2**20)   # 512 pages of 16 tokens
+    return EngineConfig(workers=parse_devices(SIM_DEVICES, base), worker_mode="thread",
+                        trace_dir=str(trace_dir) if trace_dir else None)
+
+
+def make_app(model: Path, tmp_path: Path, trace_dir: Path | None = None) -> TokentopApp:
+    return TokentopApp(sim_config(model, trace_dir), settings_path=tmp_path / "settings.json")
+
+
+async def wait_for(pilot, predicate, what: str, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await pilot.pause(0.05)
+
+
+async def wait_ready(pilot, app: TokentopApp) -> None:
+    await wait_for(pilot, lambda: app.last_snapshot is not None
+                   and sum(w.state == "ready" for w in app.last_snapshot.workers) == 2, "both workers ready")
+
+
+async def fire_burst(pilot, app: TokentopApp, **fields: str) -> None:
+    await pilot.press("b")
+    await wait_for(pilot, lambda: isinstance(app.screen, BurstDialog), "the burst dialog")
+    for wid, value in fields.items():
+        app.screen.query_one(f"#burst-{wid.replace('_', '-')}").value = value
+    await pilot.press("enter")
+    await wait_for(pilot, lambda: not isinstance(app.screen, BurstDialog), "the dialog to close")
+
+
+def notices(app: TokentopApp) -> list[tuple[str, str]]:
+    return [(n.severity, n.message) for n in app._notifications]
+
+
+# --- live dashboard --------------------------------------------------------------------------
+async def test_burst_fills_table_grid_streams_and_log(tiny_model, tmp_path):
+    app = make_app(tiny_model, tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot, app)
+        grids_before = [p._grid._states for p in app.query(BackendPanel)]
+        assert all(set(states) == {FREE} for states in grids_before)
+
+        await fire_burst(pilot, app, count="8", interval="20")
+        table = app.query_one(RequestsTable)
+        await wait_for(pilot, lambda: table.row_count == 8, "8 rows in the request table")
+        await wait_for(pilot, lambda: any(set(p._grid._states) - {FREE} for p in app.query(BackendPanel)),
+                       "KV pages in use")
+        await wait_for(pilot, lambda: len(app.query_one(StreamsPanel)._shown) > 0, "a token stream")
+        assert "burst mixed#1" in str(app._status.render())
+        # Requests reach both workers, and the routing panel explains each choice.
+        await wait_for(pilot, lambda: {r.worker for r in app.last_snapshot.requests} == {0, 1}, "both workers used")
+        assert "✓" in str(app._routing.body.render())
+
+        await wait_for(pilot, lambda: any("burst mixed#1 done: 8 requests (8 ok" in line.text
+                                          for line in app.last_snapshot.log), "the burst summary", timeout=30)
+        await wait_for(pilot, lambda: all(set(p._grid._states) == {FREE} for p in app.query(BackendPanel)),
+                       "every KV page free again")
+        summary = next(line.text for line in app.last_snapshot.log if "done:" in line.text)
+        assert "TTFT mean" in summary and "p95" in summary and "tok/s aggregate" in summary
+        assert any("done:" in line.text for line in app._log.lines)
+        assert all(r.state == "finished" for r in app.last_snapshot.requests)
+
+
+async def test_policy_keys_reach_the_engine(tiny_model, tmp_path):
+    app = make_app(tiny_model, tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot, app)
+        await pilot.press("p")
+        assert app.scheduler_policy == "spf" and "sched spf" in str(app._status.render())
+        await wait_for(pilot, lambda: all(w.policy == "spf" for w in app.last_snapshot.workers),
+                       "workers reporting spf")
+        await pilot.press("r")
+        assert app.engine.router.policy == app.router_policy == "round-robin"
+        await pilot.press("r", "r")
+        assert app.last_snapshot is not None and app.router_policy == "cost"
+        await wait_for(pilot, lambda: app.last_snapshot.router_policy == "cost", "router policy in snapshot")
+        await wait_for(pilot, lambda: sum("policy ->" in l.text for l in app.last_snapshot.log) == 4,
+                       "policy changes in the event log")
+
+
+async def test_trace_export_needs_tracing_then_writes_file(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)                   # without --trace-dir, traces go to ./traces
+    traces = tmp_path / "traces"
+    app = make_app(tiny_model, tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot, app)
+        await pilot.press("t")
+        assert ("warning", "tracing is off: press T (shift+t) to turn it on, let it run, then press t") \
+            in notices(app)
+        await pilot.press("T")
+        assert app.engine.tracing and "trace on" in str(app._status.render())
+        await fire_burst(pilot, app, count="2", interval="0", max_tokens="8")
+        await wait_for(pilot, lambda: len(app.last_snapshot.requests) == 2
+                       and all(r.state == "finished" for r in app.last_snapshot.requests), "burst finished")
+        await pilot.press("t")
+        await wait_for(pilot, lambda: any(m.startswith("trace written to") for _, m in notices(app)),
+                       "the trace path notification")
+    written = list(traces.glob("*.json"))
+    assert len(written) == 1
+    events = json.loads(written[0].read_text())
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    assert any(e.get("name") == "route" for e in events)
+
+
+async def test_trace_dir_flag_turns_tracing_on(tiny_model, tmp_path):
+    app = make_app(tiny_model, tmp_path, trace_dir=tmp_path / "t")
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot, app)
+        assert app.engine.tracing and "trace on" in str(app._status.render())
+
+
+async def test_abort_selected_request(tiny_model, tmp_path):
+    app = make_app(tiny_model, tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot, app)
+        await pilot.press("x")
+        assert ("warning", "no request selected: pick one in the request table") in notices(app)
+        await fire_burst(pilot, app, count="2", interval="0", max_tokens="4000")
+        table = app.query_one(RequestsTable)
+        await wait_for(pilot, lambda: table.row_count == 2, "two rows")
+        victim = table.selected_id
+        await pilot.press("x")
+        await wait_for(pilot, lambda: {r.id: r.state for r in app.last_snapshot.requests}.get(victim) == "aborted",
+                       f"{victim} aborted")
+        other = next(r for r in app.last_snapshot.requests if r.id != victim)
+        assert other.state in ("prefill", "decode")
+        await pilot.press("x")     # the cursor is still on the aborted request
+        assert ("warning", f"{victim} has already finished") in notices(app)
+
+
+async def test_quit_mid_burst_is_quick(tiny_model, tmp_path):
+    app = make_app(tiny_model, tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot, app)
+        await fire_burst(pilot, app, count="1000", interval="10", max_tokens="2000")
+        await wait_for(pilot, lambda: app.query_one(RequestsTable).row_count >= 5, "a running burst")
+        run = app.bursts[0]
+        started = time.monotonic()
+        await pilot.press("q")
+    app.wait_for_shutdown(timeout=10)
+    assert time.monotonic() - started < 5
+    assert not app._shutdown_thread.is_alive()
+    submitted = run.submitted
+    time.sleep(0.1)
+    assert run.submitted == submitted < 1000    # the burst stopped submitting
+    assert all(w.state in ("stopped", "dead") for w in app.engine.snapshot().workers)
+
+
+async def test_bad_input_is_a_notification_not_a_traceback(tiny_model, tmp_path):
+    app = make_app(tiny_model, tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot, app)
+        await pilot.press("n")
+        await wait_for(pilot, lambda: isinstance(app.screen, PromptDialog), "the prompt dialog")
+        await pilot.press("enter")              # empty prompt
+        await wait_for(pilot, lambda: ("error", "the prompt is empty; type some text") in notices(app),
+                       "the refusal")
+        # A prompt longer than the context is refused with the engine's message.
+        await pilot.press("n")
+        await wait_for(pilot, lambda: isinstance(app.screen, PromptDialog), "the prompt dialog")
+        app.screen.query_one("#prompt-text").value = "word " * 9000
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: any("shorten the prompt" in m for _, m in notices(app)), "context refusal")
+        # Bad dialog fields stay in the dialog with a message.
+        await pilot.press("b")
+        await wait_for(pilot, lambda: isinstance(app.screen, BurstDialog), "the burst dialog")
+        app.screen.query_one("#burst-count").value = "0"
+        await pilot.press("enter")
+        assert isinstance(app.screen, BurstDialog)
+        assert "count must be between 1 and 10000" in str(app.screen.query_one("#burst-error").render())
+        await pilot.press("escape")
+        # A good prompt goes through and streams.
+        await pilot.press("n")
+        await wait_for(pilot, lambda: isinstance(app.screen, PromptDialog), "the prompt dialog")
+        app.screen.query_one("#prompt-text").value = "Hello there"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: len(app.last_snapshot.requests) == 1, "one request")
+        assert app.last_snapshot.requests[0].prompt_tokens == len(app.engine.tokenizer.encode("Hello there"))
+
+
+async def test_engine_start_failure_is_shown(tmp_path):
+    app = TokentopApp(EngineConfig(workers=parse_devices(["sim:gpu0"], WorkerConfig(model=str(tmp_path / "nope.gguf"))),
+                                   worker_mode="thread"), settings_path=tmp_path / "settings.json")
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: any(s == "error" for s, _ in notices(app)), "an error notification")
+        panel = app.query_one(BackendPanel)
+        await wait_for(pilot, lambda: panel.has_class("-dead"), "the panel marked dead")
+        await pilot.press("b", "enter")
+        assert any("nope.gguf" in m for _, m in notices(app))
+
+
+async def test_theme_switch_is_remembered(tiny_model, tmp_path):
+    settings = tmp_path / "settings.json"
+    settings.write_text("{ not json")          # a corrupt file means defaults
+    app = TokentopApp(sim_config(tiny_model), settings_path=settings, live=False)
+    async with app.run_test(size=SIZE) as pilot:
+        assert app.theme == "tokentop-dark"
+        await pilot.press("d")
+        assert app.theme == "tokentop-light"
+    assert load_settings(settings).theme == "tokentop-light"
+    again = TokentopApp(sim_config(tiny_model), settings_path=settings, live=False)
+    async with again.run_test(size=SIZE):
+        assert again.theme == "tokentop-light"
+
+
+def test_settings_tolerate_bad_files(tmp_path):
+    path = tmp_path / "sub" / "settings.json"
+    assert load_settings(path) == Settings()
+    save_settings(Settings(theme="nord"), path)
+    assert load_settings(path).theme == "nord"
+    path.write_text('["a list"]')
+    assert load_settings(path) == Settings()
+    path.write_text('{"theme": 7}')
+    assert load_settings(path) == Settings()
+
+
+def test_command_line_errors_are_one_line(capsys):
+    assert run_dashboard(["--device", "tpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown device 'tpu'" in err
+    with pytest.raises(SystemExit) as exc:
+        run_dashboard(["--no-such-flag"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_kv_grid_downsampling_keeps_the_notable_state():
+    assert pages_per_cell(10, 100) == 1 and pages_per_cell(1000, 100) == 10 and pages_per_cell(1001, 100) == 11
+    states = bytes([FREE, FREE, CACHED, FREE, USED, CACHED, SHARED, USED, FREE])
+    assert downsample(states, 1) == list(states)
+    assert downsample(states, 2) == [FREE, CACHED, USED, SHARED, FREE]
+    assert downsample(states, 4) == [CACHED, SHARED, FREE]
+
+
+# --- snapshots ---------------------------------------------------------------------------------
+def fixture_snapshot() -> EngineSnapshot:
+    """A busy moment, built by hand: every page state, every request state, two decisions."""
+    pages0 = bytes([USED] * 40 + [SHARED] * 12 + [CACHED] * 30 + [FREE] * 430)
+    pages1 = bytes([USED] * 90 + [FREE] * 400 + [CACHED] * 22)
+
+    def worker(i: int, pages: bytes, running: int, waiting: int, history: tuple[float, ...]) -> WorkerView:
+        return WorkerView(
+            index=i, name=f"sim:gpu{i}", device=f"sim:gpu{i}", model="tiny.gguf", dtype="simulated",
+            weights="simulated", simulated=True, state="ready", message="", running=running,
+            waiting=waiting, prefill_tps=history[-1] * 8, decode_tps=history[-1],
+            prefill_history=tuple(h * 8 for h in history), decode_history=history,
+            pages_total=len(pages), pages_used=sum(p != FREE for p in pages), page_states=pages,
+            page_size=16, policy="fcfs", steps=1234, profile_prefill_tps=20000.0,
+            profile_decode_tps=400.0, max_active=8)
+
+    def request(n: int, w: int, state: str, out: int, text: str, ttft=None, itl=None, e2e=0.5,
+                error=None) -> RequestView:
+        return RequestView(id=f"r{n}", worker=w, state=state, prompt_tokens=100 + n, cached_tokens=16 * (n % 2),
+                           output_tokens=out, max_tokens=64, queue_time=0.001, ttft=ttft, itl_mean=itl,
+                           e2e=e2e, text_tail=text, error=error, burst="mixed#1", age=10.0 - n)
+
+    def decision(n: int, chosen: int, scores: tuple[float, float]) -> RouteDecision:
+        return RouteDecision(f"r{n}", 1000.0 + n, "cost", chosen, 100 + n, 64, tuple(
+            Candidate(i, f"sim:gpu{i}", 2 + i, i, 200 + 50 * i, 300 + 20 * i, 0, 20000.0, 400.0, s)
+            for i, s in enumerate(scores)))
+
+    t0 = 1_700_000_000.0
+    return EngineSnapshot(
+        time=t0,
+        workers=(worker(0, pages0, 3, 1, (0, 120.0, 310.0, 390.0, 402.0, 398.0)),
+                 worker(1, pages1, 2, 0, (0, 0, 80.0, 200.0, 260.0, 255.0))),
+        requests=(request(1, 0, "finished", 64, "The capital of France is Paris.", 0.021, 0.012, 0.79),
+                  request(2, 1, "error", 3, "abc", 0.03, None, 0.2, error="model step failed"),
+                  request(3, 0, "aborted", 10, " once upon", 0.02, 0.01, 0.3),
+                  request(4, 1, "decode", 17, " def tokens(self):\n    return self._ids", 0.04),
+                  request(5, 0, "prefill", 0, ""),
+                  request(6, 0, "queued", 0, "")),
+        routing=(decision(5, 0, (0.61, 0.74)), decision(6, 0, (0.83, 0.90))),
+        router_policy="cost",
+        log=(LogLine(t0, "info", "worker 0 (sim:gpu0) ready: 512 KV pages of 16 tokens"),
+             LogLine(t0 + 1, "warning", "r3 preempted on worker 0 (will recompute)"),
+             LogLine(t0 + 2, "error", "r2: model step failed"),
+             LogLine(t0 + 3, "info", "burst mixed#0 done: 8 requests (8 ok, 0 failed, 0 aborted), "
+                                     "TTFT mean 42 ms p95 80 ms, 812 tok/s aggregate over 1.2 s")),
+        tracing=False)
+
+
+@pytest.fixture
+def frozen_app(tiny_model, tmp_path, monkeypatch) -> TokentopApp:
+    monkeypatch.setattr(event_log, "format_clock", lambda t: time.strftime("%H:%M:%S", time.gmtime(t)))
+    return TokentopApp(sim_config(tiny_model), settings_path=tmp_path / "settings.json", live=False)
+
+
+def test_snapshot_main_screen(frozen_app, snap_compare):
+    async def show(pilot):
+        frozen_app.show_snapshot(fixture_snapshot())
+        await pilot.pause()
+    assert snap_compare(frozen_app, terminal_size=SIZE, run_before=show)
+
+
+def test_snapshot_main_screen_small(frozen_app, snap_compare):
+    async def show(pilot):
+        frozen_app.show_snapshot(fixture_snapshot())
+        await pilot.pause()
+    assert snap_compare(frozen_app, terminal_size=(80, 24), run_before=show)
+
+
+def test_snapshot_burst_dialog(frozen_app, snap_compare):
+    assert snap_compare(frozen_app, terminal_size=SIZE, press=["b"])
+
+
+def test_snapshot_help_screen(frozen_app, snap_compare):
+    assert snap_compare(frozen_app, terminal_size=SIZE, press=["question_mark"])
