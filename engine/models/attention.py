@@ -1,0 +1,169 @@
+"""Attention over the paged KV store, planned once per step and run by every layer.
+
+Keys and values stay where the KV store has them: a sequence's slots are gathered by index
+(or read as a view in contiguous mode), never rebuilt page by page. All pure-decode
+sequences of a step share one padded, masked, batched attention; a prefill chunk attends
+per sequence with a causal mask over its cached context plus its new tokens. Sliding-window
+layers only read the keys inside the window. GQA is a grouped reshape of the queries:
+K/V are never repeated per query head.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.models.batch import ForwardBatch, SeqSlice
+
+NEG_INF = float("-inf")
+
+
+@dataclass
+class SingleSeq:
+    """One sequence attended on its own (a prefill chunk, or a decode in deterministic mode)."""
+
+    rows: slice                      # its query rows in the flat batch
+    slots: torch.Tensor | None       # key slots [Lk] to gather, or None when reading a view
+    view_start: int                  # first slot of the view (contiguous mode)
+    num_keys: int                    # Lk
+    mask: torch.Tensor | None        # additive [n, Lk], None when every key is visible
+
+
+@dataclass
+class DecodeGroup:
+    """Every length-1 sequence of the step, attended in one padded batch."""
+
+    rows: torch.Tensor | None        # their query rows, None when they are rows 0..B-1 in order
+    slots: torch.Tensor              # [B, Lmax] key slots, padded with slot 0
+    mask: torch.Tensor | None        # additive [B, 1, 1, Lmax], None when nothing is padded
+
+
+@dataclass
+class AttentionPlan:
+    singles: list[SingleSeq]
+    decode: DecodeGroup | None
+    num_tokens: int
+
+
+def _key_start(seq: SeqSlice, window: int | None) -> int:
+    """First key position any of this chunk's queries can see."""
+    if window is None:
+        return 0
+    first_query = seq.context_len - seq.length
+    return max(0, first_query - window + 1)
+
+
+def _single(seq: SeqSlice, window: int | None) -> SingleSeq:
+    k0 = _key_start(seq, window)
+    num_keys = seq.context_len - k0
+    n = seq.length
+    mask = None
+    if n > 1:  # a single query sees every key from k0 on: causal and window are both satisfied
+        # query i sits at position q = ctx - n + i; key j at position k0 + j
+        q_pos = torch.arange(seq.context_len - n, seq.context_len).unsqueeze(1)
+        k_pos = torch.arange(k0, seq.context_len).unsqueeze(0)
+        hidden = k_pos > q_pos
+        if window is not None:
+            hidden |= k_pos <= q_pos - window
+        mask = torch.zeros(hidden.shape).masked_fill_(hidden, NEG_INF)
+    if seq.contiguous_start is not None:
+        return SingleSeq(slice(seq.start, seq.start + n), None, seq.contiguous_start + k0, num_keys, mask)
+    return SingleSeq(slice(seq.start, seq.start + n), seq.slots[k0:seq.context_len], 0, num_keys, mask)
+
+
+def _decode_group(seqs: list[SeqSlice], window: int | None) -> DecodeGroup:
+    key_slots = [s.slots[_key_start(s, window):s.context_len] for s in seqs]
+    lengths = [int(k.shape[0]) for k in key_slots]
+    lmax = max(lengths)
+    slots = torch.nn.utils.rnn.pad_sequence(key_slots, batch_first=True, padding_value=0)
+    mask = None
+    if min(lengths) != lmax:
+        padded = torch.arange(lmax).unsqueeze(0) >= torch.tensor(lengths).unsqueeze(1)
+        mask = torch.zeros(padded.shape).masked_fill_(padded, NEG_INF)[:, None, None, :]
+    in_order = all(s.start == i for i, s in enumerate(seqs))
+    rows = None if in_order else torch.tensor([s.start for s in seqs])
+    return DecodeGroup(rows, slots, mask)
+
+
+def plan_attention(batch: ForwardBatch, window: int | None, *, batch_decodes: bool = True,
+                   device: torch.device | str = "cpu") -> AttentionPlan:
+    """Index tensors and masks for one step; `window` is the sliding window (None = global).
+
+    With batch_decodes=False (deterministic mode) every sequence is attended alone, so its
+    result cannot depend on how long its batch-mates' contexts are.
+    """
+    decodes = [s for s in batch.seqs if s.length == 1] if batch_decodes else []
+    singles = [_single(s, window) for s in batch.seqs if not (batch_decodes and s.length == 1)]
+    # One decode alone is cheaper on the single path (no padding, a view in contiguous mode).
+    if len(decodes) == 1:
+        singles.append(_single(decodes[0], window))
+        decodes = []
+    group = _decode_group(decodes, window) if decodes else None
+    plan = AttentionPlan(singles, group, batch.num_tokens)
+    return _to_device(plan, device) if torch.device(device).type != "cpu" else plan
+
+
+def _to_device(plan: AttentionPlan, device) -> AttentionPlan:
+    move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+    for s in plan.singles:
+        s.slots, s.mask = move(s.slots), move(s.mask)
+    if plan.decode is not None:
+        d = plan.decode
+        plan.decode = DecodeGroup(move(d.rows), move(d.slots), move(d.mask))
+    return plan
+
+
+def attend(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, plan: AttentionPlan,
+           softcap: float | None = None) -> torch.Tensor:
+    """q: [T, H, hd], already rotated and scaled. k/v_store: [slots, KV, hd]. Returns [T, H*hd]."""
+    T, H, hd = q.shape
+    KV = k_store.shape[1]
+    G = H // KV
+    only = len(plan.singles) + (plan.decode is not None) == 1
+    out = None if only and (plan.decode is None or plan.decode.rows is None) else q.new_empty(T, H * hd)
+
+    for s in plan.singles:
+        if s.slots is None:
+            k = k_store.narrow(0, s.view_start, s.num_keys)
+            v = v_store.narrow(0, s.view_start, s.num_keys)
+        else:
+            k = k_store.index_select(0, s.slots)
+            v = v_store.index_select(0, s.slots)
+        k, v = k.to(q.dtype), v.to(q.dtype)  # no-op for the default fp32 store
+        qs = q[s.rows]
+        n = qs.shape[0]
+        # [n, KV*G, hd] -> [KV, G*n, hd]: each KV head serves its G query heads in one bmm
+        qg = qs.view(n, KV, G, hd).permute(1, 2, 0, 3).reshape(KV, G * n, hd)
+        scores = torch.bmm(qg, k.permute(1, 2, 0))                      # [KV, G*n, Lk]
+        scores = _finish_scores(scores.view(KV, G, n, -1), s.mask, softcap)
+        o = torch.bmm(scores.view(KV, G * n, -1), v.transpose(0, 1))   # [KV, G*n, hd]
+        o = o.view(KV, G, n, hd).permute(2, 0, 1, 3).reshape(n, H * hd)
+        if out is None:
+            return o
+        out[s.rows] = o
+
+    d = plan.decode
+    if d is not None:
+        B, L = d.slots.shape
+        qd = q if d.rows is None else q.index_select(0, d.rows)
+        flat = d.slots.view(-1)
+        k = k_store.index_select(0, flat).view(B, L, KV, hd).to(q.dtype)
+        v = v_store.index_select(0, flat).view(B, L, KV, hd).to(q.dtype)
+        scores = torch.matmul(qd.view(B, KV, G, hd), k.permute(0, 2, 3, 1))  # [B, KV, G, L]
+        scores = _finish_scores(scores, d.mask, softcap)
+        o = torch.matmul(scores, v.transpose(1, 2)).reshape(B, H * hd)        # [B, KV, G, hd]
+        if out is None:
+            return o
+        if d.rows is None:
+            out[:B] = o
+        else:
+            out.index_copy_(0, d.rows, o)
+    return out
+
+
+def _finish_scores(scores: torch.Tensor, mask: torch.Tensor | None, softcap: float | None) -> torch.Tensor:
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores + mask
+    return torch.softmax(scores, dim=-1)

@@ -1,0 +1,200 @@
+"""One decoder-only transformer for qwen2, llama and gemma3; the differences are config switches.
+
+Numerics: the residual stream, norms, rotary, attention and the KV store are fp32; only the
+inputs of the linear layers are cast to the policy's activation dtype (bf16 by default,
+because the quantized CPU kernels are fast only with bf16 inputs). A forward step takes a
+flat batch of several sequences (engine/models/batch.py) and returns fp32 logits for the
+requested rows only: the lm_head is a quarter of a decode step, wasted on prompt rows.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.attention import AttentionPlan, attend, plan_attention
+from engine.models.batch import ForwardBatch, KVStore
+from engine.models.gguf import GGUFFile, ModelConfig
+from engine.models.quant import LinearPolicy, dequantize, dequantize_rows, make_embedding, make_linear
+from engine.models.rope import RotaryTable
+from engine.trace import get_tracer
+
+# Candidates whose logits are recomputed in fp32 when the lm_head runs in bf16 (see _refine).
+REFINED_CANDIDATES = 32
+
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+class Block(nn.Module):
+    """Pre-norm attention + gated MLP, with gemma's optional QK-norm and post-norms."""
+
+    def __init__(self, gf: GGUFFile, i: int, policy: LinearPolicy):
+        super().__init__()
+        c = gf.config
+        p = f"blk.{i}."
+
+        def linear(*names: str, bias: bool = False) -> nn.Module:
+            # several matrices with the same input become one call (q/k/v, gate/up)
+            weights = [gf.tensor(p + n + ".weight") for n in names]
+            biases = [gf.tensor(p + n + ".bias") for n in names] if bias else None
+            return make_linear(weights, bias=biases, policy=policy)
+
+        def norm(name: str) -> torch.Tensor:
+            return dequantize(gf.tensor(p + name + ".weight")).to(policy.device)
+
+        self.layer = i
+        self.eps = c.norm_eps
+        self.n_heads, self.n_kv, self.head_dim = c.n_heads, c.n_kv_heads, c.head_dim
+        self.act_dtype = policy.activation_dtype
+        self.sliding = c.is_sliding(i)
+        self.attn_softcap = c.attn_logit_softcap
+        self.act = _ACTIVATIONS[c.activation]
+
+        self.attn_norm = norm("attn_norm")
+        self.qkv_proj = linear("attn_q", "attn_k", "attn_v", bias=c.qkv_bias)
+        self.q_width = c.n_heads * c.head_dim
+        self.kv_width = c.n_kv_heads * c.head_dim
+        self.o_proj = linear("attn_output")
+        self.q_norm = norm("attn_q_norm") if c.qk_norm else None
+        self.k_norm = norm("attn_k_norm") if c.qk_norm else None
+        self.post_attn_norm = norm("post_attention_norm") if c.post_norms else None
+        self.ffn_norm = norm("ffn_norm")
+        self.gate_up_proj = linear("ffn_gate", "ffn_up")
+        self.ffn_dim = c.ffn_dim
+        self.down_proj = linear("ffn_down")
+        self.post_ffn_norm = norm("post_ffw_norm") if c.post_norms else None
+
+    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, w.shape, w, self.eps)
+
+    def forward(self, x: torch.Tensor, kv: KVStore, write_slots: torch.Tensor, plan: AttentionPlan,
+                rope: RotaryTable, cos: torch.Tensor, sin: torch.Tensor,
+                q_cos: torch.Tensor, q_sin: torch.Tensor) -> torch.Tensor:
+        tracer = get_tracer()
+        T = x.shape[0]
+        with tracer.scope("attn"):
+            h = self._norm(x, self.attn_norm).to(self.act_dtype)
+            qkv = self.qkv_proj(h)
+            q, k, v = qkv.split([self.q_width, self.kv_width, self.kv_width], dim=1)
+            q = q.view(T, self.n_heads, self.head_dim)
+            k = k.view(T, self.n_kv, self.head_dim)
+            v = v.view(T, self.n_kv, self.head_dim)
+            if self.q_norm is not None:
+                q = self._norm(q.float(), self.q_norm)
+                k = self._norm(k.float(), self.k_norm)
+            # the attention scale is folded into q's cos/sin table: no extra op per layer
+            q = rope.apply(q, q_cos, q_sin)
+            k = rope.apply(k, cos, sin)
+            k_store, v_store = kv.k[self.layer], kv.v[self.layer]
+            k_store.index_copy_(0, write_slots, k.to(k_store.dtype))
+            v_store.index_copy_(0, write_slots, v.to(v_store.dtype))
+            with tracer.scope("attention"):
+                a = attend(q, k_store, v_store, plan, self.attn_softcap)
+            a = self.o_proj(a.to(self.act_dtype))
+            if self.post_attn_norm is not None:
+                a = self._norm(a.float(), self.post_attn_norm)
+            x = x + a
+        with tracer.scope("mlp"):
+            h = self._norm(x, self.ffn_norm).to(self.act_dtype)
+            gate, up = self.gate_up_proj(h).split(self.ffn_dim, dim=1)
+            m = (self.act(gate.float()) * up).to(self.act_dtype)
+            m = self.down_proj(m)
+            if self.post_ffn_norm is not None:
+                m = self._norm(m.float(), self.post_ffn_norm)
+            x = x + m
+        return x
+
+
+class Decoder(nn.Module):
+    def __init__(self, gf: GGUFFile, policy: LinearPolicy):
+        super().__init__()
+        c: ModelConfig = gf.config
+        self.config = c
+        self.policy = policy
+        self.device = torch.device(policy.device)
+        self.act_dtype = policy.activation_dtype
+        self.embed = make_embedding(gf.tensor("token_embd.weight"), device=policy.device)
+        self.embed_scale = c.embed_scale
+        self.blocks = nn.ModuleList(Block(gf, i, policy) for i in range(c.n_layers))
+        self.final_norm = dequantize(gf.tensor("output_norm.weight")).to(self.device)
+        self.head_td = gf.tensor("token_embd.weight" if c.tied_embeddings else "output.weight")
+        self.lm_head = make_linear(self.head_td, bias=None, policy=policy)
+        self.final_softcap = c.final_logit_softcap
+
+        freq_factors = dequantize(gf.tensor("rope_freqs.weight")) if gf.has("rope_freqs.weight") else None
+        capacity = min(c.context_length, 4096)
+        self.rope_global = RotaryTable(c.head_dim, c.rope_base, interleaved=c.rope_interleaved,
+                                       scaling=c.rope_scaling, freq_factors=freq_factors,
+                                       capacity=capacity, device=self.device)
+        # gemma3's sliding layers use their own base and no scaling
+        self.rope_local = self.rope_global
+        if any(c.is_sliding(i) for i in range(c.n_layers)) and c.rope_local_base != c.rope_base:
+            self.rope_local = RotaryTable(c.head_dim, c.rope_local_base, interleaved=c.rope_interleaved,
+                                          capacity=capacity, device=self.device)
+        self.has_sliding = any(c.is_sliding(i) for i in range(c.n_layers))
+        self.has_global = not all(c.is_sliding(i) for i in range(c.n_layers))
+
+    @classmethod
+    def from_gguf(cls, gf: GGUFFile, policy: LinearPolicy) -> "Decoder":
+        return cls(gf, policy)
+
+    def new_kv_store(self, num_slots: int, dtype: torch.dtype = torch.float32) -> KVStore:
+        c = self.config
+        return KVStore(c.n_layers, num_slots, c.n_kv_heads, c.head_dim, dtype=dtype, device=self.device)
+
+    def _rope_inputs(self, rope: RotaryTable, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        cos, sin = rope.lookup(positions)
+        scale = self.config.attn_scale
+        return cos, sin, cos * scale, sin * scale
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv: KVStore) -> torch.Tensor:
+        dev = self.device
+        tracer = get_tracer()
+        with tracer.scope("model", tokens=batch.num_tokens, seqs=len(batch.seqs)):
+            ids = batch.token_ids.to(dev)
+            positions = batch.positions.to(dev)
+            write_slots = batch.write_slots.to(dev)
+            batch_decodes = not self.policy.deterministic
+            c = self.config
+            plans, ropes = {}, {}
+            if self.has_global:
+                plans[False] = plan_attention(batch, None, batch_decodes=batch_decodes, device=dev)
+                ropes[False] = (self.rope_global, *self._rope_inputs(self.rope_global, positions))
+            if self.has_sliding:
+                plans[True] = plan_attention(batch, c.sliding_window, batch_decodes=batch_decodes, device=dev)
+                ropes[True] = (self.rope_local, *self._rope_inputs(self.rope_local, positions))
+
+            x = self.embed(ids).float()
+            if self.embed_scale != 1.0:
+                x = x * self.embed_scale
+            for block in self.blocks:
+                with tracer.scope("layer", i=block.layer):
+                    x = block(x, kv, write_slots, plans[block.sliding], *ropes[block.sliding])
+
+            x = x.index_select(0, batch.logits_rows.to(dev))
+            h = F.rms_norm(x, self.final_norm.shape, self.final_norm, c.norm_eps)
+            with tracer.scope("qmatmul", op="lm-head"):
+                logits = self.lm_head(h.to(self.act_dtype)).float()
+            if self.act_dtype != torch.float32:
+                logits = self._refine(logits, h)
+            if self.final_softcap is not None:
+                logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+            return logits
+
+    def _refine(self, logits: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """Recompute the top candidates' logits exactly (fp32 hidden state, exact GGUF rows).
+
+        A bf16 lm_head rounds its outputs to 8 significant bits: 0.06-0.125 apart at the usual
+        top-logit sizes, which turns near-ties into exact ties and flips greedy choices the
+        fp32 model would not. The few rows that can win cost well under a millisecond.
+        """
+        R, hidden = h.shape
+        cand = logits.topk(REFINED_CANDIDATES, dim=-1).indices
+        rows = dequantize_rows(self.head_td, cand.reshape(-1).cpu()).to(h.device)
+        # multiply-and-sum rather than bmm: each row's result must not depend on R
+        exact = (rows.view(R, REFINED_CANDIDATES, hidden) * h.unsqueeze(1)).sum(-1)
+        return logits.scatter_(1, cand, exact)

@@ -1,0 +1,77 @@
+"""Rotary position embedding: cos/sin tables computed once, applied by position lookup.
+
+Two pairings exist in GGUF files. NeoX ("rotate half": dim i pairs with i + d/2) is what
+qwen2 and gemma3 use. Llama GGUFs are converted with their Q/K rows permuted so that
+llama.cpp can use its "normal" rope, where dim 2i pairs with 2i+1 (interleaved).
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.errors import ModelError
+
+
+def inverse_frequencies(head_dim: int, base: float, scaling: dict | None,
+                        freq_factors: torch.Tensor | None) -> tuple[torch.Tensor, float]:
+    """Per-pair inverse frequency (fp32, as HF computes it) and the position scale.
+
+    Linear scaling divides positions by the factor; llama3-style scaling arrives in GGUF
+    as a `rope_freqs.weight` tensor that divides each frequency.
+    """
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if freq_factors is not None:
+        inv_freq = inv_freq / freq_factors.float()
+    position_scale = 1.0
+    kind = (scaling or {}).get("type", "none")
+    if kind in ("none", None, ""):
+        pass
+    elif kind == "linear":
+        position_scale = 1.0 / float(scaling["factor"])
+    else:
+        raise ModelError(f"This model asks for '{kind}' rope scaling, which tokentop does not implement "
+                         f"yet (linear and llama3 frequency factors are supported). Use a model without it.")
+    return inv_freq, position_scale
+
+
+class RotaryTable:
+    """cos/sin for positions [0, capacity), grown by doubling when a longer position shows up."""
+
+    def __init__(self, head_dim: int, base: float, *, interleaved: bool = False,
+                 scaling: dict | None = None, freq_factors: torch.Tensor | None = None,
+                 capacity: int = 4096, device: str | torch.device = "cpu"):
+        self.head_dim = head_dim
+        self.interleaved = interleaved
+        self.inv_freq, self.position_scale = inverse_frequencies(head_dim, base, scaling, freq_factors)
+        self.inv_freq = self.inv_freq.to(device)
+        self.cos = self.sin = torch.empty(0, device=device)
+        self._grow(capacity)
+
+    def _grow(self, capacity: int) -> None:
+        pos = torch.arange(capacity, device=self.inv_freq.device).float() * self.position_scale
+        freqs = torch.outer(pos, self.inv_freq)  # [capacity, d/2] fp32, like HF
+        if self.interleaved:
+            freqs = freqs.repeat_interleave(2, dim=-1)
+        else:
+            freqs = torch.cat([freqs, freqs], dim=-1)
+        self.cos, self.sin = freqs.cos(), freqs.sin()
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape [T, 1, head_dim], ready to broadcast over heads."""
+        needed = int(positions.max()) + 1
+        if needed > self.cos.shape[0]:
+            cap = self.cos.shape[0]
+            while cap < needed:
+                cap *= 2
+            self._grow(cap)
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, head_dim] fp32."""
+        return x * cos + self._rotate(x) * sin
+
+    def _rotate(self, x: torch.Tensor) -> torch.Tensor:
+        if self.interleaved:
+            pairs = x.unflatten(-1, (-1, 2))
+            return torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+        half = self.head_dim // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

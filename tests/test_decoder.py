@@ -1,0 +1,322 @@
+"""Decoder on tiny random GGUF models: against an independent naive implementation, and the
+invariants of the flat-batch contract (batching, chunking, paging, sliding window)."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from engine.models.batch import ForwardBatch, KVStore, SeqSlice
+from engine.models.decoder import Decoder
+from engine.models.gguf import load_gguf
+from engine.models.quant import LinearPolicy
+
+FP32 = LinearPolicy(activation_dtype=torch.float32)
+FP32_DET = LinearPolicy(activation_dtype=torch.float32, deterministic=True)
+BF16 = LinearPolicy(activation_dtype=torch.bfloat16)
+BF16_DET = LinearPolicy(activation_dtype=torch.bfloat16, deterministic=True)
+
+
+# ---- an independent, naive reference: gguf-py's reader and dequantizer, plain loops ----------
+
+class NaiveModel:
+    """Dense fp32, full causal attention recomputed from scratch for the whole sequence.
+
+    Shares no code with the engine: tensors come from gguf.GGUFReader and gguf.quants, the
+    architecture switches are spelled out here from the llama.cpp conventions.
+    """
+
+    def __init__(self, path: Path):
+        r = gguf.GGUFReader(str(path))
+        self.arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
+        md = {k: f.contents() for k, f in r.fields.items() if not k.startswith("tokenizer.")}
+        a = self.arch
+        self.n_layers = md[f"{a}.block_count"]
+        self.hidden = md[f"{a}.embedding_length"]
+        self.n_heads = md[f"{a}.attention.head_count"]
+        self.n_kv = md[f"{a}.attention.head_count_kv"]
+        self.head_dim = md.get(f"{a}.attention.key_length", self.hidden // self.n_heads)
+        self.eps = md[f"{a}.attention.layer_norm_rms_epsilon"]
+        self.base = md[f"{a}.rope.freq_base"]
+        self.window = md.get(f"{a}.attention.sliding_window")
+        self.w = {}
+        for t in r.tensors:
+            shape = [int(x) for x in reversed(t.shape)]
+            self.w[t.name] = torch.from_numpy(
+                np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)).reshape(shape)
+
+    def sliding(self, layer: int) -> bool:
+        return self.arch == "gemma3" and (layer + 1) % 6 != 0
+
+    def rope(self, x: torch.Tensor, pos: int, base: float) -> torch.Tensor:
+        """x: [heads, head_dim] at one position."""
+        d = self.head_dim
+        out = x.clone()
+        for i in range(d // 2):
+            theta = pos * base ** (-2.0 * i / d)
+            c, s = math.cos(theta), math.sin(theta)
+            a, b = (2 * i, 2 * i + 1) if self.arch == "llama" else (i, i + d // 2)
+            out[:, a] = x[:, a] * c - x[:, b] * s
+            out[:, b] = x[:, b] * c + x[:, a] * s
+        return out
+
+    def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return x / torch.sqrt((x * x).mean(-1, keepdim=True) + self.eps) * self.w[name]
+
+    def logits(self, tokens: list[int]) -> torch.Tensor:
+        """[len(tokens), vocab] logits at every position."""
+        gemma = self.arch == "gemma3"
+        n, H, KV, d = len(tokens), self.n_heads, self.n_kv, self.head_dim
+        x = self.w["token_embd.weight"][tokens].clone()
+        if gemma:
+            x = x * math.sqrt(self.hidden)
+        for i in range(self.n_layers):
+            p = f"blk.{i}."
+            h = self.norm(x, p + "attn_norm.weight")
+            proj = {}
+            for m in "qkv":
+                y = h @ self.w[p + f"attn_{m}.weight"].T
+                if p + f"attn_{m}.bias" in self.w:
+                    y = y + self.w[p + f"attn_{m}.bias"]
+                proj[m] = y.view(n, -1, d)
+            q, k, v = proj["q"], proj["k"], proj["v"]
+            if gemma:
+                q = self.norm(q, p + "attn_q_norm.weight")
+                k = self.norm(k, p + "attn_k_norm.weight")
+            base = 10000.0 if gemma and self.sliding(i) else self.base
+            q = torch.stack([self.rope(q[t], t, base) for t in range(n)])
+            k = torch.stack([self.rope(k[t], t, base) for t in range(n)])
+            att = torch.zeros(n, H, d)
+            for t in range(n):
+                for hh in range(H):
+                    kh = hh // (H // KV)
+                    lo = max(0, t - self.window + 1) if self.sliding(i) else 0
+                    scores = (k[lo:t + 1, kh] @ q[t, hh]) / math.sqrt(d)
+                    att[t, hh] = torch.softmax(scores, 0) @ v[lo:t + 1, kh]
+            a = att.reshape(n, H * d) @ self.w[p + "attn_output.weight"].T
+            if gemma:
+                a = self.norm(a, p + "post_attention_norm.weight")
+            x = x + a
+            h = self.norm(x, p + "ffn_norm.weight")
+            g = h @ self.w[p + "ffn_gate.weight"].T
+            g = torch.nn.functional.gelu(g, approximate="tanh") if gemma else torch.nn.functional.silu(g)
+            m = (g * (h @ self.w[p + "ffn_up.weight"].T)) @ self.w[p + "ffn_down.weight"].T
+            if gemma:
+                m = self.norm(m, p + "post_ffw_norm.weight")
+            x = x + m
+        x = self.norm(x, "output_norm.weight")
+        head = self.w.get("output.weight", self.w["token_embd.weight"])
+        return x @ head.T
+
+
+# ---- helpers: drive the decoder like the engine does -----------------------------------------
+
+def step(model: Decoder, kv: KVStore, seqs: list[tuple[list[int], int, torch.Tensor]],
+         contiguous: bool = False) -> torch.Tensor:
+    """One forward over several sequences. Each is (all its tokens so far, how many are new,
+    its slots for every position); returns the logits of each sequence's last token."""
+    ids, pos, write, slices, rows = [], [], [], [], []
+    for tokens, n_new, slots in seqs:
+        ctx = len(tokens)
+        start = len(ids)
+        ids += tokens[ctx - n_new:]
+        pos += range(ctx - n_new, ctx)
+        write.append(slots[ctx - n_new:ctx])
+        cs = int(slots[0]) if contiguous else None
+        slices.append(SeqSlice(start, n_new, ctx, slots[:ctx], cs))
+        rows.append(start + n_new - 1)
+    batch = ForwardBatch(torch.tensor(ids), torch.tensor(pos), torch.cat(write), slices, torch.tensor(rows))
+    return model(batch, kv)
+
+
+def prefill_all_rows(model: Decoder, kv: KVStore, tokens: list[int], slots: torch.Tensor) -> torch.Tensor:
+    n = len(tokens)
+    batch = ForwardBatch(torch.tensor(tokens), torch.arange(n), slots[:n],
+                         [SeqSlice(0, n, n, slots[:n])], torch.arange(n))
+    return model(batch, kv)
+
+
+def tokens_for(n: int, seed: int = 0, vocab: int = 250) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen(tmp_path_factory) -> Path:
+    from tests.fixtures.tiny_gguf import write_tiny_model
+    return write_tiny_model(tmp_path_factory.mktemp("dec") / "qwen.gguf", "qwen2", n_layers=2)
+
+
+# ---- against the naive reference -------------------------------------------------------------
+
+ARCH_CASES = {
+    "qwen2": dict(n_layers=2),
+    "llama": dict(n_layers=2),
+    # six layers: five sliding (window 4) and one global, as gemma3's 5:1 pattern
+    "gemma3": dict(n_layers=6, n_heads=4, n_kv_heads=1, head_dim=32, sliding_window=4),
+}
+
+
+@pytest.mark.parametrize("arch", list(ARCH_CASES))
+def test_matches_naive_reference(tiny_model_path, arch):
+    path = tiny_model_path(arch, **ARCH_CASES[arch])
+    naive = NaiveModel(path).logits(tokens := tokens_for(12, seed=1))
+    model = Decoder.from_gguf(load_gguf(path), FP32)
+    kv = model.new_kv_store(64)
+    slots = torch.arange(64)
+
+    # a prefill of every row at once, then the same positions decoded one by one (past the window)
+    full = prefill_all_rows(model, kv, tokens, slots)
+    torch.testing.assert_close(full, naive, atol=2e-4, rtol=1e-4)
+
+    kv = model.new_kv_store(64)
+    step(model, kv, [(tokens[:5], 5, slots)])
+    for t in range(6, len(tokens) + 1):
+        got = step(model, kv, [(tokens[:t], 1, slots)])[0]
+        torch.testing.assert_close(got, naive[t - 1], atol=2e-4, rtol=1e-4)
+
+
+def test_naive_reference_is_sensitive_to_arch_switches(tiny_model_path):
+    """Guard against the two implementations agreeing by sharing a mistake: the llama rope
+    pairing differs from NeoX's, so running llama weights through a NeoX decoder must differ."""
+    path = tiny_model_path("llama", **ARCH_CASES["llama"])
+    naive = NaiveModel(path)
+    tokens = tokens_for(8, seed=2)
+    want = naive.logits(tokens)
+    naive.arch = "qwen2"                       # same weights, NeoX pairing
+    assert (naive.logits(tokens) - want).abs().max() > 1e-3
+
+
+# ---- the flat-batch contract -----------------------------------------------------------------
+
+def _three_sequences():
+    """A: prefill chunk of 5 on top of 3 cached; B and C: decodes with different context lengths."""
+    a, b, c = tokens_for(8, seed=3), tokens_for(11, seed=4), tokens_for(4, seed=5)
+    slots = torch.randperm(96, generator=torch.Generator().manual_seed(0))
+    return (a, 5, slots[0:32]), (b, 1, slots[32:64]), (c, 1, slots[64:96])
+
+
+def _prime(model: Decoder, kv: KVStore, seq) -> None:
+    """Compute the cached part of a sequence (everything before its new tokens)."""
+    tokens, n_new, slots = seq
+    if len(tokens) > n_new:
+        step(model, kv, [(tokens[:len(tokens) - n_new], len(tokens) - n_new, slots)])
+
+
+@pytest.mark.parametrize("policy", [FP32, BF16, FP32_DET, BF16_DET],
+                         ids=["fp32", "bf16", "fp32-deterministic", "bf16-deterministic"])
+def test_flat_batch_equals_each_sequence_alone(tiny_qwen, policy):
+    model = Decoder.from_gguf(load_gguf(tiny_qwen), policy)
+    seqs = _three_sequences()
+    kv = model.new_kv_store(96)
+    for s in seqs:
+        _prime(model, kv, s)
+    # the decodes on both sides of the prefill chunk: rows are not in sequence order
+    together = step(model, kv, [seqs[1], seqs[0], seqs[2]])
+    alone = torch.stack([step(model, kv, [s])[0] for s in (seqs[1], seqs[0], seqs[2])])
+    if policy.deterministic:
+        assert torch.equal(together, alone)
+    else:
+        tol = 1e-5 if policy.activation_dtype == torch.float32 else 5e-2
+        torch.testing.assert_close(together, alone, atol=tol, rtol=tol)
+
+
+def test_batched_decodes_equal_alone(tiny_qwen):
+    """Several decodes of different lengths share one padded attention; padding must be masked."""
+    model = Decoder.from_gguf(load_gguf(tiny_qwen), FP32)
+    kv = model.new_kv_store(128)
+    seqs = [(tokens_for(n, seed=n), 1, torch.arange(32 * i, 32 * i + 32)) for i, n in enumerate((3, 17, 9, 30))]
+    for s in seqs:
+        _prime(model, kv, s)
+    together = step(model, kv, seqs)
+    alone = torch.stack([step(model, kv, [s])[0] for s in seqs])
+    torch.testing.assert_close(together, alone, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+def test_chunked_prefill_equals_one_shot(tiny_model_path, arch):
+    path = tiny_model_path(arch, **ARCH_CASES[arch])
+    model = Decoder.from_gguf(load_gguf(path), FP32)
+    tokens = tokens_for(23, seed=6)
+    slots = torch.arange(32)
+    one_shot = step(model, model_kv := model.new_kv_store(32), [(tokens, len(tokens), slots)])
+    kv = model.new_kv_store(32)
+    for start in range(0, len(tokens), 7):
+        end = min(start + 7, len(tokens))
+        chunked = step(model, kv, [(tokens[:end], end - start, slots)])
+    torch.testing.assert_close(chunked, one_shot, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kv.k[0][:23], model_kv.k[0][:23], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("policy", [FP32, BF16], ids=["fp32", "bf16"])
+def test_paged_equals_contiguous_exactly(tiny_qwen, policy):
+    model = Decoder.from_gguf(load_gguf(tiny_qwen), policy)
+    tokens = tokens_for(20, seed=7)
+    shuffled = torch.randperm(64, generator=torch.Generator().manual_seed(1))[:32]
+    outs = []
+    for slots, contiguous in ((shuffled, False), (torch.arange(16, 48), True)):
+        kv = model.new_kv_store(64)
+        got = [step(model, kv, [(tokens[:12], 12, slots)], contiguous)]
+        got += [step(model, kv, [(tokens[:t], 1, slots)], contiguous) for t in range(13, 21)]
+        outs.append(torch.cat(got))
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_sliding_window_hides_old_tokens(tiny_model_path):
+    """One sliding layer, window 4: the last token sees itself and the 3 before it, nothing older."""
+    path = tiny_model_path("gemma3", n_layers=1, n_heads=2, n_kv_heads=1, head_dim=32, sliding_window=4)
+    model = Decoder.from_gguf(load_gguf(path), FP32)
+    assert model.config.is_sliding(0)
+    tokens = tokens_for(10, seed=8)
+    slots = torch.arange(16)
+
+    def last_logits(toks: list[int], chunk: int) -> torch.Tensor:
+        kv = model.new_kv_store(16)
+        step(model, kv, [(toks[:-chunk], len(toks) - chunk, slots)])
+        return step(model, kv, [(toks, chunk, slots)])[0]
+
+    for chunk in (1, 3):      # the decode path and the prefill path
+        base = last_logits(tokens, chunk)
+        outside = tokens.copy()
+        outside[-5] = (outside[-5] + 1) % 250          # 4 positions before the last: outside
+        assert torch.equal(last_logits(outside, chunk), base)
+        inside = tokens.copy()
+        inside[-4] = (inside[-4] + 1) % 250            # 3 positions before: inside
+        assert not torch.allclose(last_logits(inside, chunk), base)
+
+
+def test_global_layer_sees_past_the_window(tiny_model_path):
+    """With gemma3's 6th layer global, an old token does reach the last position."""
+    path = tiny_model_path("gemma3", **ARCH_CASES["gemma3"])
+    model = Decoder.from_gguf(load_gguf(path), FP32)
+    assert not model.config.is_sliding(5)
+    tokens = tokens_for(16, seed=9)
+    changed = tokens.copy()
+    changed[0] = (changed[0] + 1) % 250
+    slots = torch.arange(16)
+    a = step(model, model.new_kv_store(16), [(tokens, 16, slots)])
+    b = step(model, model.new_kv_store(16), [(changed, 16, slots)])
+    assert not torch.allclose(a, b)
+
+
+def test_logits_only_for_requested_rows(tiny_qwen):
+    model = Decoder.from_gguf(load_gguf(tiny_qwen), FP32)
+    tokens = tokens_for(6, seed=10)
+    kv = model.new_kv_store(8)
+    batch = ForwardBatch(torch.tensor(tokens), torch.arange(6), torch.arange(6),
+                         [SeqSlice(0, 6, 6, torch.arange(6))], torch.tensor([2, 5]))
+    out = model(batch, kv)
+    assert out.shape == (2, model.config.vocab_size) and out.dtype == torch.float32
+    every = prefill_all_rows(model, model.new_kv_store(8), tokens, torch.arange(8))
+    torch.testing.assert_close(out, every[[2, 5]], atol=1e-5, rtol=1e-5)
+
+
+def test_kv_store_geometry(tiny_qwen):
+    model = Decoder.from_gguf(load_gguf(tiny_qwen), FP32)
+    kv = model.new_kv_store(40)
+    c = model.config
+    assert len(kv.k) == c.n_layers and kv.k[0].shape == (40, c.n_kv_heads, c.head_dim)
+    assert kv.k[0].dtype == torch.float32
