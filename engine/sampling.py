@@ -1,0 +1,376 @@
+"""Turn one step's logits into tokens: penalties, temperature, top-k / top-p / min-p, seeded draws.
+
+Order of operations, per row (one row = one request sampling this step):
+
+    penalties -> temperature -> top-k -> top-p -> min-p -> draw
+
+- Penalties: repetition_penalty (HF / llama.cpp: a seen token's logit is divided by r when
+  positive, multiplied by r otherwise) counts the prompt *and* generated tokens;
+  presence_penalty and frequency_penalty (OpenAI: logit -= presence * [count > 0] +
+  frequency * count) count generated tokens only, so a prompt full of code is not punished
+  for being repeated by the answer.
+- Temperature 0 is greedy: argmax of the penalized logits, ties go to the lowest token id.
+- top-k keeps the k most likely tokens; top-p then keeps the smallest set whose mass (on the
+  renormalized top-k distribution) is >= p, always at least the top token; min-p then keeps
+  tokens with p(x) >= min_p * p(top). Ties in likelihood are ranked by lower token id, so the
+  kept set is a pure function of the row's own logits.
+- Each sampled (non-greedy) token costs exactly one uniform draw from the request's own
+  generator, mapped through the inverse CDF of the final distribution: same seed => same
+  tokens, whether the request ran alone or batched with others.
+- Reported logprobs are those of the distribution after penalties and temperature (before
+  the top-k/p/min-p filters); for greedy rows, after penalties at temperature 1.
+
+The probability helpers at the end (probs_for, total_variation, mentored_mix,
+speculative_accept, residual, draw_from) are the building blocks of speculative decoding.
+"""
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from engine.config import SamplingParams
+from engine.errors import TokentopError
+
+# How many candidates topk fetches for a top-p row without top-k, then for rows it could
+# not decide, before a full sort of the vocabulary (152k floats: ~15 ms on CPU, while
+# topk(64) costs ~0.3 ms and topk(1024) ~0.8 ms).
+_TOP_P_FETCH = 64
+_WIDER_FETCH = (1024, 16384)
+
+
+class SamplingError(TokentopError):
+    """A row of logits had no valid distribution; only that row's request should fail."""
+
+    def __init__(self, row: int, detail: str):
+        self.row = row
+        super().__init__(
+            f"Sampling failed for the request in batch row {row}: the model's scores were {detail}. "
+            "This request was stopped; the others in the batch continue. It points to a numerical "
+            "fault in the model run: retry, or use --activation-dtype fp32 or another device.")
+
+
+class RequestSampler:
+    """Per-request sampling state: parameters, seeded generator, token counts for penalties."""
+
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int] = ()):
+        self.params = params.validate()
+        # A request without a seed gets a random one, recorded so the run can be replayed.
+        self.seed: int = params.seed if params.seed is not None else secrets.randbits(63)
+        self.generator = torch.Generator().manual_seed(self.seed)
+        self._prompt_ids = torch.tensor(sorted(set(prompt_ids)), dtype=torch.int64)
+        self.generated_counts: dict[int, int] = {}
+        self._penalty_index: tuple[Tensor, Tensor, Tensor] | None = None
+
+    @property
+    def has_penalties(self) -> bool:
+        p = self.params
+        return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+    def observe(self, token_id: int) -> None:
+        """Record a generated token (call once per token the request emits)."""
+        self.generated_counts[token_id] = self.generated_counts.get(token_id, 0) + 1
+        self._penalty_index = None
+
+    def uniform(self) -> float:
+        """One U[0, 1) draw from this request's own stream."""
+        return torch.rand((), generator=self.generator, dtype=torch.float64).item()
+
+    def penalty_index(self) -> tuple[Tensor, Tensor, Tensor]:
+        """(ids seen in prompt or output, generated ids, their counts), rebuilt after observe()."""
+        if self._penalty_index is None:
+            gen_ids = torch.tensor(list(self.generated_counts), dtype=torch.int64)
+            counts = torch.tensor(list(self.generated_counts.values()), dtype=torch.float32)
+            # Duplicates in seen_ids are harmless: every copy reads the same original logit.
+            seen_ids = torch.cat([self._prompt_ids, gen_ids])
+            self._penalty_index = (seen_ids, gen_ids, counts)
+        return self._penalty_index
+
+
+@dataclass
+class SampleResult:
+    tokens: Tensor                       # int64 [R] on CPU; -1 for a failed row
+    logprobs: Tensor                     # float32 [R]: chosen token's logprob; nan if failed
+    top_logprobs: list[list[tuple[int, float]]]  # per row, most likely first; [] if not asked
+    errors: dict[int, SamplingError] = field(default_factory=dict)  # row -> why it failed
+
+
+def apply_penalties_(logits: Tensor, sampler: RequestSampler) -> Tensor:
+    """Apply the request's penalties to one row of logits in place and return it."""
+    p = sampler.params
+    seen_ids, gen_ids, counts = (t.to(logits.device) for t in sampler.penalty_index())
+    if p.repetition_penalty != 1.0 and seen_ids.numel():
+        seen = logits[seen_ids]
+        logits[seen_ids] = torch.where(seen > 0, seen / p.repetition_penalty, seen * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and gen_ids.numel():
+        logits[gen_ids] -= p.frequency_penalty * counts + p.presence_penalty
+    return logits
+
+
+@dataclass
+class _Scores:
+    """One batch's logits after penalties and temperature, shared by every sampling path."""
+
+    raw: Tensor      # [R, V] float32 logits after penalties: greedy argmax reads these
+    scaled: Tensor   # [R, V] (raw - row max) / T; T = 1 for greedy rows; max 0 on valid rows
+    expd: Tensor     # [R, V] exp(scaled): unnormalized probabilities, max 1
+    mass: Tensor     # [R] float64 sum of expd
+    ok: Tensor       # [R] bool: the row has a usable distribution
+
+
+def _score(logits: Tensor, samplers: Sequence[RequestSampler]) -> _Scores:
+    if logits.dim() != 2 or logits.shape[0] != len(samplers):
+        raise ValueError(f"logits {tuple(logits.shape)} do not match {len(samplers)} samplers")
+    raw = logits.float()
+    penalized = [i for i, s in enumerate(samplers) if s.has_penalties]
+    if penalized:
+        raw = raw.clone()  # the caller's logits stay untouched
+        for i in penalized:
+            apply_penalties_(raw[i], samplers[i])
+    row_max = raw.amax(dim=-1, keepdim=True)   # NaN or +-inf here marks a broken row
+    ok = torch.isfinite(row_max.squeeze(-1))
+    temps = [s.params.temperature or 1.0 for s in samplers]
+    # Subtracting the max first keeps a tiny temperature from overflowing to inf.
+    scaled = raw - row_max
+    if any(t != 1.0 for t in temps):
+        scaled /= torch.tensor(temps, dtype=raw.dtype, device=raw.device).unsqueeze(-1)
+    expd = scaled.exp()
+    # Summed row by row: a multithreaded sum over [R, V] splits a row across threads only
+    # when R is small, so the last bits of a row's mass would depend on its batch.
+    mass = torch.stack([row.sum(dtype=torch.float64) for row in expd])
+    return _Scores(raw, scaled, expd, mass, ok)
+
+
+def _describe_failure(row: Tensor) -> str:
+    if torch.isnan(row).any():
+        return "NaN"
+    if torch.isposinf(row).any():
+        return "infinite"
+    return "all -inf (no token can be chosen)"
+
+
+def _take(t: Tensor, rows: list[int]) -> Tensor:
+    """t[rows], without a copy when rows are all of t's rows in order."""
+    return t if rows == list(range(t.shape[0])) else t[rows]
+
+
+@dataclass
+class _Dist:
+    """Final distributions of some rows, as cumulative weights over candidate tokens."""
+
+    rows: list[int]
+    ids: Tensor | None   # [G, K] candidate token ids; None = whole vocabulary in id order
+    cum: Tensor          # float64 [G, K or V]: running sum of unnormalized weights (0 = out)
+
+    def token_ids(self, positions: Tensor) -> Tensor:
+        return positions if self.ids is None else self.ids.gather(-1, positions.unsqueeze(-1)).squeeze(-1)
+
+    def subset(self, which: Tensor) -> "_Dist":
+        return _Dist([self.rows[i] for i in which.tolist()], self.ids[which], self.cum[which])
+
+
+def _param(samplers: Sequence[RequestSampler], rows: list[int], name: str, device, dtype) -> Tensor:
+    return torch.tensor([getattr(samplers[i].params, name) for i in rows], dtype=dtype, device=device)
+
+
+def _vocab_dist(sc: _Scores, rows: list[int], samplers: Sequence[RequestSampler]) -> _Dist:
+    """Rows with no top-k/top-p: the whole vocabulary in id order, min-p applied as a mask."""
+    weights = _take(sc.expd, rows)
+    if any(samplers[i].params.min_p for i in rows):
+        min_p = _param(samplers, rows, "min_p", weights.device, weights.dtype).unsqueeze(-1)
+        weights = torch.where(weights >= min_p, weights, 0.0)   # p(top) is exp(0) = 1
+    return _Dist(rows, None, weights.cumsum(-1, dtype=torch.float64))
+
+
+def _ranked_candidates(scaled: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The k best tokens of each row ordered by (value desc, id asc): a canonical order."""
+    if k >= scaled.shape[-1]:
+        return scaled.sort(dim=-1, descending=True, stable=True)
+    vals, ids = scaled.topk(k, dim=-1)   # topk's order among ties is unspecified
+    ids, by_id = ids.sort(dim=-1)
+    vals = vals.gather(-1, by_id)
+    vals, by_val = vals.sort(dim=-1, descending=True, stable=True)
+    return vals, ids.gather(-1, by_val)
+
+
+def _filtered_candidates(sc: _Scores, rows: list[int], samplers: Sequence[RequestSampler],
+                         fetch: int) -> tuple[_Dist, Tensor]:
+    """top-k -> top-p -> min-p over the `fetch` best tokens; also says which rows were decided."""
+    scaled = _take(sc.scaled, rows)
+    vocab, dev = scaled.shape[-1], scaled.device
+    vals, ids = _ranked_candidates(scaled, min(fetch, vocab))
+    row_ids = torch.tensor(rows, device=dev).unsqueeze(-1)
+    w = sc.expd[row_ids, ids].double()                 # the very numbers summed in `mass`
+    pos = torch.arange(w.shape[-1], device=dev)
+    top_k = _param(samplers, rows, "top_k", dev, torch.int64)
+    keep = (top_k == 0).unsqueeze(-1) | (pos < top_k.unsqueeze(-1))
+    w = w * keep
+    cum = w.cumsum(-1)
+    # top-p is measured on the renormalized top-k distribution, or the full one without top-k.
+    total = torch.where(top_k > 0, cum[:, -1], sc.mass[rows])
+    before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=-1)
+    top_p = _param(samplers, rows, "top_p", dev, torch.float64)
+    keep &= before < (top_p * total).unsqueeze(-1)
+    min_p = _param(samplers, rows, "min_p", dev, torch.float64)
+    keep &= w >= (min_p * w[:, 0]).unsqueeze(-1)
+    keep &= w > 0   # underflowed or -inf logits are never drawn: leave them out of the set
+    # Decided when every token tied with the last kept one was fetched: otherwise topk may
+    # have cut the tie arbitrarily, or the top-p set reaches past what was fetched.
+    n_kept = keep.sum(-1)
+    last_kept = vals.gather(-1, (n_kept - 1).unsqueeze(-1)).squeeze(-1)
+    decided = torch.full_like(keep[:, 0], True) if w.shape[-1] == vocab else last_kept > vals[:, -1]
+    return _Dist(rows, ids, (w * keep).cumsum(-1)), decided
+
+
+def _candidate_dists(sc: _Scores, rows: list[int], samplers: Sequence[RequestSampler],
+                     first_fetch: int) -> list[_Dist]:
+    """topk-sized work, widening (up to a full sort) only for rows it could not decide."""
+    vocab = sc.scaled.shape[-1]
+    fetches = [first_fetch] + [f for f in _WIDER_FETCH if f > first_fetch]
+    dists: list[_Dist] = []
+    for fetch in fetches + [vocab]:
+        dist, decided = _filtered_candidates(sc, rows, samplers, fetch)
+        if decided.any():
+            dists.append(dist.subset(decided.nonzero().squeeze(-1)))
+        rows = [r for r, d in zip(rows, decided.tolist()) if not d]
+        if not rows or fetch >= vocab:
+            break
+    return dists
+
+
+def _distributions(sc: _Scores, rows: list[int], samplers: Sequence[RequestSampler]) -> list[_Dist]:
+    """Final distributions of the sampled (non-greedy) rows, grouped by the work they need."""
+    top_k = [i for i in rows if samplers[i].params.top_k]
+    top_p = [i for i in rows if not samplers[i].params.top_k and samplers[i].params.top_p < 1.0]
+    plain = [i for i in rows if not samplers[i].params.top_k and samplers[i].params.top_p == 1.0]
+    dists = [_vocab_dist(sc, plain, samplers)] if plain else []
+    if top_k:
+        dists += _candidate_dists(sc, top_k, samplers, max(samplers[i].params.top_k for i in top_k) + 1)
+    if top_p:
+        dists += _candidate_dists(sc, top_p, samplers, _TOP_P_FETCH)
+    return dists
+
+
+def _inverse_cdf(cum: Tensor, u: Tensor) -> Tensor:
+    """First position whose running weight exceeds u * total: zero weights are never picked."""
+    target = (u * cum[..., -1]).unsqueeze(-1)
+    pos = torch.searchsorted(cum.contiguous(), target.contiguous(), right=True).squeeze(-1)
+    return pos.clamp_(max=cum.shape[-1] - 1)
+
+
+def draw_from(weights: Tensor, u: Tensor | float) -> Tensor:
+    """Inverse-CDF draw from weights [..., K] (unnormalized, >= 0) with u [...] in [0, 1).
+
+    Returns int64 positions [...]; the same u always maps to the same token.
+    """
+    cum = weights.cumsum(-1, dtype=torch.float64)
+    return _inverse_cdf(cum, torch.as_tensor(u, dtype=torch.float64, device=cum.device))
+
+
+def sample(logits: Tensor, samplers: Sequence[RequestSampler]) -> SampleResult:
+    """Pick one token per row. A row whose logits are unusable fails alone (result.errors)."""
+    n_rows, dev = len(samplers), logits.device
+    if n_rows == 0:
+        return SampleResult(torch.empty(0, dtype=torch.int64), torch.empty(0), [])
+    sc = _score(logits, samplers)
+    ok = sc.ok.tolist()
+    errors = {i: SamplingError(i, _describe_failure(sc.raw[i])) for i in range(n_rows) if not ok[i]}
+    tokens = torch.full((n_rows,), -1, dtype=torch.int64, device=dev)
+
+    greedy = [i for i in range(n_rows) if ok[i] and samplers[i].params.greedy]
+    if greedy:
+        tokens[greedy] = _take(sc.raw, greedy).argmax(dim=-1)   # first maximum: lowest id wins ties
+    sampled = [i for i in range(n_rows) if ok[i] and not samplers[i].params.greedy]
+    uniforms = {i: samplers[i].uniform() for i in sampled}   # one draw per row, in row order
+    for dist in _distributions(sc, sampled, samplers):
+        u = torch.tensor([uniforms[i] for i in dist.rows], dtype=torch.float64, device=dev)
+        tokens[dist.rows] = dist.token_ids(_inverse_cdf(dist.cum, u))
+
+    log_mass = sc.mass.log().to(sc.scaled.dtype)
+    chosen = sc.scaled.gather(-1, tokens.clamp(min=0).unsqueeze(-1)).squeeze(-1) - log_mass
+    chosen = torch.where(sc.ok, chosen, float("nan"))
+
+    top: list[list[tuple[int, float]]] = [[] for _ in range(n_rows)]
+    asked = [i for i in range(n_rows) if ok[i] and samplers[i].params.logprobs]
+    if asked:
+        n_max = min(max(samplers[i].params.logprobs for i in asked), sc.scaled.shape[-1])
+        vals, ids = _take(sc.scaled, asked).topk(n_max, dim=-1)
+        vals = (vals - log_mass[asked].unsqueeze(-1)).tolist()
+        for j, (i, row_ids) in enumerate(zip(asked, ids.tolist())):
+            n = samplers[i].params.logprobs
+            top[i] = list(zip(row_ids[:n], vals[j][:n]))
+    return SampleResult(tokens.cpu(), chosen.cpu(), top, errors)
+
+
+# --- building blocks for speculative decoding -------------------------------------------
+
+def probs_for(logits_row: Tensor, sampler: RequestSampler) -> Tensor:
+    """The exact distribution sample() draws from for this row: float32 [V], sums to 1.
+
+    Greedy requests give a one-hot at the argmax. Raises SamplingError (row 0) when the
+    row has no valid distribution.
+    """
+    sc = _score(logits_row.unsqueeze(0), [sampler])
+    if not sc.ok.item():
+        raise SamplingError(0, _describe_failure(sc.raw[0]))
+    probs = torch.zeros(logits_row.shape[-1], dtype=torch.float64, device=logits_row.device)
+    if sampler.params.greedy:
+        probs[sc.raw[0].argmax()] = 1.0
+        return probs.float()
+    (dist,) = _distributions(sc, [0], [sampler])
+    cum = dist.cum[0]
+    weights = torch.diff(cum, prepend=cum.new_zeros(1))
+    if dist.ids is None:
+        probs = weights
+    else:
+        probs.scatter_(0, dist.ids[0], weights)
+    return (probs / cum[-1]).float()
+
+
+def total_variation(p: Tensor, q: Tensor) -> Tensor:
+    """TV(p, q) = 1/2 sum |p - q| over the last dim."""
+    return 0.5 * (p - q).abs().sum(-1)
+
+
+def mentored_mix(p: Tensor, q: Tensor, tv_budget: float) -> tuple[Tensor, Tensor]:
+    """π = (1 - θ) p + θ q with θ = min(1, D / TV(p, q)) (θ = 1 when p == q): TV(π, p) <= D."""
+    if not 0.0 <= tv_budget <= 1.0:
+        raise ValueError(f"tv_budget must be in [0, 1], got {tv_budget}")
+    d = total_variation(p, q)
+    theta = torch.where(d > 0, (tv_budget / d).clamp(max=1.0), torch.ones_like(d))
+    theta_ = theta.unsqueeze(-1)
+    return (1 - theta_) * p + theta_ * q, theta
+
+
+def speculative_accept(target: Tensor, q: Tensor, x: Tensor | int, u: Tensor | float) -> Tensor:
+    """Accept draft token x ~ q with probability min(1, target(x) / q(x)), using u ~ U[0, 1).
+
+    target is p (lossless) or π (mentored). target, q [..., V]; x, u [...]. Returns bool [...].
+    """
+    x = torch.as_tensor(x, dtype=torch.int64, device=q.device).unsqueeze(-1)
+    u = torch.as_tensor(u, dtype=torch.float64, device=q.device)
+    tx = target.gather(-1, x).squeeze(-1).double()
+    qx = q.gather(-1, x).squeeze(-1).double()
+    return u * qx < tx   # = u < tx / qx without dividing by qx
+
+
+def residual(target: Tensor, q: Tensor) -> Tensor:
+    """Where a rejected draft's replacement is drawn from: normalize(max(target - q, 0)).
+
+    Why the target: x ~ q accepted with min(1, t/q) gives P(x) = min(q, t)(x) + P(reject) r(x),
+    with P(reject) = 1 - sum min(q, t) = sum max(t - q, 0). P = t for every x iff
+    r = max(t - q, 0) / sum max(t - q, 0): the residual must be built from the target, so
+    max(π - q, 0) for mentored decoding. The article's max(p - q, 0) is the same
+    distribution: π - q = (1 - θ)(p - q), a positive multiple of p - q whenever θ < 1, and at
+    θ = 1 (π = q) nothing is ever rejected. Passing p or π is therefore equally exact; p
+    avoids the cancellation in π - q when θ is close to 1.
+    When target <= q everywhere nothing is rejected either (in exact arithmetic); target
+    itself is returned so the caller never divides by zero.
+    """
+    r = (target - q).clamp(min=0)
+    mass = r.sum(-1, keepdim=True)
+    return torch.where(mass > 0, r / mass.clamp(min=torch.finfo(r.dtype).tiny),
+                       target / target.sum(-1, keepdim=True))
