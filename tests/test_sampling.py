@@ -1,7 +1,7 @@
 """Sampling checked by statistics: chi-square goodness of fit against exact distributions.
 
 Every draw is seeded, so each test is deterministic; a correct sampler passes with p > 1e-3,
-and the same samples against a slightly wrong distribution give p < 1e-6 (shown below).
+and the same samples against a wrong distribution give p < 1e-6 (shown below).
 """
 from __future__ import annotations
 
