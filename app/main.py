@@ -24,6 +24,7 @@ from textual.widgets import Footer
 
 from app.burst_runner import BurstRun, BurstSpec
 from app.screens.burst import BurstDialog, DEFAULTS
+from app.screens.detail import RequestDetail
 from app.screens.help import HelpScreen
 from app.screens.prompt import PromptDialog
 from app.settings import load_settings, save_settings
@@ -53,6 +54,7 @@ ACTIONS = (
     Binding("p", "cycle_scheduler", "Sched", tooltip="Cycle the scheduler policy (fcfs, spf)"),
     Binding("r", "cycle_router", "Router", tooltip="Cycle the router policy (round-robin, least-loaded, cost)"),
     Binding("x,delete", "abort", "Abort", tooltip="Abort the request selected in the request table"),
+    Binding("enter", "request_detail", "Detail", show=False, tooltip="Show the selected request in full"),
     Binding("t", "export_trace", "Trace", tooltip="Export a Perfetto trace (tracing must be on)"),
     Binding("T", "toggle_tracing", "Tracing", show=False, tooltip="Turn trace collection on or off"),
     Binding("d", "cycle_theme", "Theme", show=False, tooltip="Switch between the dark and light theme"),
@@ -307,10 +309,21 @@ class TokentopApp(App[int]):
         rid = self._requests.selected_id
         if rid is None:
             self.notify("no request selected: pick one in the request table", severity="warning")
-        elif self.engine.abort(rid):
+        else:
+            self.abort_request(rid)
+
+    def abort_request(self, rid: str) -> None:
+        if self.engine.abort(rid):
             self.notify(f"aborting {rid}")
         else:
             self.notify(f"{rid} has already finished", severity="warning")
+
+    def action_request_detail(self) -> None:
+        rid = self._requests.selected_id
+        if rid is None:
+            self.notify("no request selected: pick one in the request table", severity="warning")
+        else:
+            self.push_screen(RequestDetail(rid))
 
     def action_toggle_tracing(self) -> None:
         self.engine.set_tracing(not self.engine.tracing)

@@ -15,6 +15,7 @@ import pytest
 
 from app.main import TokentopApp, run_dashboard
 from app.screens.burst import BurstDialog
+from app.screens.detail import RequestDetail
 from app.screens.prompt import PromptDialog
 from app.settings import Settings, load_settings, save_settings
 from app.widgets import event_log
@@ -152,23 +153,34 @@ async def test_trace_dir_flag_turns_tracing_on(tiny_model, tmp_path):
         assert app.engine.tracing and "trace on" in str(app._status.render())
 
 
-async def test_abort_selected_request(tiny_model, tmp_path):
+async def test_abort_selected_request_and_detail(tiny_model, tmp_path):
     app = make_app(tiny_model, tmp_path)
     async with app.run_test(size=SIZE) as pilot:
         await wait_ready(pilot, app)
         await pilot.press("x")
         assert ("warning", "no request selected: pick one in the request table") in notices(app)
-        await fire_burst(pilot, app, count="2", interval="0", max_tokens="4000")
+        await fire_burst(pilot, app, count="3", interval="0", max_tokens="4000")
         table = app.query_one(RequestsTable)
-        await wait_for(pilot, lambda: table.row_count == 2, "two rows")
+        await wait_for(pilot, lambda: table.row_count == 3, "three rows")
+        states = lambda: {r.id: r.state for r in app.last_snapshot.requests}  # noqa: E731
+        assert table.selected_id == "r3"                  # newest first, cursor on top
+        await pilot.press("down")
         victim = table.selected_id
+        assert victim == "r2"
         await pilot.press("x")
-        await wait_for(pilot, lambda: {r.id: r.state for r in app.last_snapshot.requests}.get(victim) == "aborted",
-                       f"{victim} aborted")
-        other = next(r for r in app.last_snapshot.requests if r.id != victim)
-        assert other.state in ("prefill", "decode")
-        await pilot.press("x")     # the cursor is still on the aborted request
+        await wait_for(pilot, lambda: states()[victim] == "aborted", f"{victim} aborted")
+        assert states()["r1"] in ("prefill", "decode") and states()["r3"] in ("prefill", "decode")
+        await pilot.press("x")                            # the cursor is still on the aborted request
         assert ("warning", f"{victim} has already finished") in notices(app)
+        # Enter opens the request in full; x there aborts it too.
+        await pilot.press("down", "enter")
+        await wait_for(pilot, lambda: isinstance(app.screen, RequestDetail), "the detail screen")
+        fields = str(app.screen.query_one("#detail-fields").render())
+        assert "prompt tokens" in fields and "of 4000" in fields
+        await pilot.press("x")
+        await wait_for(pilot, lambda: states()["r1"] == "aborted", "r1 aborted")
+        await pilot.press("escape")
+        assert not isinstance(app.screen, RequestDetail)
 
 
 async def test_quit_mid_burst_is_quick(tiny_model, tmp_path):
