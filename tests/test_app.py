@@ -108,6 +108,8 @@ async def test_burst_fills_table_grid_streams_and_log(tiny_model, tmp_path):
 async def test_policy_keys_reach_the_engine(tiny_model, tmp_path):
     app = make_app(tiny_model, tmp_path)
     async with app.run_test(size=SIZE) as pilot:
+        titles = [c.title for c in app.get_system_commands(app.screen)]
+        assert {"Burst (b)", "Sched (p)", "Router (r)", "Abort (x / del)", "Trace (t)"} <= set(titles)
         await wait_ready(pilot, app)
         await pilot.press("p")
         assert app.scheduler_policy == "spf" and "sched spf" in str(app._status.render())
@@ -242,6 +244,17 @@ async def test_engine_start_failure_is_shown(tmp_path):
         await wait_for(pilot, lambda: panel.has_class("-dead"), "the panel marked dead")
         await pilot.press("b", "enter")
         assert any("nope.gguf" in m for _, m in notices(app))
+
+
+async def test_model_assembly_progress_is_shown(tiny_model, tmp_path):
+    app = TokentopApp(sim_config(tiny_model), settings_path=tmp_path / "settings.json", live=False)
+    async with app.run_test(size=SIZE) as pilot:
+        app._on_progress(str(tiny_model), 100 * 2**20, 400 * 2**20)     # the engine's progress callback
+        app.show_snapshot(app.engine.snapshot())                        # not started: no workers yet
+        await pilot.pause()
+        for panel in app.query(BackendPanel):
+            assert "assembling tiny.gguf: 100/400 MiB" in str(panel._identity_line.render())
+            assert panel._bar.display and panel._bar.percentage == 0.25
 
 
 async def test_theme_switch_is_remembered(tiny_model, tmp_path):

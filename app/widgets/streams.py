@@ -72,6 +72,7 @@ class StreamsPanel(VerticalScroll):
     def show_streams(self, requests: tuple[RequestView, ...]) -> None:
         wanted = streams_to_show(requests)
         width = max(20, self.scrollable_content_region.width)
+        following = self.scroll_y >= self.max_scroll_y   # at the bottom: keep the newest in view
         keep = {r.id for r in wanted}
         for rid in [rid for rid in self._shown if rid not in keep]:
             self._shown.pop(rid)[0].remove()
@@ -89,3 +90,5 @@ class StreamsPanel(VerticalScroll):
                 widget.update(content, layout=False)
             self._shown[r.id] = (widget, key)
         self._empty.display = not wanted
+        if following:
+            self.call_after_refresh(self.scroll_end, animate=False)
