@@ -11,8 +11,8 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from app.widgets.fmt import describe_error
 from engine.bursts import BurstItem
-from engine.errors import TokentopError
 
 
 @dataclass(frozen=True)
@@ -92,9 +92,9 @@ class BurstRun:
             try:
                 handle = self.engine.submit(item.prompt, messages=item.messages, params=params,
                                             burst=self.name)
-            except TokentopError as exc:
+            except Exception as exc:  # counted and logged; the burst goes on
                 self.refused += 1
-                self.engine.log("error", f"burst {self.name}: {item.source}: {exc}")
+                self.engine.log("error", f"burst {self.name}: {item.source}: {describe_error(exc)}")
                 continue
             self.handles.append((time.monotonic(), handle))
 

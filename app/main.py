@@ -8,13 +8,14 @@ runs on a daemon thread and reports back through a queue read by the same timer.
 """
 from __future__ import annotations
 
+import functools
 import queue
 import sys
 import threading
 from dataclasses import replace
 from multiprocessing import resource_tracker
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
@@ -30,6 +31,7 @@ from app.screens.prompt import PromptDialog
 from app.settings import load_settings, save_settings
 from app.widgets.backend import BackendPanel
 from app.widgets.event_log import EventLog
+from app.widgets.fmt import describe_error
 from app.widgets.line import Line
 from app.widgets.panel import Panel
 from app.widgets.requests import RequestsTable
@@ -63,6 +65,17 @@ ACTIONS = (
     Binding("q", "quit", "Quit", tooltip="Quit (stops the engine)"),
 )
 DASHBOARD_ACTIONS = {b.action for b in ACTIONS} - {"quit"}
+
+
+def reported(command: Callable) -> Callable:
+    """A UI command whose failure becomes an error notification, never a traceback."""
+    @functools.wraps(command)
+    def run(self: "TokentopApp", *args):
+        try:
+            return command(self, *args)
+        except Exception as exc:
+            self.notify(describe_error(exc), severity="error", timeout=8)
+    return run
 
 
 def build_parser() -> OneLineParser:
@@ -116,6 +129,7 @@ class TokentopApp(App[int]):
         self._started = threading.Event()
         self._notices: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
         self._shutdown_thread: threading.Thread | None = None
+        self._refresh_error: str | None = None
 
     # --- layout -------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -191,8 +205,13 @@ class TokentopApp(App[int]):
         while not self._notices.empty():
             severity, text = self._notices.get()
             self.notify(text, severity=severity, timeout=8 if severity == "error" else 4)
-        self._finish_bursts()
-        self.show_snapshot(self.engine.snapshot())
+        try:
+            self._finish_bursts()
+            self.show_snapshot(self.engine.snapshot())
+        except Exception as exc:  # keep the dashboard up; say it once, not five times a second
+            if describe_error(exc) != self._refresh_error:
+                self._refresh_error = describe_error(exc)
+                self.notify(f"dashboard refresh failed: {self._refresh_error}", severity="error", timeout=8)
 
     def show_snapshot(self, snap: EngineSnapshot) -> None:
         self.last_snapshot = snap
@@ -247,25 +266,19 @@ class TokentopApp(App[int]):
                     severity="warning")
         return False
 
+    @reported
     def action_burst(self) -> None:
-        try:
-            files = list_burst_files(default_prompts_dir())
-        except TokentopError as exc:
-            self.notify(str(exc), severity="error")
-            return
+        files = list_burst_files(default_prompts_dir())
         if not files:
             self.notify(f"no burst files (*.jsonl) in {default_prompts_dir()}", severity="error")
             return
         self.push_screen(BurstDialog(files), self.fire_burst)
 
+    @reported
     def fire_burst(self, spec: BurstSpec | None) -> None:
         if spec is None or not self._engine_ready():
             return
-        try:
-            items = load_burst(spec.path)
-        except TokentopError as exc:
-            self.notify(str(exc), severity="error", timeout=8)
-            return
+        items = load_burst(spec.path)
         self.burst_count += 1
         self.prompt_params = replace(self.prompt_params, max_tokens=spec.max_tokens,
                                      temperature=spec.temperature)
@@ -277,27 +290,22 @@ class TokentopApp(App[int]):
     def action_prompt(self) -> None:
         self.push_screen(PromptDialog(), self.submit_prompt)
 
+    @reported
     def submit_prompt(self, text: str | None) -> None:
         if text is None or not self._engine_ready():
             return
-        try:
-            handle = self.engine.submit(text, params=self.prompt_params)
-        except TokentopError as exc:
-            self.notify(str(exc), title="prompt refused", severity="error")
-            return
+        handle = self.engine.submit(text, params=self.prompt_params)
         self.notify(f"submitted {handle.id}")
 
+    @reported
     def action_cycle_scheduler(self) -> None:
         policy = _next(SCHED_POLICIES, self.scheduler_policy)
-        try:
-            self.engine.set_scheduler_policy(policy)
-        except TokentopError as exc:
-            self.notify(str(exc), severity="error")
-            return
+        self.engine.set_scheduler_policy(policy)
         self.scheduler_policy = policy
         self._show_status()
         self.notify(f"scheduler policy: {policy}")
 
+    @reported
     def action_cycle_router(self) -> None:
         policy = _next(ROUTER_POLICIES, self.router_policy)
         self.engine.set_router_policy(policy)
@@ -312,6 +320,7 @@ class TokentopApp(App[int]):
         else:
             self.abort_request(rid)
 
+    @reported
     def abort_request(self, rid: str) -> None:
         if self.engine.abort(rid):
             self.notify(f"aborting {rid}")
@@ -325,6 +334,7 @@ class TokentopApp(App[int]):
         else:
             self.push_screen(RequestDetail(rid))
 
+    @reported
     def action_toggle_tracing(self) -> None:
         self.engine.set_tracing(not self.engine.tracing)
         self._show_status()
@@ -341,8 +351,8 @@ class TokentopApp(App[int]):
     def _export_trace(self) -> None:
         try:
             path = self.engine.export_trace(self.config.trace_dir)
-        except (TokentopError, OSError) as exc:
-            self._notices.put(("error", f"trace export failed: {exc}"))
+        except Exception as exc:  # reported in the UI, whatever it is
+            self._notices.put(("error", f"trace export failed: {describe_error(exc)}"))
             return
         self._notices.put(("information", f"trace written to {path}"))
         self.engine.log("info", f"trace written to {path}")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from app.burst_runner import percentile
 from app.main import TokentopApp, run_dashboard
 from app.screens.burst import BurstDialog
 from app.screens.detail import RequestDetail
@@ -290,6 +291,12 @@ def test_command_line_errors_are_one_line(capsys):
         run_dashboard(["--no-such-flag"])
     assert exc.value.code == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_percentile_is_nearest_rank():
+    assert percentile([3.0], 95) == 3.0
+    assert percentile([float(v) for v in range(20, 0, -1)], 95) == 19.0
+    assert percentile([1.0, 2.0], 50) == 1.0 and percentile([1.0, 2.0], 51) == 2.0
 
 
 def test_kv_grid_downsampling_keeps_the_notable_state():
