@@ -1,7 +1,8 @@
 """The burst dialog: which burst file, how many requests, how fast, how long, how random.
 
 Enter in any field fires with what is shown; Escape cancels. The dialog only checks and
-returns a BurstSpec; the app loads the file and fires.
+returns a BurstSpec; the app loads the file and fires. The app reuses one dialog, so the
+fields keep the values of the last burst.
 """
 from __future__ import annotations
 
@@ -67,7 +68,14 @@ class BurstDialog(ModalScreen[BurstSpec | None]):
                 yield Button("Cancel", id="cancel", compact=True)
             yield Static("[$text-muted]Enter fires · Esc cancels[/]", classes="dialog-hint")
 
-    def on_mount(self) -> None:
+    def set_files(self, files: list[Path]) -> None:
+        """The dialog is reused: pick up burst files added since it was built."""
+        if files != self.files:
+            self.files = files
+            self.query_one("#burst-file", Select).set_options((p.name, p) for p in files)
+
+    def on_screen_resume(self) -> None:
+        self.query_one("#burst-error", Static).update("")
         self.query_one("#burst-count", Input).focus()
 
     def on_input_submitted(self, event: Input.Submitted) -> None:

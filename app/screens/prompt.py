@@ -18,6 +18,12 @@ class PromptDialog(ModalScreen[str | None]):
             yield Static("[$text-muted]Enter submits (max tokens and temperature as in the last "
                          "burst dialog) · Esc cancels[/]", classes="dialog-hint")
 
+    def on_screen_resume(self) -> None:
+        # The app reuses this dialog: start from an empty prompt each time.
+        prompt = self.query_one("#prompt-text", Input)
+        prompt.value = ""
+        prompt.focus()
+
     def on_input_submitted(self, event: Input.Submitted) -> None:
         event.stop()
         self.dismiss(event.value)
