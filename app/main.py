@@ -57,7 +57,7 @@ ACTIONS = (
     Binding("r", "cycle_router", "Router", tooltip="Cycle the router policy (round-robin, least-loaded, cost)"),
     Binding("x,delete", "abort", "Abort", tooltip="Abort the request selected in the request table"),
     Binding("enter", "request_detail", "Detail", show=False, tooltip="Show the selected request in full"),
-    Binding("t", "export_trace", "Trace", tooltip="Export a Perfetto trace (tracing must be on)"),
+    Binding("t", "export_trace", "Trace", tooltip="Write a Perfetto trace (turns tracing on if it is off)"),
     Binding("T", "toggle_tracing", "Tracing", show=False, tooltip="Turn trace collection on or off"),
     Binding("d", "cycle_theme", "Theme", show=False, tooltip="Switch between the dark and light theme"),
     Binding("z", "zoom", "Zoom", show=False, tooltip="Zoom the focused panel to the full screen, or back"),
@@ -348,9 +348,13 @@ class TokentopApp(App[int]):
         self._show_status()
         self.notify(f"tracing {'on' if self.engine.tracing else 'off'}")
 
+    @reported
     def action_export_trace(self) -> None:
         if not self.engine.tracing:
-            self.notify("tracing is off: press T (shift+t) to turn it on, let it run, then press t",
+            # Nothing was recorded yet: start recording now rather than write an empty trace.
+            self.engine.set_tracing(True)
+            self._show_status()
+            self.notify("tracing was off and is on now: let it run, then press t again to write the trace",
                         severity="warning")
             return
         threading.Thread(target=self._export_trace, name="tokentop-trace", daemon=True).start()

@@ -131,11 +131,13 @@ async def test_trace_export_needs_tracing_then_writes_file(tiny_model, tmp_path,
     app = make_app(tiny_model, tmp_path)
     async with app.run_test(size=SIZE) as pilot:
         await wait_ready(pilot, app)
-        await pilot.press("t")
-        assert ("warning", "tracing is off: press T (shift+t) to turn it on, let it run, then press t") \
-            in notices(app)
-        await pilot.press("T")
+        await pilot.press("T", "T")                      # on, off again
+        assert not app.engine.tracing and "trace off" in str(app._status.render())
+        await pilot.press("t")                           # off: t turns it on and writes nothing yet
+        assert ("warning", "tracing was off and is on now: let it run, then press t again to write "
+                           "the trace") in notices(app)
         assert app.engine.tracing and "trace on" in str(app._status.render())
+        assert not traces.exists()
         await fire_burst(pilot, app, count="2", interval="0", max_tokens="8")
         await wait_for(pilot, lambda: len(app.last_snapshot.requests) == 2
                        and all(r.state == "finished" for r in app.last_snapshot.requests), "burst finished")
