@@ -126,7 +126,6 @@ class TokentopApp(App[int]):
                                             temperature=float(DEFAULTS["temperature"]))
         self._assembly: dict[str, tuple[int, int]] = {}
         self._start_error: str | None = None
-        self._started = threading.Event()
         self._notices: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
         self._shutdown_thread: threading.Thread | None = None
         self._refresh_error: str | None = None
@@ -173,13 +172,9 @@ class TokentopApp(App[int]):
     def _start_engine(self) -> None:
         try:
             self.engine.start(wait=False)
-        except TokentopError as exc:
-            self._start_error = str(exc)
-        except Exception as exc:  # an engine bug must not become a traceback over the UI
-            self._start_error = f"the engine failed to start: {type(exc).__name__}: {exc}"
-        if self._start_error:
+        except Exception as exc:  # shown in the panels and as a notification, never as a traceback
+            self._start_error = describe_error(exc)
             self._notices.put(("error", self._start_error))
-        self._started.set()
 
     def begin_shutdown(self) -> None:
         """Stop bursts and the engine on a daemon thread, so quitting never waits on a worker."""

@@ -118,8 +118,9 @@ async def test_policy_keys_reach_the_engine(tiny_model, tmp_path):
                        "workers reporting spf")
         await pilot.press("r")
         assert app.engine.router.policy == app.router_policy == "round-robin"
-        await pilot.press("r", "r")
-        assert app.last_snapshot is not None and app.router_policy == "cost"
+        await pilot.press("r")
+        await pilot.press("ctrl+p", *"router", "enter")      # the command palette does the same
+        await wait_for(pilot, lambda: app.router_policy == "cost", "router policy cost via the palette")
         await wait_for(pilot, lambda: app.last_snapshot.router_policy == "cost", "router policy in snapshot")
         await wait_for(pilot, lambda: sum("policy ->" in l.text for l in app.last_snapshot.log) == 4,
                        "policy changes in the event log")
