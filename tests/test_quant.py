@@ -131,7 +131,7 @@ def test_q6_k_stays_dense_in_faithful_mode_and_becomes_int4_in_fast_mode():
     td = make_td(T.Q6_K)
     faithful = make_linear(td, bias=None, policy=LinearPolicy(dense_threshold=None))
     assert faithful.int4 is None and faithful.kernel_for(1) == "dense"
-    assert torch.equal(faithful.dense, dequantize(td, torch.bfloat16))
+    assert torch.equal(faithful.dense, dequantize(td, LinearPolicy().dense_weight_dtype))
     fast = make_linear(td, bias=None, policy=LinearPolicy(weights="fast", dense_threshold=None))
     assert fast.int4 is not None and fast.int4.planes == 1 and fast.dense is None
 
@@ -164,7 +164,7 @@ def test_kernel_choice_by_rows():
     assert lin.int4 is not None and lin.dense is not None
     assert [lin.kernel_for(t) for t in (1, 15, 16, 512)] == ["int4", "int4", "dense", "dense"]
     x = torch.randn(20, 256).to(torch.bfloat16)
-    assert torch.equal(lin(x), F.linear(x, lin.dense))
+    assert torch.equal(lin(x), F.linear(x.to(lin.dense.dtype), lin.dense).to(torch.bfloat16))
     assert torch.equal(lin(x[:4]), lin.int4.matmul(x[:4]))
     only_dense = make_linear(td, bias=None, policy=LinearPolicy(dense_threshold=1))
     assert only_dense.int4 is None and only_dense.kernel_for(1) == "dense"
@@ -191,8 +191,11 @@ def test_batch_invariance_of_each_kernel(dtype):
     x = torch.randn(33, 512).to(dtype)
     int4 = make_linear(td, bias=None, policy=LinearPolicy(dtype, dense_threshold=None))
     assert rows_are_batch_invariant(int4, x)
-    dense = make_linear(td, bias=None, policy=LinearPolicy(dtype, dense_threshold=1, deterministic=True))
-    assert rows_are_batch_invariant(dense, x)
+    for dense_dtype in (dtype, torch.float32):      # fp32 GEMM needs (and gets) one row per call
+        dense = make_linear(td, bias=None, policy=LinearPolicy(dtype, dense_threshold=1, deterministic=True,
+                                                               dense_dtype=dense_dtype))
+        assert dense.dense.dtype == dense_dtype and dense.rowwise == (dense_dtype == torch.float32)
+        assert rows_are_batch_invariant(dense, x)
 
 
 def test_plain_fp32_gemm_is_not_batch_invariant_which_is_why_rowwise_exists():
@@ -250,8 +253,9 @@ def test_dense_only_path_used_for_cuda_builds_the_dense_weight():
     td = make_td(T.Q4_K)
     lin = quant._make_dense_only_linear("w", [td], None, LinearPolicy(dense_threshold=None))
     assert lin.int4 is None and lin.kernel_for(1) == "dense"
-    assert torch.equal(lin.dense, dequantize(td, torch.bfloat16))
+    assert torch.equal(lin.dense, dequantize(td, LinearPolicy().dense_weight_dtype))
     assert LinearPolicy(device="cuda:1").on_cuda and not LinearPolicy().on_cuda
+    assert LinearPolicy(device="cuda:1").dense_weight_dtype == torch.bfloat16
 
 
 def test_embedding_rows(tiny_model_path):
@@ -266,6 +270,22 @@ def test_embedding_rows(tiny_model_path):
     assert torch.equal(dequantize_rows(td, torch.tensor([7])), dequantize(td)[7:8])
     with pytest.raises(IndexError, match="out of range"):
         emb(torch.tensor([td.shape[0]]))
+
+
+def test_dense_copy_dtype(monkeypatch):
+    td = make_td(T.Q5_0)
+    for native, expected in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(quant, "cpu_has_native_bf16", lambda: native)
+        quant.preferred_dense_dtype.cache_clear()
+        assert LinearPolicy().dense_weight_dtype == expected
+        assert make_linear(td, bias=None, policy=LinearPolicy()).dense.dtype == expected
+    quant.preferred_dense_dtype.cache_clear()
+    assert LinearPolicy(torch.float16).dense_weight_dtype == torch.float16
+    lin = make_linear(td, bias=torch.ones(48), policy=LinearPolicy(dense_threshold=1, dense_dtype=torch.float32))
+    x = torch.randn(4, 256).to(torch.bfloat16)
+    y = lin(x)
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, (F.linear(x.float(), dequantize(td)) + 1).to(torch.bfloat16))
 
 
 def test_policy_validation():
