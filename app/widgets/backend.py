@@ -24,14 +24,14 @@ STATE_STYLE = {"ready": "$success", "loading": "$warning", "starting": "$warning
 
 class BackendPanel(Vertical):
     def __init__(self, index: int, cfg: WorkerConfig) -> None:
-        super().__init__(id=f"backend-{index}", classes="panel backend")
+        super().__init__(id=f"backend-{index}", classes="panel")
         self.index = index
         self.cfg = cfg
         self.border_title = escape(f"w{index} {cfg.name or cfg.device}")
 
     def compose(self) -> ComposeResult:
         yield Line(self._identity("starting", ""), classes="identity")
-        yield Line("", classes="load")
+        yield Line("[$text-muted]waiting for the engine to start this worker…[/]", classes="load")
         with Horizontal(classes="rate"):
             yield Line("", classes="rate-label prefill-label")
             yield RateSparkline(classes="prefill-spark")
@@ -42,7 +42,7 @@ class BackendPanel(Vertical):
             yield Line("", classes="rate-profile decode-profile")
         yield Line("", classes="kv-caption")
         yield KVGrid()
-        yield ProgressBar(total=None, show_eta=False, classes="assembly")
+        yield ProgressBar(total=None, show_eta=False)
 
     def on_mount(self) -> None:
         # Looked up once: show_view runs five times a second.
