@@ -368,6 +368,8 @@ class TokentopApp(App[int]):
         self.theme = _next(THEME_CYCLE, self.theme)
 
     def _remember_theme(self, theme) -> None:
+        if theme.name == self.settings.theme:
+            return    # the theme applied at start-up, or no change: nothing to write
         self.settings = replace(self.settings, theme=theme.name)
         try:
             save_settings(self.settings, self.settings_path)

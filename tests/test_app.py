@@ -273,6 +273,10 @@ async def test_theme_switch_is_remembered(tiny_model, tmp_path):
     again = TokentopApp(sim_config(tiny_model), settings_path=settings, live=False)
     async with again.run_test(size=SIZE):
         assert again.theme == "tokentop-light"
+    untouched = tmp_path / "untouched.json"        # no switch, no write
+    async with TokentopApp(sim_config(tiny_model), settings_path=untouched, live=False).run_test(size=SIZE) as pilot:
+        await pilot.pause()
+    assert not untouched.exists()
 
 
 def test_settings_tolerate_bad_files(tmp_path):
