@@ -17,6 +17,7 @@ from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Callable, Iterable
 
+import platformdirs
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal, HorizontalScroll
@@ -88,7 +89,9 @@ def build_parser() -> OneLineParser:
 def run_dashboard(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     try:
-        app = TokentopApp(engine_config_from(args, default_mode="process"))
+        config = engine_config_from(args, default_mode="process")
+        log = Path(platformdirs.user_log_dir("tokentop")) / "workers.log"
+        app = TokentopApp(replace(config, worker_log=str(log)))
     except (TokentopError, OSError) as exc:
         print(f"tokentop: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -106,3 +106,4 @@ class EngineConfig:
     trace_dir: str | None = None
     routing_log: str | None = None
     worker_mode: str = "process"          # process | thread
+    worker_log: str | None = None         # process mode: workers' stdout/stderr go here (dashboard)

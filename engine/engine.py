@@ -196,7 +196,7 @@ class Engine:
                 commands = ctx.Queue()
                 proc = ctx.Process(target=_worker_entry, name=f"tokentop-worker-{i}",
                                    args=(i, cfg, paths[cfg.model], commands, self._events,
-                                         self.tracing), daemon=True)
+                                         self.tracing, self.config.worker_log), daemon=True)
             else:
                 commands = queue.Queue()
                 proc = threading.Thread(target=_worker_entry, name=f"tokentop-worker-{i}",
@@ -593,9 +593,17 @@ def _alive(proc) -> bool:
     return proc is not None and proc.is_alive()
 
 
-def _worker_entry(index, cfg, model_path, commands, events, tracing) -> None:
+def _worker_entry(index, cfg, model_path, commands, events, tracing, log_path=None) -> None:
     from engine.trace import Tracer, set_tracer
     from engine.worker import worker_main
+
+    if log_path:   # a worker process must not draw over the dashboard's terminal
+        import os
+        os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
 
     tracer = Tracer(f"worker {index} ({cfg.device})", enabled=tracing)
     set_tracer(tracer)

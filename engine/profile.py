@@ -51,7 +51,8 @@ def save_profile(key: str, profile: dict) -> None:
 
 def calibrate(runner, blocks) -> dict:
     """Time one prefill and a few decode steps of a scratch sequence on this worker."""
-    ids = [(i * 7919) % 1000 + 100 for i in range(PREFILL_TOKENS)]
+    vocab = runner.tokenizer.vocab_size
+    ids = [(i * 7919) % vocab for i in range(PREFILL_TOKENS)]
     seq = Sequence("calibration", ids, SamplingParams(max_tokens=DECODE_STEPS + 1, ignore_eos=True))
     runner.start_sequence(seq)
     try:
