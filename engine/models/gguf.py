@@ -47,7 +47,12 @@ _ARRAY_DTYPES = {
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Everything the decoder needs to know about the architecture, read from GGUF metadata."""
+    """Everything the decoder needs to know about the architecture, read from GGUF metadata.
+
+    Norm weights are the multiplier itself for every arch, RMSNorm is x * w: llama.cpp's
+    converter folds Gemma's (1 + w) into the file (norm_shift = 1.0). Checked on the real
+    Gemma 3 270M: x * w reproduces transformers' greedy text, x * (1 + w) gives garbage.
+    """
 
     arch: str                      # 'qwen2' | 'llama' | 'gemma3'
     name: str

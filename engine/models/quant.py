@@ -320,9 +320,11 @@ class Int4Weight:
     out_features: int              # real N; rows beyond it (padding to 32) are zero weights
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        xk = x.contiguous() if self.planes == 1 else x.repeat(1, self.planes)
+        dtype = self.scales_zeros.dtype          # the kernel wants x in its scales' dtype
+        xk = x.to(dtype)
+        xk = xk.contiguous() if self.planes == 1 else xk.repeat(1, self.planes)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(xk, self.packed, INT4_GROUP, self.scales_zeros)
-        return y if y.shape[1] == self.out_features else y[:, :self.out_features]
+        return (y if y.shape[1] == self.out_features else y[:, :self.out_features]).to(x.dtype)
 
 
 def _widen(part: _Int4Part, k: int, planes: int) -> _Int4Part:
