@@ -71,7 +71,7 @@ class ModelRunner:
         sampled, errors = {}, {}
         for row, seq_id in enumerate(sample_ids):
             if row in result.errors:
-                errors[seq_id] = result.errors[row]
+                errors[seq_id] = str(result.errors[row])
                 continue
             top = result.top_logprobs[row] if result.top_logprobs else ()
             sampled[seq_id] = (int(result.tokens[row]), float(result.logprobs[row]), top)

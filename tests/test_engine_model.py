@@ -1,0 +1,141 @@
+"""The engine running a real forward pass: a tiny random GGUF (fast) and the bundled model."""
+import random
+import time
+
+import pytest
+
+import engine.sampling as sampling
+from engine.config import EngineConfig, SamplingParams, WorkerConfig
+from engine.engine import Engine
+
+
+def start(model, mode="thread", **worker):
+    cfg = WorkerConfig(model=str(model), threads=1, calibrate=False, **worker)
+    return Engine(EngineConfig(workers=(cfg,), worker_mode=mode)).start(timeout=300)
+
+
+def pages_back(engine, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        w = engine.snapshot().workers[0]
+        if w.pages_used == 0 and w.running == 0 and w.waiting == 0:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+PROMPTS = ["hello there", "a much longer prompt about caches, pages and schedulers " * 3,
+           "x", "the quick brown fox", "tokens tokens tokens", "zebra " * 20]
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+def test_deterministic_mode_batch_invariant(tiny_model_path, arch):
+    """A request's greedy output is identical alone and batched with any others."""
+    model = tiny_model_path(arch)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    with start(model, deterministic=True, max_batched_tokens=48) as engine:
+        alone = [engine.generate(p, params=params).token_ids for p in PROMPTS]
+        for order in (PROMPTS, PROMPTS[::-1]):
+            handles = [engine.submit(p, params=params) for p in order]
+            batched = [h.result(60).token_ids for h in handles]
+            expected = alone if order is PROMPTS else alone[::-1]
+            assert batched == expected
+
+
+def test_seeded_sampling_is_reproducible_in_any_batch(tiny_model_path):
+    model = tiny_model_path("qwen2")
+    p = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=1234, ignore_eos=True)
+    with start(model, deterministic=True) as engine:
+        alone = engine.generate("seeded", params=p).token_ids
+        others = [engine.submit(q, params=SamplingParams(max_tokens=16, temperature=1.0, seed=i))
+                  for i, q in enumerate(PROMPTS)]
+        batched = engine.submit("seeded", params=p).result(60).token_ids
+        for h in others:
+            h.result(60)
+        assert batched == alone
+        assert engine.generate("seeded", params=SamplingParams(
+            max_tokens=16, temperature=0.9, top_p=0.9, seed=4321, ignore_eos=True)).token_ids != alone
+
+
+def test_stop_strings_and_stop_tokens(tiny_model_path):
+    model = tiny_model_path("qwen2")
+    with start(model) as engine:
+        full = engine.generate("stop me", params=SamplingParams(max_tokens=30, ignore_eos=True))
+        assert len(full.text) > 6
+        stop = full.text[3:6]
+        cut = engine.generate("stop me", params=SamplingParams(max_tokens=30, ignore_eos=True, stop=(stop,)))
+        assert cut.finish_reason == "stop" and stop not in cut.text
+        assert full.text.startswith(cut.text) and full.text.find(stop) == len(cut.text)
+        tok = full.token_ids[4]
+        by_id = engine.generate("stop me", params=SamplingParams(max_tokens=30, ignore_eos=True,
+                                                                 stop_token_ids=(tok,)))
+        assert by_id.finish_reason == "stop" and by_id.token_ids == full.token_ids[:full.token_ids.index(tok)]
+
+
+def test_logprobs_are_reported(tiny_model_path):
+    with start(tiny_model_path("qwen2")) as engine:
+        deltas = list(engine.submit("logprobs", params=SamplingParams(max_tokens=4, logprobs=3)))
+        assert all(len(d.top_logprobs) == 3 and d.logprob <= 0 for d in deltas)
+        assert all(d.top_logprobs[0][1] >= d.logprob for d in deltas)
+
+
+def test_fault_in_one_requests_sampling_fails_only_it(tiny_model_path, monkeypatch):
+    real_sample = sampling.sample
+
+    def poisoned(logits, samplers):
+        for row, s in enumerate(samplers):
+            if s.params.seed == 666:
+                logits[row] = float("nan")
+        return real_sample(logits, samplers)
+
+    monkeypatch.setattr(sampling, "sample", poisoned)
+    with start(tiny_model_path("qwen2")) as engine:
+        good = [engine.submit(p, params=SamplingParams(max_tokens=12, ignore_eos=True)) for p in PROMPTS[:3]]
+        bad = engine.submit("poison", params=SamplingParams(max_tokens=12, seed=666, temperature=1.0))
+        failed = bad.result(60)
+        assert failed.finish_reason == "error" and "nan" in failed.error.lower()
+        assert all(h.result(60).finish_reason == "length" for h in good)
+        assert pages_back(engine)
+
+
+def test_randomized_stress_with_aborts_returns_every_page(tiny_model_path):
+    """Hundreds of requests of random lengths, random aborts, a pool small enough to preempt."""
+    rng = random.Random(7)
+    model = tiny_model_path("qwen2")
+    with start(model, max_active=6, kv_cache_memory=48 * 16 * 2 * 2 * 2 * 16 * 4, page_size=16,
+               max_batched_tokens=64) as engine:
+        handles = []
+        for i in range(240):
+            prompt = " ".join(rng.choice(["cache", "page", "token", "step", "batch"])
+                              for _ in range(rng.randint(1, 40)))
+            handles.append(engine.submit(prompt, params=SamplingParams(max_tokens=rng.randint(1, 24))))
+            if rng.random() < 0.2:
+                engine.abort(rng.choice(handles).id)
+            if rng.random() < 0.1:
+                time.sleep(0.01)
+        results = [h.result(300) for h in handles]
+        assert len({r.id for r in results}) == 240
+        assert all(r.finish_reason in ("length", "stop", "abort") for r in results), \
+            [r.error for r in results if r.finish_reason == "error"][:3]
+        assert any(r.finish_reason == "abort" for r in results)
+        assert pages_back(engine)
+        for h in handles:   # no request was answered twice: each handle saw exactly one end
+            assert h._q.empty()
+
+
+@pytest.mark.realmodel
+def test_eight_concurrent_requests_on_the_default_model(real_model_path):
+    """Eight requests stream correct text together; deterministic mode makes them identical
+    to the same requests run alone."""
+    prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at",
+               "The largest planet in the solar system is", "import numpy as np\n",
+               "Once upon a time", "SELECT * FROM", "The speed of light is"]
+    params = SamplingParams(max_tokens=12)
+    with start(real_model_path, threads=2, deterministic=True, max_active=8) as engine:
+        handles = [engine.submit(p, params=params) for p in prompts]
+        streamed = {h.id: "".join(d.text for d in h) for h in handles}
+        batched = [h.result() for h in handles]
+        assert all(streamed[r.id] == r.text for r in batched)
+        assert batched[0].text.startswith(" Paris")
+        for p, r in zip(prompts[:3], batched[:3]):
+            assert engine.generate(p, params=params).token_ids == r.token_ids
