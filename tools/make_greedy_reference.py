@@ -37,7 +37,7 @@ PROMPTS = [
     ("list", "Shopping list:\n1. eggs\n2. milk\n3.", False),
 ]
 # Only for models with sliding-window layers: a prompt longer than Gemma 3's 512-token window.
-LONG_PROMPT = ("long", "A table of squares.\n" + "".join(f"{i} squared is {i * i}.\n" for i in range(1, 50)), False)
+LONG_PROMPT = ("long", "A table of squares.\n" + "".join(f"{i} squared is {i * i}.\n" for i in range(1, 62)), False)
 
 
 def sha256(path: Path) -> str:
