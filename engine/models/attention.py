@@ -145,7 +145,7 @@ def attend(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, plan: 
     d = plan.decode
     if d is not None:
         B, L = d.slots.shape
-        qd = q if d.rows is None else q.index_select(0, d.rows)
+        qd = q[:B] if d.rows is None else q.index_select(0, d.rows)
         flat = d.slots.view(-1)
         k = k_store.index_select(0, flat).view(B, L, KV, hd).to(q.dtype)
         v = v_store.index_select(0, flat).view(B, L, KV, hd).to(q.dtype)

@@ -175,6 +175,8 @@ class Decoder(nn.Module):
                 with tracer.scope("layer", i=block.layer):
                     x = block(x, kv, write_slots, plans[block.sliding], *ropes[block.sliding])
 
+            if batch.logits_rows.numel() == 0:   # a prefill chunk that samples nothing
+                return torch.empty(0, c.vocab_size, device=dev)
             x = x.index_select(0, batch.logits_rows.to(dev))
             h = F.rms_norm(x, self.final_norm.shape, self.final_norm, c.norm_eps)
             with tracer.scope("qmatmul", op="lm-head"):
