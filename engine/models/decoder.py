@@ -58,6 +58,7 @@ class Block(nn.Module):
         self.q_width = c.n_heads * c.head_dim
         self.kv_width = c.n_kv_heads * c.head_dim
         self.o_proj = linear("attn_output")
+        self.qkv_proj.op, self.o_proj.op = "attention-qkv", "attention-output"
         self.q_norm = norm("attn_q_norm") if c.qk_norm else None
         self.k_norm = norm("attn_k_norm") if c.qk_norm else None
         self.post_attn_norm = norm("post_attention_norm") if c.post_norms else None
@@ -65,6 +66,7 @@ class Block(nn.Module):
         self.gate_up_proj = linear("ffn_gate", "ffn_up")
         self.ffn_dim = c.ffn_dim
         self.down_proj = linear("ffn_down")
+        self.gate_up_proj.op, self.down_proj.op = "mlp-gate-up", "mlp-down"
         self.post_ffn_norm = norm("post_ffw_norm") if c.post_norms else None
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -122,6 +124,7 @@ class Decoder(nn.Module):
         self.final_norm = dequantize(gf.tensor("output_norm.weight")).to(self.device)
         self.head_td = gf.tensor("token_embd.weight" if c.tied_embeddings else "output.weight")
         self.lm_head = make_linear(self.head_td, bias=None, policy=policy)
+        self.lm_head.op = "lm-head"
         self.final_softcap = c.final_logit_softcap
 
         freq_factors = dequantize(gf.tensor("rope_freqs.weight")) if gf.has("rope_freqs.weight") else None
@@ -179,8 +182,7 @@ class Decoder(nn.Module):
                 return torch.empty(0, c.vocab_size, device=dev)
             x = x.index_select(0, batch.logits_rows.to(dev))
             h = F.rms_norm(x, self.final_norm.shape, self.final_norm, c.norm_eps)
-            with tracer.scope("qmatmul", op="lm-head"):
-                logits = self.lm_head(h.to(self.act_dtype)).float()
+            logits = self.lm_head(h.to(self.act_dtype)).float()
             if self.act_dtype != torch.float32:
                 logits = self._refine(logits, h)
             if self.final_softcap is not None:

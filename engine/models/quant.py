@@ -28,6 +28,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from engine.errors import ModelError
 from engine.models.gguf import TensorData
+from engine.trace import get_tracer
 
 SUPPORTED_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q5_0, T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K)
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
@@ -418,6 +419,7 @@ class QuantLinear(torch.nn.Module):
                              else bias.to(dense.dtype), persistent=False)
         self.dense_threshold = dense_threshold
         self.rowwise = rowwise     # fp32 GEMM is not batch-invariant here; one row per call is
+        self.op = name             # trace label, e.g. "attention-qkv" (the decoder names it)
 
     def kernel_for(self, n_rows: int) -> str:
         if self.int4 is not None and (self.dense is None or self.dense_threshold is None
@@ -426,6 +428,13 @@ class QuantLinear(torch.nn.Module):
         return "dense"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tracer = get_tracer()
+        if not tracer.active:
+            return self._forward(x)
+        with tracer.scope("qmatmul", op=self.op, kernel=self.kernel_for(x.numel() // self.in_features)):
+            return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x = x.reshape(-1, self.in_features)
         if self.kernel_for(x.shape[0]) == "int4":
