@@ -206,17 +206,18 @@ def _prime(model: Decoder, kv: KVStore, seq) -> None:
         step(model, kv, [(tokens[:len(tokens) - n_new], len(tokens) - n_new, slots)])
 
 
+@pytest.mark.parametrize("order", [(1, 0, 2), (1, 2, 0), (0, 1, 2)],
+                         ids=["decodes-around-prefill", "decodes-first", "prefill-first"])
 @pytest.mark.parametrize("policy", [FP32, BF16, FP32_DET, BF16_DET],
                          ids=["fp32", "bf16", "fp32-deterministic", "bf16-deterministic"])
-def test_flat_batch_equals_each_sequence_alone(tiny_qwen, policy):
+def test_flat_batch_equals_each_sequence_alone(tiny_qwen, policy, order):
     model = Decoder.from_gguf(load_gguf(tiny_qwen), policy)
-    seqs = _three_sequences()
+    seqs = [_three_sequences()[i] for i in order]
     kv = model.new_kv_store(96)
     for s in seqs:
         _prime(model, kv, s)
-    # the decodes on both sides of the prefill chunk: rows are not in sequence order
-    together = step(model, kv, [seqs[1], seqs[0], seqs[2]])
-    alone = torch.stack([step(model, kv, [s])[0] for s in (seqs[1], seqs[0], seqs[2])])
+    together = step(model, kv, seqs)
+    alone = torch.stack([step(model, kv, [s])[0] for s in seqs])
     if policy.deterministic:
         assert torch.equal(together, alone)
     else:

@@ -55,12 +55,13 @@ class Block(nn.Module):
 
         self.attn_norm = norm("attn_norm")
         self.qkv_proj = linear("attn_q", "attn_k", "attn_v", bias=c.qkv_bias)
-        self.q_width = c.n_heads * c.head_dim
-        self.kv_width = c.n_kv_heads * c.head_dim
+        self.qk_width = (c.n_heads + c.n_kv_heads) * c.head_dim
         self.o_proj = linear("attn_output")
         self.qkv_proj.op, self.o_proj.op = "attention-qkv", "attention-output"
-        self.q_norm = norm("attn_q_norm") if c.qk_norm else None
-        self.k_norm = norm("attn_k_norm") if c.qk_norm else None
+        # gemma's QK-norm: one weight row per head of the fused [q heads | k heads] block
+        self.qk_norm = (torch.cat([norm("attn_q_norm").expand(c.n_heads, -1),
+                                   norm("attn_k_norm").expand(c.n_kv_heads, -1)])
+                        if c.qk_norm else None)
         self.post_attn_norm = norm("post_attention_norm") if c.post_norms else None
         self.ffn_norm = norm("ffn_norm")
         self.gate_up_proj = linear("ffn_gate", "ffn_up")
@@ -73,23 +74,20 @@ class Block(nn.Module):
         return F.rms_norm(x, w.shape, w, self.eps)
 
     def forward(self, x: torch.Tensor, kv: KVStore, write_slots: torch.Tensor, plan: AttentionPlan,
-                rope: RotaryTable, cos: torch.Tensor, sin: torch.Tensor,
-                q_cos: torch.Tensor, q_sin: torch.Tensor) -> torch.Tensor:
+                rope: RotaryTable, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """cos/sin: [T, n_heads + n_kv_heads, head_dim], the q rows pre-multiplied by the
+        attention scale, so q and k rotate in one go and q needs no separate scaling."""
         tracer = get_tracer()
         T = x.shape[0]
         with tracer.scope("attn"):
             h = self._norm(x, self.attn_norm).to(self.act_dtype)
             qkv = self.qkv_proj(h)
-            q, k, v = qkv.split([self.q_width, self.kv_width, self.kv_width], dim=1)
-            q = q.view(T, self.n_heads, self.head_dim)
-            k = k.view(T, self.n_kv, self.head_dim)
-            v = v.view(T, self.n_kv, self.head_dim)
-            if self.q_norm is not None:
-                q = self._norm(q.float(), self.q_norm)
-                k = self._norm(k.float(), self.k_norm)
-            # the attention scale is folded into q's cos/sin table: no extra op per layer
-            q = rope.apply(q, q_cos, q_sin)
-            k = rope.apply(k, cos, sin)
+            qk = qkv[:, :self.qk_width].view(T, self.n_heads + self.n_kv, self.head_dim)
+            v = qkv[:, self.qk_width:].view(T, self.n_kv, self.head_dim)
+            if self.qk_norm is not None:
+                qk = F.rms_norm(qk.float(), (self.head_dim,), None, self.eps) * self.qk_norm
+            qk = rope.apply(qk, cos, sin)
+            q, k = qk[:, :self.n_heads], qk[:, self.n_heads:]
             k_store, v_store = kv.k[self.layer], kv.v[self.layer]
             k_store.index_copy_(0, write_slots, k.to(k_store.dtype))
             v_store.index_copy_(0, write_slots, v.to(v_store.dtype))
@@ -148,10 +146,13 @@ class Decoder(nn.Module):
         c = self.config
         return KVStore(c.n_layers, num_slots, c.n_kv_heads, c.head_dim, dtype=dtype, device=self.device)
 
-    def _rope_inputs(self, rope: RotaryTable, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _rope_inputs(self, rope: RotaryTable, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-step tables for the fused q|k heads (see Block.forward)."""
+        c = self.config
         cos, sin = rope.lookup(positions)
-        scale = self.config.attn_scale
-        return cos, sin, cos * scale, sin * scale
+        def per_head(t: torch.Tensor) -> torch.Tensor:
+            return torch.cat([(t * c.attn_scale).expand(-1, c.n_heads, -1), t.expand(-1, c.n_kv_heads, -1)], dim=1)
+        return per_head(cos), per_head(sin)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVStore) -> torch.Tensor:
