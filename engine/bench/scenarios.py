@@ -249,3 +249,100 @@ def bench_routing(args) -> dict:
             f"cost_vs_forced_completion_ratio_at_{small}": round(row(small, "cost")["completion_s"] / row(small, "forced-fastest")["completion_s"], 3),
         },
     }
+
+
+# --- tracing cost ------------------------------------------------------------------------
+def _decode_burst_tok_s(engine, n: int, out_tokens: int, salt: str) -> float:
+    return n * out_tokens / _burst(engine, n, out_tokens, True, salt)
+
+
+def bench_trace(args) -> dict:
+    """Throughput with tracing off vs on (same engine, interleaved), and the cost of a
+    disabled scope times the scopes per step, as a fraction of a step."""
+    from engine.trace import Tracer
+
+    runs = 1 if args.quick else max(3, args.runs)
+    out_tokens = 16 if args.quick else 48
+    n = 4
+    engine = start_engine([base_worker(args)])
+    try:
+        _burst(engine, 2, 8, True, "warm")
+        off, on = [], []
+        for r in range(runs):
+            engine.set_tracing(False)
+            off.append(_decode_burst_tok_s(engine, n, out_tokens, f"off{r}"))
+            engine.set_tracing(True)
+            on.append(_decode_burst_tok_s(engine, n, out_tokens, f"on{r}"))
+            engine.export_trace(args.trace_dir or "traces")   # drain: the buffers stay bounded
+        engine.set_tracing(False)
+        from engine.models.gguf import load_gguf
+        from engine.models.catalog import resolve_model
+        n_layers = load_gguf(resolve_model(args.model)).config.n_layers
+    finally:
+        engine.shutdown()
+    # scopes in one step: engine step, scheduler, model, sampler + per layer
+    # (layer, attn, attention, mlp, 4 qmatmul) + lm_head
+    scopes_per_step = 4 + 8 * n_layers + 1
+    t = Tracer("bench")
+    reps = 200_000
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        with t.scope("qmatmul", op="x"):
+            pass
+    disabled_s = (time.perf_counter() - t0) / reps
+    step_s = n / median(off)
+    return {"requests": n, "output_tokens": out_tokens, "runs": runs,
+            "tracing_off_tok_s": median(off), "tracing_on_tok_s": median(on),
+            "on_over_off": round(median(on) / median(off), 3),
+            "off_runs": off, "on_runs": on,
+            "disabled_scope_ns": round(disabled_s * 1e9, 1), "scopes_per_step": scopes_per_step,
+            "disabled_cost_fraction_of_step": round(disabled_s * scopes_per_step / step_s, 5),
+            "goals": {"off_costs_le_1pct": disabled_s * scopes_per_step / step_s <= 0.01,
+                      "on_costs_le_10pct": median(on) / median(off) >= 0.90}}
+
+
+# --- dashboard cost ----------------------------------------------------------------------
+def bench_dashboard(args) -> dict:
+    """The same burst through the engine headless, and with the dashboard open (rendering
+    at 200x60 in a headless Textual driver). Workers run in their own processes in both."""
+    import asyncio
+
+    from engine.devices import parse_devices
+
+    runs = 1 if args.quick else args.runs
+    n, out_tokens = 8, (16 if args.quick else 64)
+    workers = parse_devices(args.device or ["cpu"], base_worker(args))
+    config = EngineConfig(workers=workers, worker_mode="process")
+
+    def headless() -> float:
+        from engine.engine import Engine
+        with Engine(config).start() as engine:
+            _burst(engine, 2, 4, True, "warm")
+            return _decode_burst_tok_s(engine, n, out_tokens, "headless")
+
+    def with_dashboard() -> float:
+        from app.main import TokentopApp
+        app = TokentopApp(config)
+        result = {}
+
+        async def drive():
+            async with app.run_test(headless=True, size=(200, 60)) as pilot:
+                while not app.engine.ready:
+                    await pilot.pause(0.1)
+                await asyncio.to_thread(_burst, app.engine, 2, 4, True, "warm")
+                result["tok_s"] = await asyncio.to_thread(
+                    _decode_burst_tok_s, app.engine, n, out_tokens, "dashboard")
+                await pilot.press("q")
+        asyncio.run(drive())
+        app.wait_for_shutdown()
+        return result["tok_s"]
+
+    a, b = [], []
+    for _ in range(runs):
+        a.append(headless())
+        b.append(with_dashboard())
+    return {"requests": n, "output_tokens": out_tokens, "runs": runs,
+            "headless_tok_s": median(a), "dashboard_tok_s": median(b),
+            "dashboard_over_headless": round(median(b) / median(a), 3),
+            "headless_runs": a, "dashboard_runs": b,
+            "goals": {"dashboard_costs_le_5pct": median(b) / median(a) >= 0.95}}
