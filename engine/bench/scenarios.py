@@ -67,6 +67,21 @@ def _single_child(worker: WorkerConfig, runs: int, prompt_len: int, out_tokens: 
         q.put({"error": f"{type(exc).__name__}: {exc}"})
 
 
+def _llama_cpp(python: str, model: str, threads: int, runs: int, out_tokens: int) -> dict:
+    """Run llama.cpp (llama-cpp-python under another interpreter) on the same GGUF file."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    from engine.models.catalog import resolve_model
+    script = Path(__file__).with_name("llama_cpp_ref.py")
+    out = subprocess.run([python, str(script), str(resolve_model(model)), str(threads), str(runs),
+                          "500", str(out_tokens)], capture_output=True, text=True, timeout=1800)
+    if out.returncode != 0:
+        return {"error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else "failed"}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def bench_single(args) -> dict:
     runs = 1 if args.quick else args.runs
     out_tokens = 32 if args.quick else 128
@@ -81,19 +96,34 @@ def bench_single(args) -> dict:
         p.join()
         row = {"model": model, "threads": worker.threads, "weights": worker.weights,
                "activation_dtype": worker.activation_dtype, **res}
-        if "error" not in res:
-            row["prefill_tok_s_median"] = median(res["prefill_tok_s"])
-            row["decode_tok_s_median"] = median(res["decode_tok_s"])
-            if model in LLAMA_CPP:
-                lp, ld = LLAMA_CPP[model]
-                row["llama_cpp"] = {"prefill_tok_s": lp, "decode_tok_s": ld, "source": "models.md"}
-                row["prefill_ratio"] = round(row["prefill_tok_s_median"] / lp, 3)
-                row["decode_ratio"] = round(row["decode_tok_s_median"] / ld, 3)
-                if model in GOALS:
-                    gp, gd = GOALS[model]
-                    row["goals"] = {"prefill_ratio": gp, "decode_ratio": gd,
-                                    "prefill_met": row["prefill_ratio"] >= gp,
-                                    "decode_met": row["decode_ratio"] >= gd}
+        if "error" in res:
+            rows.append(row)
+            continue
+        row["prefill_tok_s_median"] = median(res["prefill_tok_s"])
+        row["decode_tok_s_median"] = median(res["decode_tok_s"])
+        if args.llama_cpp:
+            ref = _llama_cpp(args.llama_cpp, model, worker.threads, runs, out_tokens)
+            ref["source"] = "measured in this run (llama-cpp-python, same GGUF file, same threads)"
+            if "error" not in ref:
+                ref["prefill_tok_s_median"] = median(ref["prefill_tok_s"])
+                ref["decode_tok_s_median"] = median(ref["decode_tok_s"])
+                lp, ld = ref["prefill_tok_s_median"], ref["decode_tok_s_median"]
+                row["rss_ratio"] = round(res["peak_rss_mb"] / ref["peak_rss_mb"], 3)
+        elif model in LLAMA_CPP:
+            lp, ld = LLAMA_CPP[model]
+            ref = {"prefill_tok_s_median": lp, "decode_tok_s_median": ld,
+                   "source": "models.md (measured on an AVX-512 machine; not side by side)"}
+        else:
+            ref = None
+        row["llama_cpp"] = ref
+        if ref and "error" not in ref:
+            row["prefill_ratio"] = round(row["prefill_tok_s_median"] / lp, 3)
+            row["decode_ratio"] = round(row["decode_tok_s_median"] / ld, 3)
+            if model in GOALS:
+                gp, gd = GOALS[model]
+                row["goals"] = {"prefill_ratio": gp, "decode_ratio": gd,
+                                "prefill_met": row["prefill_ratio"] >= gp,
+                                "decode_met": row["decode_ratio"] >= gd}
         rows.append(row)
     return {"prompt_tokens": 500, "output_tokens": out_tokens, "runs": runs, "results": rows}
 
