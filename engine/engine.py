@@ -174,6 +174,7 @@ class Engine:
 
     # --- lifecycle ----------------------------------------------------------------------
     def start(self, wait: bool = True, timeout: float = 600.0) -> "Engine":
+        from engine.devices import check_memory
         from engine.models.catalog import resolve_model
         from engine.models.tokenizer import Tokenizer
         from engine.trace import Tracer
@@ -185,6 +186,7 @@ class Engine:
                 cb = (lambda done, total, name=cfg.model: self._progress(name, done, total)) \
                     if self._progress else None
                 paths[cfg.model] = str(resolve_model(cfg.model, progress=cb))
+        check_memory(self.config.workers, paths)
         self.tokenizer = Tokenizer.from_gguf(paths[self.config.workers[0].model])
         ctx = mp.get_context("spawn")
         if self.config.worker_mode == "process":

@@ -174,3 +174,15 @@ def test_snapshot_is_immutable(model):
         with pytest.raises(Exception):
             snap.workers[0].running = 5
         assert snap.workers[0].simulated and snap.workers[0].pages_total > 0
+
+
+def test_workers_that_cannot_fit_in_memory_are_refused(tmp_path):
+    from engine.devices import check_memory
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"\0" * 1000)
+    two = parse_devices(["cpu", "cpu"], WorkerConfig(model=str(model), kv_cache_memory=10**6))
+    check_memory(two, {str(model): str(model)}, available=10**7)
+    with pytest.raises(ConfigError, match="2 CPU worker"):
+        check_memory(two, {str(model): str(model)}, available=10**6)
+    sims = parse_devices(["sim:gpu0", "sim:gpu1"], WorkerConfig(model=str(model), kv_cache_memory=10**9))
+    check_memory(sims, {str(model): str(model)}, available=10)   # simulated workers hold no memory
