@@ -321,3 +321,23 @@ def test_kv_store_geometry(tiny_qwen):
     c = model.config
     assert len(kv.k) == c.n_layers and kv.k[0].shape == (40, c.n_kv_heads, c.head_dim)
     assert kv.k[0].dtype == torch.float32
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("cached,new", [(0, 9), (6, 9), (20, 4)])
+def test_fused_and_explicit_attention_paths_agree(window, cached, new):
+    """Chunks take torch's fused attention; the explicit bmm/softmax path serves single queries
+    and logit soft-capping. A cap far above the scores leaves them unchanged, which forces the
+    explicit path on the same masks: both must agree."""
+    from engine.models.attention import attend, plan_attention
+
+    g = torch.Generator().manual_seed(cached + new)
+    k_store, v_store = torch.randn(64, 2, 8, generator=g), torch.randn(64, 2, 8, generator=g)
+    q = torch.randn(new, 6, 8, generator=g)
+    ctx = cached + new
+    slots = torch.randperm(64, generator=g)[:ctx]
+    batch = ForwardBatch(torch.zeros(new, dtype=torch.long), torch.arange(cached, ctx), slots[cached:],
+                         [SeqSlice(0, new, ctx, slots)], torch.tensor([new - 1]))
+    plan = plan_attention(batch, window)
+    torch.testing.assert_close(attend(q, k_store, v_store, plan),
+                               attend(q, k_store, v_store, plan, softcap=1e6), atol=1e-5, rtol=1e-5)
