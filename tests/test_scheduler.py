@@ -170,3 +170,15 @@ def test_deterministic_chunking_is_fixed():
         plan, _ = run_step(sched)
         sizes += [i.num_tokens for i in plan.items]
     assert sizes == [16, 16, 8]
+
+
+def test_page_states_follow_refcounts():
+    from engine.kv.pages import FREE, SHARED, USED
+    pool = PagePool(4, 4)
+    a = pool.allocate()
+    b = pool.allocate()
+    pool.retain(b)
+    assert pool.states()[a] == USED and pool.states()[b] == SHARED and pool.states()[2] == FREE
+    pool.release(b)
+    pool.release(b)
+    assert pool.states()[b] == FREE

@@ -26,6 +26,7 @@ class PagePool:
         self.num_pages = num_pages
         self.page_size = page_size
         self.refcount = [0] * num_pages
+        self._states = bytearray(num_pages)      # kept in step with refcount for the dashboard
         self._free: deque[int] = deque(range(num_pages))
 
     @property
@@ -40,28 +41,32 @@ class PagePool:
         if not self._free:
             raise OutOfPages
         page = self._free.popleft()
-        self.refcount[page] = 1
+        self._set(page, 1)
         return page
+
+    def _set(self, page: int, count: int) -> None:
+        self.refcount[page] = count
+        self._states[page] = FREE if count == 0 else USED if count == 1 else SHARED
 
     def take(self, page: int) -> None:
         """Allocate one specific free page (contiguous regions need a fixed run of pages)."""
         self._free.remove(page)
-        self.refcount[page] = 1
+        self._set(page, 1)
 
     def retain(self, page: int) -> None:
         if self.refcount[page] <= 0:
             raise RuntimeError(f"retain of free page {page}")
-        self.refcount[page] += 1
+        self._set(page, self.refcount[page] + 1)
 
     def release(self, page: int) -> None:
         if self.refcount[page] <= 0:
             raise RuntimeError(f"page {page} released more often than retained")
-        self.refcount[page] -= 1
+        self._set(page, self.refcount[page] - 1)
         if self.refcount[page] == 0:
             self._free.append(page)
 
     def states(self) -> bytes:
-        return bytes(FREE if r == 0 else USED if r == 1 else SHARED for r in self.refcount)
+        return bytes(self._states)
 
 
 class BlockManager:
