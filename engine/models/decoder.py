@@ -1,10 +1,11 @@
 """One decoder-only transformer for qwen2, llama and gemma3; the differences are config switches.
 
-Numerics: the residual stream, norms, rotary, attention and the KV store are fp32; only the
-inputs of the linear layers are cast to the policy's activation dtype (bf16 by default,
-because the quantized CPU kernels are fast only with bf16 inputs). A forward step takes a
-flat batch of several sequences (engine/models/batch.py) and returns fp32 logits for the
-requested rows only: the lm_head is a quarter of a decode step, wasted on prompt rows.
+Numerics: the residual stream, norms, rotary, attention and the KV store are fp32. Linear
+layers get fp32 inputs and give fp32 outputs; each casts to what the kernel it picks for the
+call wants (the int4 kernel: the policy's activation dtype; a dense fp32 copy: nothing), so
+a dense fp32 prefill never rounds its activations to bf16 and back. A forward step takes a flat batch of several sequences
+(engine/models/batch.py) and returns fp32 logits for the requested rows only: the lm_head is
+a quarter of a decode step, wasted on prompt rows.
 """
 from __future__ import annotations
 
@@ -48,7 +49,6 @@ class Block(nn.Module):
         self.layer = i
         self.eps = c.norm_eps
         self.n_heads, self.n_kv, self.head_dim = c.n_heads, c.n_kv_heads, c.head_dim
-        self.act_dtype = policy.activation_dtype
         self.sliding = c.is_sliding(i)
         self.attn_softcap = c.attn_logit_softcap
         self.act = _ACTIVATIONS[c.activation]
@@ -80,12 +80,11 @@ class Block(nn.Module):
         tracer = get_tracer()
         T = x.shape[0]
         with tracer.scope("attn"):
-            h = self._norm(x, self.attn_norm).to(self.act_dtype)
-            qkv = self.qkv_proj(h)
+            qkv = self.qkv_proj(self._norm(x, self.attn_norm))
             qk = qkv[:, :self.qk_width].view(T, self.n_heads + self.n_kv, self.head_dim)
             v = qkv[:, self.qk_width:].view(T, self.n_kv, self.head_dim)
             if self.qk_norm is not None:
-                qk = F.rms_norm(qk.float(), (self.head_dim,), None, self.eps) * self.qk_norm
+                qk = F.rms_norm(qk, (self.head_dim,), None, self.eps) * self.qk_norm
             qk = rope.apply(qk, cos, sin)
             q, k = qk[:, :self.n_heads], qk[:, self.n_heads:]
             k_store, v_store = kv.k[self.layer], kv.v[self.layer]
@@ -93,17 +92,15 @@ class Block(nn.Module):
             v_store.index_copy_(0, write_slots, v.to(v_store.dtype))
             with tracer.scope("attention"):
                 a = attend(q, k_store, v_store, plan, self.attn_softcap)
-            a = self.o_proj(a.to(self.act_dtype))
+            a = self.o_proj(a)
             if self.post_attn_norm is not None:
-                a = self._norm(a.float(), self.post_attn_norm)
+                a = self._norm(a, self.post_attn_norm)
             x = x + a
         with tracer.scope("mlp"):
-            h = self._norm(x, self.ffn_norm).to(self.act_dtype)
-            gate, up = self.gate_up_proj(h).split(self.ffn_dim, dim=1)
-            m = (self.act(gate.float()) * up).to(self.act_dtype)
-            m = self.down_proj(m)
+            gate, up = self.gate_up_proj(self._norm(x, self.ffn_norm)).split(self.ffn_dim, dim=1)
+            m = self.down_proj(self.act(gate) * up)
             if self.post_ffn_norm is not None:
-                m = self._norm(m.float(), self.post_ffn_norm)
+                m = self._norm(m, self.post_ffn_norm)
             x = x + m
         return x
 
@@ -130,13 +127,13 @@ class Decoder(nn.Module):
         self.rope_global = RotaryTable(c.head_dim, c.rope_base, interleaved=c.rope_interleaved,
                                        scaling=c.rope_scaling, freq_factors=freq_factors,
                                        capacity=capacity, device=self.device)
+        sliding = [c.is_sliding(i) for i in range(c.n_layers)]
+        self.has_sliding, self.has_global = any(sliding), not all(sliding)
         # gemma3's sliding layers use their own base and no scaling
         self.rope_local = self.rope_global
-        if any(c.is_sliding(i) for i in range(c.n_layers)) and c.rope_local_base != c.rope_base:
+        if self.has_sliding and c.rope_local_base != c.rope_base:
             self.rope_local = RotaryTable(c.head_dim, c.rope_local_base, interleaved=c.rope_interleaved,
                                           capacity=capacity, device=self.device)
-        self.has_sliding = any(c.is_sliding(i) for i in range(c.n_layers))
-        self.has_global = not all(c.is_sliding(i) for i in range(c.n_layers))
 
     @classmethod
     def from_gguf(cls, gf: GGUFFile, policy: LinearPolicy) -> "Decoder":
@@ -149,10 +146,8 @@ class Decoder(nn.Module):
     def _rope_inputs(self, rope: RotaryTable, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-step tables for the fused q|k heads (see Block.forward)."""
         c = self.config
-        cos, sin = rope.lookup(positions)
-        def per_head(t: torch.Tensor) -> torch.Tensor:
-            return torch.cat([(t * c.attn_scale).expand(-1, c.n_heads, -1), t.expand(-1, c.n_kv_heads, -1)], dim=1)
-        return per_head(cos), per_head(sin)
+        return tuple(torch.cat([(t * c.attn_scale).expand(-1, c.n_heads, -1), t.expand(-1, c.n_kv_heads, -1)], dim=1)
+                     for t in rope.lookup(positions))
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVStore) -> torch.Tensor:
@@ -183,7 +178,7 @@ class Decoder(nn.Module):
                 return torch.empty(0, c.vocab_size, device=dev)
             x = x.index_select(0, batch.logits_rows.to(dev))
             h = F.rms_norm(x, self.final_norm.shape, self.final_norm, c.norm_eps)
-            logits = self.lm_head(h.to(self.act_dtype)).float()
+            logits = self.lm_head(h)
             if self.act_dtype != torch.float32:
                 logits = self._refine(logits, h)
             if self.final_softcap is not None:
