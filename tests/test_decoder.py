@@ -341,3 +341,23 @@ def test_fused_and_explicit_attention_paths_agree(window, cached, new):
     plan = plan_attention(batch, window)
     torch.testing.assert_close(attend(q, k_store, v_store, plan),
                                attend(q, k_store, v_store, plan, softcap=1e6), atol=1e-5, rtol=1e-5)
+
+
+def test_rope_linear_scaling_and_frequency_factors():
+    from engine.models.rope import RotaryTable
+
+    plain = RotaryTable(16, 10000.0, capacity=8)
+    linear = RotaryTable(16, 10000.0, scaling={"type": "linear", "factor": 2.0}, capacity=8)
+    # linear scaling: position 2p turns like position p did (the table grows on demand)
+    torch.testing.assert_close(linear.lookup(torch.tensor([6, 40]))[0], plain.lookup(torch.tensor([3, 20]))[0])
+    # llama3-style factors divide each frequency; a factor of 2 everywhere is linear scaling again
+    factors = RotaryTable(16, 10000.0, freq_factors=torch.full((8,), 2.0), capacity=8)
+    torch.testing.assert_close(factors.lookup(torch.tensor([6]))[1], plain.lookup(torch.tensor([3]))[1])
+
+
+def test_unsupported_rope_scaling_is_refused_clearly():
+    from engine.errors import ModelError
+    from engine.models.rope import RotaryTable
+
+    with pytest.raises(ModelError, match="yarn"):
+        RotaryTable(16, 10000.0, scaling={"type": "yarn", "factor": 4.0})
