@@ -3,9 +3,10 @@
 Keys and values stay where the KV store has them: a sequence's slots are gathered by index
 (or read as a view in contiguous mode), never rebuilt page by page. All pure-decode
 sequences of a step share one padded, masked, batched attention; a prefill chunk attends
-per sequence with a causal mask over its cached context plus its new tokens. Sliding-window
-layers only read the keys inside the window. GQA is a grouped reshape of the queries:
-K/V are never repeated per query head.
+per sequence (torch's fused CPU kernel) with a causal mask over its cached context plus its
+new tokens. Sliding-window layers only read the keys inside the window. GQA is a grouped
+reshape of the queries, or the fused kernel's own GQA (the profiler shows no repeat): K/V
+are never repeated per query head.
 """
 from __future__ import annotations
 
