@@ -361,3 +361,22 @@ def test_unsupported_rope_scaling_is_refused_clearly():
 
     with pytest.raises(ModelError, match="yarn"):
         RotaryTable(16, 10000.0, scaling={"type": "yarn", "factor": 4.0})
+
+
+def test_batched_decode_attention_reads_only_its_rows():
+    """Attention must not copy the whole KV store (indexing a transposed view of it once did,
+    every layer): what a decode step allocates depends on its contexts, not the store size."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine.models.attention import attend, plan_attention
+
+    store = torch.zeros(200_000, 2, 8)                 # 12.8 MB per tensor
+    seqs = [SeqSlice(0, 1, 10, torch.arange(10)), SeqSlice(1, 1, 7, torch.arange(100, 107))]
+    batch = ForwardBatch(torch.zeros(2, dtype=torch.long), torch.tensor([9, 6]), torch.tensor([9, 106]),
+                         seqs, torch.arange(2))
+    plan = plan_attention(batch, None)
+    assert plan.decode is not None
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        attend(torch.randn(2, 6, 8), store, store, plan)
+    allocated = sum(e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0)
+    assert allocated < 1_000_000, f"decode attention allocated {allocated:,} bytes"

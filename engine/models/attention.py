@@ -167,20 +167,22 @@ def attend(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, plan: 
 
     d = plan.decode
     if d is not None:
-        # Gather the B*L rows from the (contiguous) store, then lay them out kv-head-major,
-        # [KV*B, L, hd], so that (kv head, sequence) is one batch dimension of a plain bmm.
-        # Never index a transposed view of the whole store: torch would first copy all of it.
+        # Gather the B*L rows from the (contiguous) store, then run one bmm per KV head on
+        # strided views: BLAS reads a head's keys in place (row stride KV*hd), so neither a
+        # kv-head-major copy (20% slower, 8 decodes over 500 tokens, one thread) nor matmul's
+        # own reordering copy is made. Never index a transposed view of the whole store:
+        # torch would first copy all of it.
         B, L = d.slots.shape
         qd = q[:B] if d.rows is None else q.index_select(0, d.rows)
         flat = d.slots.view(-1)
-        k = k_store.index_select(0, flat).view(B, L, KV, hd).permute(2, 0, 1, 3).reshape(KV * B, L, hd)
-        v = v_store.index_select(0, flat).view(B, L, KV, hd).permute(2, 0, 1, 3).reshape(KV * B, L, hd)
-        k, v = k.to(q.dtype), v.to(q.dtype)
-        qg = qd.view(B, KV, G, hd).transpose(0, 1).reshape(KV * B, G, hd)
-        scores = torch.bmm(qg, k.transpose(1, 2)).view(KV, B, G, L)
-        scores = _finish_scores(scores, d.mask, softcap)
-        o = torch.bmm(scores.view(KV * B, G, L), v).view(KV, B, G, hd)
-        o = o.transpose(0, 1).reshape(B, H * hd)
+        k = k_store.index_select(0, flat).view(B, L, KV, hd).to(q.dtype)
+        v = v_store.index_select(0, flat).view(B, L, KV, hd).to(q.dtype)
+        qg = qd.view(B, KV, G, hd)
+        heads = []
+        for h in range(KV):
+            scores = _finish_scores(torch.bmm(qg[:, h], k[:, :, h].transpose(1, 2)), d.mask, softcap)
+            heads.append(torch.bmm(scores, v[:, :, h]))                   # [B, G, hd]
+        o = (heads[0] if KV == 1 else torch.stack(heads, dim=1)).reshape(B, H * hd)
         if out is None:
             return o
         if d.rows is None:
