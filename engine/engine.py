@@ -607,7 +607,8 @@ def _worker_entry(index, cfg, model_path, commands, events, tracing, log_path=No
         os.dup2(fd, 2)
         os.close(fd)
 
-    tracer = Tracer(f"worker {index} ({cfg.device})", enabled=tracing)
+    # NVTX ranges for Nsight on CUDA workers; the Chrome trace is separate and off by default
+    tracer = Tracer(f"worker {index} ({cfg.device})", enabled=tracing, nvtx=cfg.device.startswith("cuda"))
     set_tracer(tracer)
     tracer.set_thread_name("worker loop")
     worker_main(index, cfg, model_path, commands, events)

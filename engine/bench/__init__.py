@@ -18,6 +18,7 @@ def run_bench(args) -> int:
     from engine.bench import scenarios
 
     fn = getattr(scenarios, f"bench_{args.scenario}")
+    scenarios.TRACE_DIR = args.trace_dir
     started = time.time()
     report = fn(args)
     report = {

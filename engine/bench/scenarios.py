@@ -32,9 +32,18 @@ def base_worker(args, **over) -> WorkerConfig:
     return replace(w, **over)
 
 
-def start_engine(workers, mode="thread", trace_dir=None):
+TRACE_DIR: str | None = None   # `bench --trace-dir DIR`: every engine of the run writes a trace
+
+
+def start_engine(workers, mode="thread"):
     from engine.engine import Engine
-    return Engine(EngineConfig(workers=tuple(workers), worker_mode=mode, trace_dir=trace_dir)).start()
+    return Engine(EngineConfig(workers=tuple(workers), worker_mode=mode, trace_dir=TRACE_DIR)).start()
+
+
+def stop_engine(engine) -> None:
+    if TRACE_DIR:
+        engine.export_trace(TRACE_DIR)
+    engine.shutdown()
 
 
 def prompt_of(engine, n_tokens: int, salt: str = "") -> list[int]:
@@ -163,7 +172,7 @@ def bench_batching(args) -> dict:
         one = next(t for t in table if t["n"] == 1)["batched_tok_s"]
         eight = next(t for t in table if t["n"] == 8)["batched_tok_s"]
     finally:
-        paged.shutdown()
+        stop_engine(paged)
 
     contiguous = start_engine([base_worker(args, max_active=8, kv_cache="contiguous")])
     paged = start_engine([base_worker(args, max_active=8, kv_cache="paged")])
@@ -179,8 +188,8 @@ def bench_batching(args) -> dict:
             p, c = median(res["paged"]), median(res["contiguous"])
             kv.append({"n": n, "paged_tok_s": p, "contiguous_tok_s": c, "paged_over_contiguous": round(p / c, 3)})
     finally:
-        paged.shutdown()
-        contiguous.shutdown()
+        stop_engine(paged)
+        stop_engine(contiguous)
     return {
         "output_tokens": out_tokens, "runs": runs, "model": args.model, "batching": table,
         "aggregate_n8_over_n1": round(eight / one, 3), "paged_vs_contiguous": kv,
@@ -234,7 +243,8 @@ def bench_routing(args) -> dict:
     base = replace(base_worker(args, max_active=4), calibrate=True)
     workers = parse_devices(specs, base)
     policies = ["forced-fastest", "round-robin", "least-loaded", "cost"]
-    engine = Engine(EngineConfig(workers=workers, worker_mode=args.worker_mode or "process")).start()
+    engine = Engine(EngineConfig(workers=workers, worker_mode=args.worker_mode or "process",
+                                 trace_dir=TRACE_DIR)).start()
     try:
         snap = engine.snapshot()
         devices = [{"index": w.index, "name": w.name, "simulated": w.simulated,
@@ -263,7 +273,7 @@ def bench_routing(args) -> dict:
                               "e2e_p95": median([x["e2e_p95"] for x in res]),
                               "requests_per_worker": [x["requests_per_worker"] for x in res]})
     finally:
-        engine.shutdown()
+        stop_engine(engine)
 
     def row(n, p):
         return next(t for t in table if t["requests"] == n and t["policy"] == p)
