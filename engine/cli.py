@@ -94,6 +94,8 @@ def build_parser() -> OneLineParser:
     b.add_argument("--runs", type=int, default=3)
     b.add_argument("--quick", action="store_true", help="fewer/shorter runs (smoke test)")
     b.add_argument("--out", default=None, help="also write the JSON report here")
+    b.add_argument("--policies", default="forced-fastest,round-robin,least-loaded,cost",
+                   help="bench routing: which policies to compare")
     b.add_argument("--llama-cpp", default=None, metavar="PYTHON",
                    help="bench single: a python with llama-cpp-python, to measure llama.cpp side by side")
     add_engine_flags(b)

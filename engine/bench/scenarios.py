@@ -242,7 +242,7 @@ def bench_routing(args) -> dict:
     specs = args.device or ["cpu", "sim:gpu0"]
     base = replace(base_worker(args, max_active=4), calibrate=True)
     workers = parse_devices(specs, base)
-    policies = ["forced-fastest", "round-robin", "least-loaded", "cost"]
+    policies = [p.strip() for p in args.policies.split(",")]
     engine = Engine(EngineConfig(workers=workers, worker_mode=args.worker_mode or "process",
                                  trace_dir=TRACE_DIR)).start()
     try:
