@@ -350,10 +350,15 @@ class Engine:
             load.decode_tokens += max(0, rec.params.max_tokens - len(rec.output_ids))
         return list(loads.values())
 
-    def _rates(self, w: _WorkerSlot) -> tuple[float, float]:
+    def _measured_rates(self, w: _WorkerSlot) -> tuple[float, float]:
+        """The worker's profile (0 when it was not calibrated, e.g. a lone worker)."""
         pre, dec = w.profile
-        return (pre or w.info.get("profile_prefill_tps", 0.0) or 100.0,
-                dec or w.info.get("profile_decode_tps", 0.0) or 10.0)
+        return (pre or w.info.get("profile_prefill_tps", 0.0), dec or w.info.get("profile_decode_tps", 0.0))
+
+    def _rates(self, w: _WorkerSlot) -> tuple[float, float]:
+        # without a profile the cost router still needs numbers: nominal rates, never shown
+        pre, dec = self._measured_rates(w)
+        return pre or 100.0, dec or 10.0
 
     # --- policies -----------------------------------------------------------------------
     def set_scheduler_policy(self, policy: str, worker: int | None = None) -> None:
@@ -522,7 +527,7 @@ class Engine:
 
     def _worker_view(self, w: _WorkerSlot) -> WorkerView:
         s, info = w.stats, w.info
-        pre, dec = self._rates(w)
+        pre, dec = self._measured_rates(w)
         return WorkerView(
             index=w.index, name=info.get("name", w.cfg.name or w.cfg.device), device=w.cfg.device,
             model=w.cfg.model, dtype=info.get("dtype", "?"), weights=info.get("weights", "?"),

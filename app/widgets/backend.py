@@ -80,8 +80,8 @@ class BackendPanel(Vertical):
         self._prefill_label.set(f"prefill {fmt_rate(w.prefill_tps):>5} t/s")
         self._decode_label.set(f"decode  {fmt_rate(w.decode_tps):>5} t/s")
         # The profile rates are what the cost router divides by.
-        self._prefill_profile.set(f" prof {fmt_rate(w.profile_prefill_tps)}")
-        self._decode_profile.set(f" prof {fmt_rate(w.profile_decode_tps)}")
+        self._prefill_profile.set(f" prof {fmt_rate(w.profile_prefill_tps)}" if w.profile_prefill_tps else " prof —")
+        self._decode_profile.set(f" prof {fmt_rate(w.profile_decode_tps)}" if w.profile_decode_tps else " prof —")
         self._prefill_spark.update_samples(w.prefill_history)
         self._decode_spark.update_samples(w.decode_history)
         self._grid.update_states(w.page_states)
