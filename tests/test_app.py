@@ -169,7 +169,8 @@ async def test_abort_selected_request_and_detail(tiny_model, tmp_path):
         table = app.query_one(RequestsTable)
         await wait_for(pilot, lambda: table.row_count == 3, "three rows")
         states = lambda: {r.id: r.state for r in app.last_snapshot.requests}  # noqa: E731
-        assert table.selected_id == "r3"                  # newest first, cursor on top
+        await pilot.press("home")    # the cursor follows its request as rows arrive: go to the top
+        assert table.selected_id == "r3"                  # newest first
         await pilot.press("down")
         victim = table.selected_id
         assert victim == "r2"

@@ -318,7 +318,7 @@ def test_real_model_builds_every_linear(real_model_path):
     gf = load_gguf(real_model_path)
     c = gf.config
     policy = LinearPolicy(dense_threshold=None)
-    x = torch.randn(1, c.hidden).to(torch.bfloat16)
+    x = torch.randn(1, c.hidden, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     for i in range(c.n_layers):
         p = f"blk.{i}."
         qkv = make_linear([gf.tensor(p + f"attn_{n}.weight") for n in "qkv"],
@@ -335,5 +335,6 @@ def test_real_model_builds_every_linear(real_model_path):
     head = make_linear(head_td, bias=None, policy=policy)
     y = head(x).float()
     ref = x.float() @ dequantize(head_td).T
-    assert y.argmax() == ref.argmax()
+    # the chosen row is the reference's best up to the measured error (random input: near-ties)
+    assert ref[0, y.argmax()] >= ref.max() - 2 * (y - ref).abs().max()
     assert ((y - ref).norm() / ref.norm()) < 0.01
