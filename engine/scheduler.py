@@ -12,7 +12,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from engine.kv.pages import BlockManager, OutOfPages
+from engine.kv.pages import BlockManager
 from engine.sequence import Sequence, SeqState
 
 POLICIES = ("fcfs", "spf")
@@ -89,13 +89,11 @@ class Scheduler:
             if n == 0:
                 continue
             while not self._fits(seq, n):
+                # running sequences are visited oldest first, so a younger victim has not
+                # been scheduled in this step yet: nothing to take back from `items`
                 victim = self._youngest_other(seq)
                 if victim is None:
                     break
-                for item in items:
-                    if item.seq is victim:
-                        budget += item.num_tokens
-                items = [i for i in items if i.seq is not victim]
                 self._preempt(victim)
                 preempted.append(victim)
             if not self._fits(seq, n):

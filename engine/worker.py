@@ -15,7 +15,7 @@ from engine.config import WorkerConfig
 from engine.errors import TokentopError
 from engine.kv.pages import BlockManager, PagePool
 from engine.profile import worker_profile
-from engine.scheduler import Scheduler, StepPlan
+from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SeqState
 from engine.trace import get_tracer
 
@@ -209,9 +209,8 @@ class Worker:
             elif final:
                 out, held = pending, ""
             else:
-                keep = max(len(s) for s in stops) - 1
-                out, held = (pending[:-keep], pending[-keep:]) if keep and len(pending) > keep else \
-                    (("", pending) if keep else (pending, ""))
+                cut = max(0, len(pending) - (max(len(s) for s in stops) - 1))
+                out, held = pending[:cut], pending[cut:]
         else:
             out, held = pending, ""
         seq.held_text = held
