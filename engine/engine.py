@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -28,6 +28,7 @@ from engine.snapshot import EngineSnapshot, LogLine, RequestView, WorkerView
 HISTORY = 60          # samples of tok/s kept per worker for sparklines
 TEXT_TAIL = 2000      # characters of each request's text kept for the dashboard
 KEEP_FINISHED = 200   # finished requests kept in snapshots
+HIT_WINDOW = 150      # WorkerStats samples (~30 s at 5 Hz) behind a worker's prefix hit rate
 
 
 class RequestFailed(TokentopError):
@@ -65,6 +66,7 @@ class _Record:
     burst: str | None = None
     first_token_at: float | None = None
     finished_at: float | None = None
+    leader: str | None = None       # single flight: waiting for this request's pages
 
 
 class RequestHandle:
@@ -143,6 +145,8 @@ class _WorkerSlot:
     prefill_hist: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
     decode_hist: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
     profile: tuple[float, float] = (0.0, 0.0)
+    cache_keys: set = field(default_factory=set)          # 8-byte prefixes of published pages
+    prefix_hist: deque = field(default_factory=lambda: deque(maxlen=HIT_WINDOW))
 
 
 class Engine:
@@ -264,9 +268,16 @@ class Engine:
     # --- requests -----------------------------------------------------------------------
     def submit(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                params: SamplingParams | None = None, prompt_ids: list[int] | None = None,
-               worker: int | None = None, burst: str | None = None) -> RequestHandle:
-        """Queue one request. Bad input raises InvalidRequest and queues nothing."""
-        params = (params or SamplingParams()).validate()
+               worker: int | None = None, burst: str | None = None,
+               cache_salt: str | None = None) -> RequestHandle:
+        """Queue one request. Bad input raises InvalidRequest and queues nothing.
+
+        cache_salt (or params.cache_salt): requests share cached KV pages only with
+        requests carrying the same salt."""
+        params = params or SamplingParams()
+        if cache_salt is not None:
+            params = replace(params, cache_salt=cache_salt)
+        params = params.validate()
         ids = self.encode(prompt, messages, prompt_ids)
         now = time.monotonic()
         with self._lock:
@@ -282,8 +293,10 @@ class Engine:
             rid = f"r{next(self._ids)}"
             rec = _Record(rid, ids, params, now, burst=burst)
             decision = self.router.choose(rid, len(ids), params.max_tokens, self._loads(),
-                                          cached=None, force=worker)
+                                          cached=self._reuse_estimates(ids, params.cache_salt, live),
+                                          force=worker)
             rec.worker = decision.chosen
+            rec.cached_estimate = decision.chosen_reuse
             self._routing.append(decision)
             if self._routing_log:
                 self._routing_log.write(json.dumps(decision.to_json()) + "\n")
@@ -294,9 +307,32 @@ class Engine:
             slot = self._workers[decision.chosen]
         if self._tracer is not None and self._tracer.enabled:
             self._tracer.instant("route", request=rid, chosen=decision.chosen, policy=decision.policy,
-                                 scores={c.worker: round(c.score, 4) for c in decision.candidates})
+                                 reason=decision.reason,
+                                 scores={c.worker: round(c.score, 4) for c in decision.candidates},
+                                 reuse={c.worker: c.cached_tokens for c in decision.candidates})
         slot.commands.put(msg.Submit(rid, tuple(ids), params, now))
         return handle
+
+    def _reuse_estimates(self, ids: list[int], salt: str | None, live: list[_WorkerSlot]) -> dict[int, int]:
+        """Prompt tokens each worker could restore: its published keys vs the prompt's chain."""
+        from engine.kv.prefix_cache import DELTA_KEY_BYTES, chain_keys, extra_key, model_identity
+
+        chains: dict[tuple, list[bytes]] = {}
+        out = {}
+        for w in live:
+            if w.info.get("prefix_cache") != "on" or not w.cache_keys:
+                continue
+            cfg, ps = w.cfg, w.info.get("page_size", w.cfg.page_size)
+            ident = model_identity(cfg.model, cfg.weights, cfg.activation_dtype, cfg.simulated)
+            if (ident, ps) not in chains:
+                chains[ident, ps] = chain_keys(ids, ps, extra_key(ident, salt), (len(ids) - 1) // ps)
+            n = 0
+            for key in chains[ident, ps]:
+                if key[:DELTA_KEY_BYTES] not in w.cache_keys:
+                    break
+                n += 1
+            out[w.index] = n * ps
+        return out
 
     def encode(self, prompt: str | None, messages: list[dict] | None,
                prompt_ids: list[int] | None) -> list[int]:
@@ -434,6 +470,13 @@ class Engine:
     def _on_step(self, event: msg.StepEvents) -> None:
         deliveries = []
         with self._lock:
+            if event.cache_delta:
+                keys = self._workers[event.worker].cache_keys
+                for added, key in event.cache_delta:
+                    if added:
+                        keys.add(key)
+                    else:
+                        keys.discard(key)
             for d in event.tokens:
                 rec = self._records.get(d.request_id)
                 if rec is None:
@@ -472,11 +515,13 @@ class Engine:
             w.stats = s
             w.prefill_hist.append(s.prefill_tps)
             w.decode_hist.append(s.decode_tps)
+            if s.prefix:
+                w.prefix_hist.append((s.prefix["prefix_cache_queries"], s.prefix["prefix_cache_hits"]))
             for v in s.seqs:
                 rec = self._records.get(v.request_id)
                 if rec is None or rec.finish_reason is not None:
                     continue
-                rec.computed, rec.cached = v.computed_tokens, v.cached_tokens
+                rec.computed, rec.cached, rec.leader = v.computed_tokens, v.cached_tokens, v.leader
                 rec.state = {"waiting": "queued"}.get(v.state, v.state)
 
     def _on_dead(self, event: msg.WorkerDead) -> None:
@@ -539,7 +584,8 @@ class Engine:
             page_states=s.page_states if s else bytes(info.get("pages", 0)),
             page_size=info.get("page_size", w.cfg.page_size), policy=s.policy if s else w.cfg.policy,
             steps=s.steps if s else 0, profile_prefill_tps=pre, profile_decode_tps=dec,
-            max_active=w.cfg.max_active)
+            max_active=w.cfg.max_active, prefix_cache=info.get("prefix_cache") == "on",
+            prefix=dict(s.prefix) if s else {}, hit_rate=_window_rate(w.prefix_hist))
 
     def _request_view(self, r: _Record, now: float) -> RequestView:
         m = r.metrics
@@ -550,7 +596,8 @@ class Engine:
             max_tokens=r.params.max_tokens, queue_time=m.queue_time if m else None,
             ttft=m.ttft if m else (r.first_token_at - r.arrival if r.first_token_at else None),
             itl_mean=m.itl_mean if m else None, e2e=m.e2e if m else end - r.arrival,
-            text_tail=r.text[-TEXT_TAIL:], error=r.error, burst=r.burst, age=now - r.arrival)
+            text_tail=r.text[-TEXT_TAIL:], error=r.error, burst=r.burst, age=now - r.arrival,
+            leader=r.leader if r.finish_reason is None else None)
 
     # --- traces -------------------------------------------------------------------------
     def set_tracing(self, enabled: bool) -> None:
@@ -566,6 +613,8 @@ class Engine:
             return
         t0 = rec.arrival
         marks = [("queued", t0)]
+        if m.follow_start is not None and (m.queue_time is None or m.follow_start < m.queue_time):
+            marks.append(("waiting-on-leader", t0 + m.follow_start))
         if m.queue_time is not None:
             marks.append(("prefill", t0 + m.queue_time))
         if m.ttft is not None:
@@ -594,6 +643,14 @@ class Engine:
         if self._tracer is not None:
             events += self._tracer.drain()
         return write_chrome_trace(target, events)
+
+
+def _window_rate(hist: deque) -> float | None:
+    """Hit tokens / looked-up tokens over the samples in hist (None: no lookups there)."""
+    if len(hist) < 2:
+        return None
+    (q0, h0), (q1, h1) = hist[0], hist[-1]
+    return (h1 - h0) / (q1 - q0) if q1 > q0 else None
 
 
 def _alive(proc) -> bool:

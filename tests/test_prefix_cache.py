@@ -323,3 +323,44 @@ def test_pool_states_used_shared_cached_free():
     assert pool.states()[a] == CACHED and pool.num_cached == 1 and pool.num_free == 3
     pool.retain(a)                                          # a cached page comes back into use
     assert pool.states()[a] == USED and pool.num_cached == 0
+
+
+@pytest.mark.parametrize("mode", ["after-prefill", "at-completion", "off"])
+def test_randomized_invariants_every_step(mode):
+    """Refcount of every page == block tables holding it; free + cached + used == total;
+    no follower waits on a gone leader; at the end every page is free or cached."""
+    import random
+    rng = random.Random(7)
+    pool, sched, reuse = make(num_pages=40, budget=24, max_active=6, mode=mode)
+    docs = [[rng.randrange(1, 50) for _ in range(rng.randrange(4, 60))] for _ in range(5)]
+    live, n, everyone = [], 0, []
+    for it in range(3000):
+        if n < 300 and rng.random() < 0.3:
+            s = mkseq(f"q{n}", rng.choice(docs) + [rng.randrange(1, 50) for _ in range(rng.randrange(1, 12))],
+                      max_tokens=rng.randrange(1, 20), t=float(n))
+            sched.add(s)
+            live.append(s)
+            everyone.append(s)
+            n += 1
+        if live and rng.random() < 0.05:                   # aborts, leaders mid-prefill included
+            victim = rng.choice(live)
+            sched.remove(victim)
+            victim.state = SeqState.FINISHED
+        if not sched.idle:
+            plan, done = step(sched, reuse, fail=[s.id for s in sched.running[:1]] if rng.random() < 0.02 else ())
+        live = [s for s in live if s.state != SeqState.FINISHED]
+        holders = [0] * pool.num_pages
+        for s in sched.running + list(sched.waiting):
+            for p in s.block_table:
+                holders[p] += 1
+        assert holders == pool.refcount
+        assert pool.num_used + pool.num_free == pool.num_pages
+        assert not reuse.flights.check()
+        if n >= 300 and sched.idle:
+            break
+    assert sched.idle and n == 300
+    assert pool.num_used == 0 and pool.num_cached + (pool.num_free - pool.num_cached) == pool.num_pages
+    assert reuse.flights.num_waiting == 0 and reuse.cache.evictions > 0 and reuse.cache.hits > 0
+    assert sum(s.preemptions for s in everyone) > 0
+    if mode != "off":
+        assert reuse.flights.waits > 0
