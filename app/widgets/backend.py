@@ -41,6 +41,7 @@ class BackendPanel(Vertical):
             yield RateSparkline(classes="decode-spark")
             yield Line("", classes="rate-profile decode-profile")
         yield Line("", classes="kv-caption")
+        yield Line("", classes="kv-caption prefix-caption")
         yield KVGrid()
         yield ProgressBar(total=None, show_eta=False)
 
@@ -55,6 +56,7 @@ class BackendPanel(Vertical):
         self._prefill_profile = self.query_one(".prefill-profile", Line)
         self._decode_profile = self.query_one(".decode-profile", Line)
         self._kv_caption = self.query_one(".kv-caption", Line)
+        self._prefix_caption = self.query_one(".prefix-caption", Line)
         self._grid = self.query_one(KVGrid)
         self._bar = self.query_one(ProgressBar)
 
@@ -89,6 +91,8 @@ class BackendPanel(Vertical):
             used = 100.0 * w.pages_used / w.pages_total
             self._kv_caption.set(
                 f"KV {used:.0f}% of {w.pages_total} pages×{w.page_size}, {self._grid.per_cell}/cell")
+        self._prefix_caption.set(prefix_caption(w))
+
 
     def _identity(self, state: str, message: str, w: WorkerView | None = None) -> str:
         style = STATE_STYLE.get(state, "$text")
@@ -104,3 +108,13 @@ class BackendPanel(Vertical):
         if w is not None and not w.simulated and w.dtype != "?":
             parts.append(escape(f"{w.dtype}/{w.weights}"))
         return " ".join(parts)
+
+
+def prefix_caption(w: WorkerView) -> str:
+    """Prefix cache line: hit rate over the last ~30 s, cached pages, evictions, waits."""
+    if not w.prefix_cache:
+        return "prefix cache off" if w.state == "ready" else ""
+    p = w.prefix
+    hit = "—" if w.hit_rate is None else f"{100 * w.hit_rate:.0f}%"
+    return (f"prefix hit {hit} · cached {p.get('cached_pages', 0)} · "
+            f"evicted {p.get('evictions', 0)} · waits {p.get('single_flight_waits', 0)}")

@@ -21,15 +21,20 @@ from engine.snapshot import RequestView
 
 # (header, width). The columns that matter most come first: on a narrow terminal the last
 # ones are cut off (left / right scroll, z zooms the panel).
-COLUMNS = (("id", 5), ("w", 2), ("state", 8), ("out", 9), ("TTFT", 6), ("ITL", 5), ("e2e", 6),
+COLUMNS = (("id", 5), ("w", 2), ("state", 10), ("out", 9), ("TTFT", 6), ("ITL", 5), ("e2e", 6),
            ("prompt", 6), ("cached", 6))
 TABLE_WIDTH = sum(w for _, w in COLUMNS) + len(COLUMNS) - 1
 STATE_COLOUR = {"prefill": "warning", "decode": "success", "error": "error"}
 DIM_STATES = ("queued", "aborted")
 
 
+def _state_style_key(state: str) -> str:
+    return "queued" if state.startswith("follow ") else state
+
+
 def request_cells(r: RequestView) -> tuple[str, ...]:
-    return (r.id, "-" if r.worker is None else str(r.worker), r.state,
+    state = f"follow {r.leader}" if r.leader else r.state    # single flight: waits on r.leader
+    return (r.id, "-" if r.worker is None else str(r.worker), state,
             f"{r.output_tokens}/{r.max_tokens}", fmt_seconds(r.ttft), fmt_seconds(r.itl_mean),
             fmt_seconds(r.e2e), str(r.prompt_tokens), str(r.cached_tokens))
 
@@ -127,7 +132,7 @@ class RequestsTable(ScrollView, can_focus=True):
         rid, cells = self._rows[index]
         if index == self._cursor:
             base += cursor
-        state = cells[2]
+        state = _state_style_key(cells[2])
         colours = self.app.theme_variables
         if state in STATE_COLOUR:
             state_style = Style(color=colours[STATE_COLOUR[state]], bold=state == "error")

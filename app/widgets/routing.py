@@ -1,8 +1,8 @@
 """Recent routing decisions, newest first: every candidate's inputs and score, the chosen one marked.
 
 Enough to explain each decision after the fact: the policy, the load the router counted on
-each worker (running, waiting, pending prefill and decode tokens, reusable prefix), the
-rates it divided by, and the score it compared.
+each worker (running, waiting, pending prefill and decode tokens, the reusable prefix it
+estimated from the worker's published page keys), the rates it divided by, and the score.
 """
 from __future__ import annotations
 
@@ -17,23 +17,23 @@ SHOWN = 12
 
 
 def format_score(policy: str, score: float) -> str:
-    return fmt_seconds(score) if policy == "cost" else f"{score:g}"
+    return fmt_seconds(score) if policy in ("cost", "cache-aware") else f"{score:g}"
 
 
 def format_candidate(c: Candidate, decision: RouteDecision) -> str:
     chosen = c.worker == decision.chosen
     mark = "[bold $success]✓[/]" if chosen else " "
     name = f"[bold]w{c.worker}[/]" if chosen else f"w{c.worker}"
-    return (f" {mark} {name} {format_score(decision.policy, c.score):>6}  "
-            f"run {c.running} wait {c.waiting}  pre {c.prefill_tokens} dec {c.decode_tokens} "
-            f"hit {c.cached_tokens}  @{fmt_rate(c.prefill_rate)}/{fmt_rate(c.decode_rate)} "
+    return (f" {mark} {name} {format_score(decision.policy, c.score):>6}  reuse {c.cached_tokens}  "
+            f"run {c.running} wait {c.waiting}  pre {c.prefill_tokens} dec {c.decode_tokens}  @{fmt_rate(c.prefill_rate)}/{fmt_rate(c.decode_rate)} "
             f"[$text-muted]{escape(c.name)}[/]")
 
 
 def format_decision(d: RouteDecision) -> str:
     chosen = next((c.name for c in d.candidates if c.worker == d.chosen), "")
     head = (f"[bold]{d.request_id}[/] → [bold $accent]w{d.chosen}[/] {escape(chosen)}  "
-            f"[$text-muted]{d.policy} · prompt {d.prompt_tokens} · max {d.max_tokens}[/]")
+            f"[$text-muted]{d.policy}{' (' + d.reason + ')' if d.reason else ''} · prompt {d.prompt_tokens} "
+            f"· reuse ~{d.chosen_reuse} · max {d.max_tokens}[/]")
     return "\n".join([head, *(format_candidate(c, d) for c in d.candidates)])
 
 
