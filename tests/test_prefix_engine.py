@@ -210,3 +210,23 @@ def test_leader_aborted_mid_prefill_leaves_no_follower_hanging(model):
         assert rest[1].metrics.cached_tokens > 0       # it followed the new leader (or the cache)
         snap = settle(engine)
         assert snap.workers[0].pages_used == 0 and snap.workers[0].prefix["waiting_on_leader"] == 0
+
+
+def test_bench_prefix_runs_end_to_end_on_a_tiny_model(tmp_path, capsys):
+    """The benchmark's plumbing (not its figures): every scenario reports, outputs are equal."""
+    import json
+
+    from engine.cli import main
+    from tests.fixtures.tiny_gguf import write_tiny_model
+    path = write_tiny_model(tmp_path / "tiny.gguf", context_length=2048)
+    out = tmp_path / "prefix.json"
+    assert main(["bench", "prefix", "--quick", "--model", str(path), "--threads", "1", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["warm_vs_cold"]["restored_tokens"] >= 880 - 16
+    eight = report["identical"][-1]
+    assert eight["n"] == 8 and eight["independent"]["restored_tokens"] == [0] * 8
+    assert eight["after-prefill"]["restored_tokens"][1:] == [528] * 7
+    assert min(report["partial_prefix"][0]["after-prefill"]["restored_tokens"][1:]) >= 800
+    assert report["cyclic"]["errors"] == 0 and report["cyclic"]["pages_used_after"] == 0
+    assert report["equality"]["identical_together"] and report["equality"]["identical_one_by_one"]
+    assert report["machine"]["cpu_model"]

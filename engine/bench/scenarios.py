@@ -3,6 +3,7 @@
 single    prefill tok/s (500-token prompt) and one-stream decode tok/s (128 tokens), peak RSS,
           per model, as ratios to llama.cpp's figures measured on this machine (models.md)
 batching  N concurrent requests vs the same requests one after another; paged vs contiguous
+prefix    prefix reuse: warm vs cold, identical and partial-prefix bursts, cyclic, equality (prefix.py)
 """
 from __future__ import annotations
 
@@ -386,3 +387,9 @@ def bench_dashboard(args) -> dict:
             "dashboard_over_headless": round(median(b) / median(a), 3),
             "headless_runs": a, "dashboard_runs": b,
             "goals": {"dashboard_costs_le_5pct": median(b) / median(a) >= 0.95}}
+
+
+# --- prefix -------------------------------------------------------------------------------
+def bench_prefix(args) -> dict:
+    from engine.bench.prefix import bench_prefix as run
+    return run(args)
