@@ -230,3 +230,24 @@ def test_bench_prefix_runs_end_to_end_on_a_tiny_model(tmp_path, capsys):
     assert report["cyclic"]["errors"] == 0 and report["cyclic"]["pages_used_after"] == 0
     assert report["equality"]["identical_together"] and report["equality"]["identical_one_by_one"]
     assert report["machine"]["cpu_model"]
+
+
+def test_trace_shows_publish_hit_evict_and_waiting_on_leader(model, tmp_path):
+    kw = {"max_batched_tokens": 32, "kv_cache_memory": 20 * 16 * slot_bytes(model)}
+    with sim_engine(model, ["sim:a:prefill=2000,decode=2000"], worker_kw=kw, trace_dir=str(tmp_path)) as engine:
+        doc = doc_ids(150)
+        handles = [engine.submit(prompt_ids=doc + [i], params=SamplingParams(max_tokens=2)) for i in range(3)]
+        for h in handles:
+            h.result(20)
+        engine.generate(prompt_ids=doc_ids(200, seed=9), params=SamplingParams(max_tokens=2))  # evicts
+        path = engine.export_trace()
+    import json
+    events = json.load(open(path))["traceEvents"]
+    instants = {e["name"]: e for e in events if e["ph"] == "i"}
+    assert {"publish", "hit", "evict", "follow"} <= set(instants)
+    assert instants["hit"]["args"]["tokens"] == 144
+    route = [e for e in events if e["ph"] == "i" and e["name"] == "route"]
+    assert all("reuse" in e["args"] for e in route)        # each candidate's estimate
+    phases = [e["name"] for e in sorted((e for e in events if e["ph"] == "X"), key=lambda e: e["ts"])
+              if e.get("args", {}).get("request") == handles[1].id]
+    assert phases[:3] == ["queued", "waiting-on-leader", "prefill"], phases
