@@ -364,3 +364,11 @@ def test_randomized_invariants_every_step(mode):
     assert sum(s.preemptions for s in everyone) > 0
     if mode != "off":
         assert reuse.flights.waits > 0
+
+
+def test_deterministic_mode_publishes_prompt_pages_only():
+    pool, sched, reuse = make(num_pages=64, budget=64, chunk=8)
+    a = mkseq("a", range(1, 18), max_tokens=20)
+    sched.add(a)
+    drain(sched, reuse)
+    assert reuse.cache.published == 4                       # 17 prompt tokens: 4 full pages, no output pages

@@ -128,10 +128,15 @@ class PrefixCache:
         return page in self._entry
 
     # --- publication ------------------------------------------------------------------
-    def publish(self, seq: Sequence) -> list[bytes]:
-        """Key every newly completed page of seq's computed tokens; returns the new keys."""
+    def publish(self, seq: Sequence, prompt_only: bool = False) -> list[bytes]:
+        """Key every newly completed page of seq's computed tokens; returns the new keys.
+
+        prompt_only: publish prompt pages only (deterministic mode: a decode step computes
+        K/V one row at a time, a prefill chunk 64 rows at a time, not bit-identically)."""
         ps = self.page_size
         upto = min(seq.num_computed // ps, len(seq.block_table))
+        if prompt_only:
+            upto = min(upto, len(seq.prompt_ids) // ps)
         if seq.publish_limit is not None:
             upto = min(upto, seq.publish_limit)
         if upto <= seq.num_published:

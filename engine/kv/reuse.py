@@ -24,8 +24,10 @@ class PrefixReuse:
         self.cache = PrefixCache(pool, model_identity, on_event=self._instant, **kw)
         self.flights = FlightCoordinator(single_flight)
         # deterministic mode restores whole prefill chunks only, so a prompt is chunked at
-        # the same positions with the cache on or off (same kernels, same K/V)
+        # the same positions with the cache on or off (same kernels, same K/V), and
+        # publishes prompt pages only (decode computes K/V row by row, not in chunks)
         self.align = max(align, self.page_size)
+        self.prompt_only = align > 0
         self.tracer = tracer
 
     def _instant(self, name: str, args: dict) -> None:
@@ -111,7 +113,7 @@ class PrefixReuse:
             if seq.id in failed:
                 continue
             before = seq.num_published
-            self.cache.publish(seq)
+            self.cache.publish(seq, self.prompt_only)
             if seq.num_published > before:
                 self.flights.published(seq.id, seq.page_keys[before:seq.num_published])
 
