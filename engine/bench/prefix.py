@@ -9,8 +9,8 @@
 4 cyclic         a working set larger than the KV cache, cycled: hit rate, no error
 5 equality       greedy tokens with the cache on vs off, --deterministic
 
-Every mode runs its own engine, all loaded side by side, and the modes are interleaved
-within each trial; a trial uses a fresh cache_salt so no trial warms the next.
+Each mode runs its own engine, one after the other (a 0.5B engine holds a few GB), on the
+same token ids; every burst uses a fresh cache_salt, so no burst warms the next.
 """
 from __future__ import annotations
 
@@ -64,17 +64,16 @@ def _burst(engine, prompts, out_tokens: int, salt: str) -> dict:
             "computed_prompt_tokens": sum(r.metrics.prompt_tokens - r.metrics.cached_tokens for r in results)}
 
 
-def _modes_table(engines, make_prompts, ns, runs, out_tokens, tag) -> list[dict]:
+def _modes_table(trials: dict, ns, tag: str) -> list[dict]:
+    """trials[mode][(tag, n)] -> list of burst results; rows with changes vs independent."""
     rows = []
     for n in ns:
-        trials = {m: [] for m in engines}
-        for r in range(runs):
-            for mode, eng in engines.items():           # interleaved within the trial
-                trials[mode].append(_burst(eng, make_prompts(eng, n), out_tokens, f"{tag}-{n}-{r}-{mode}"))
         row = {"n": n}
-        base = median([t["mean_ttft_s"] for t in trials["independent"]])
-        base_slow = median([t["slowest_s"] for t in trials["independent"]])
-        for mode, ts in trials.items():
+        ind = trials["independent"][tag, n]
+        base = median([t["mean_ttft_s"] for t in ind])
+        base_slow = median([t["slowest_s"] for t in ind])
+        for mode in MODES:
+            ts = trials[mode][tag, n]
             ttft, slow = median([t["mean_ttft_s"] for t in ts]), median([t["slowest_s"] for t in ts])
             row[mode] = {"mean_ttft_s": round(ttft, 3), "slowest_s": round(slow, 3),
                          "mean_ttft_change": _pct(ttft, base), "slowest_change": _pct(slow, base_slow),
@@ -94,59 +93,58 @@ def bench_prefix(args) -> dict:
     runs = 1 if args.quick else args.runs
     out_tokens = 16 if args.quick else 128
     ns = [2, 8] if args.quick else [2, 4, 8]
-    engines = {m: start_engine([base_worker(args, max_active=8, **kw)]) for m, kw in MODES.items()}
     report: dict = {"model": args.model, "runs": runs, "output_tokens": out_tokens, "seeds": SEEDS}
-    try:
-        for eng in engines.values():                    # first-use costs out of the way
-            _burst(eng, [text_ids(eng, 40, "warm up")], 4, "warmup")
-
-        # 1. warm vs cold, on the after-prefill engine (the default settings)
-        eng = engines["after-prefill"]
-        doc = text_ids(eng, 880, "Document:")
-        q1, q2 = (eng.tokenizer.encode("\n" + q, add_special=False)[:24] for q in QUESTIONS[:2])
-        cold, warm, restored = [], [], []
-        for r in range(max(runs, 3)):
-            p = SamplingParams(max_tokens=1, cache_salt=f"wc{r}")
-            cold.append(eng.generate(prompt_ids=doc + q1, params=p).metrics.ttft)
-            res = eng.generate(prompt_ids=doc + q2, params=p)
-            warm.append(res.metrics.ttft)
-            restored.append(res.metrics.cached_tokens)
-        c, w = median(cold), median(warm)
-        report["warm_vs_cold"] = {
-            "prompt_tokens": len(doc + q2), "restored_tokens": restored[-1], "cold_ttft_s": round(c, 4),
-            "warm_ttft_s": round(w, 4), "warm_over_cold": round(w / c, 4), "ttft_change": _pct(w, c),
-            "cold_runs": cold, "warm_runs": warm, "goal_warm_le_5pct_of_cold": w <= 0.05 * c}
-
-        # 2. simultaneous identical requests (532-token prompt)
-        def identical(e, n):
-            return [text_ids(e, 532, "Shared prompt:")] * n
-        report["identical"] = _modes_table(engines, identical, ns, runs, out_tokens, "id")
-        eight = report["identical"][-1]
-        report["identical_goal_after_prefill_ttft_le_minus_80pct"] = \
-            eight["after-prefill"]["mean_ttft_change"] <= -80.0
-
-        # 3. partial prefix: a shared 800-token document, a different question each
-        def partial(e, n):
-            d = text_ids(e, 800, "Design document:")
-            return [d + e.tokenizer.encode("\n" + QUESTIONS[i % len(QUESTIONS)], add_special=False)
-                    for i in range(n)]
-        report["partial_prefix"] = _modes_table(engines, partial, [8], runs, out_tokens, "pp")
-        pp = report["partial_prefix"][0]
-        inc, ap = pp["incremental"]["mean_ttft_s"], pp["after-prefill"]["mean_ttft_s"]
-        report["partial_goal_after_prefill_vs_incremental"] = {
-            "change": _pct(ap, inc), "met_le_minus_50pct": ap <= 0.5 * inc}
-    finally:
-        for eng in engines.values():
+    # one engine at a time (a 0.5B engine holds a few GB), the same workloads for each mode
+    trials: dict = {m: {} for m in MODES}
+    for mode, kw in MODES.items():
+        eng = start_engine([base_worker(args, max_active=8, **kw)])
+        try:
+            _burst(eng, [text_ids(eng, 40, "warm up")], 4, "warmup")    # first-use costs
+            if mode == "after-prefill":
+                report["warm_vs_cold"] = _warm_vs_cold(eng, runs)
+            shared = text_ids(eng, 532, "Shared prompt:")
+            doc = text_ids(eng, 800, "Design document:")
+            questions = [eng.tokenizer.encode("\n" + q, add_special=False) for q in QUESTIONS]
+            for r in range(runs):
+                for n in ns:
+                    trials[mode].setdefault(("id", n), []).append(
+                        _burst(eng, [shared] * n, out_tokens, f"id-{n}-{r}"))
+                trials[mode].setdefault(("pp", 8), []).append(
+                    _burst(eng, [doc + questions[i] for i in range(8)], out_tokens, f"pp-{r}"))
+        finally:
             stop_engine(eng)
 
+    report["identical"] = _modes_table(trials, ns, "id")
+    eight = report["identical"][-1]
+    report["identical_goal_after_prefill_ttft_le_minus_80pct"] = eight["after-prefill"]["mean_ttft_change"] <= -80.0
+    report["partial_prefix"] = _modes_table(trials, [8], "pp")
+    pp = report["partial_prefix"][0]
+    inc, ap = pp["incremental"]["mean_ttft_s"], pp["after-prefill"]["mean_ttft_s"]
+    report["partial_goal_after_prefill_vs_incremental"] = {"change": _pct(ap, inc), "met_le_minus_50pct": ap <= 0.5 * inc}
     report["cyclic"] = _cyclic(args)
     report["equality"] = _equality(args)
     return report
 
 
+def _warm_vs_cold(eng, runs: int) -> dict:
+    """A ~900-token document: cold (fresh salt), then a request sharing it (warm)."""
+    doc = text_ids(eng, 880, "Document:")
+    q1, q2 = (eng.tokenizer.encode("\n" + q, add_special=False)[:24] for q in QUESTIONS[:2])
+    cold, warm, restored = [], [], []
+    for r in range(max(runs, 3)):
+        p = SamplingParams(max_tokens=1, cache_salt=f"wc{r}")
+        cold.append(eng.generate(prompt_ids=doc + q1, params=p).metrics.ttft)
+        res = eng.generate(prompt_ids=doc + q2, params=p)
+        warm.append(res.metrics.ttft)
+        restored.append(res.metrics.cached_tokens)
+    c, w = median(cold), median(warm)
+    return {"prompt_tokens": len(doc + q2), "restored_tokens": restored[-1], "cold_ttft_s": round(c, 4),
+            "warm_ttft_s": round(w, 4), "warm_over_cold": round(w / c, 4), "ttft_change": _pct(w, c),
+            "cold_runs": cold, "warm_runs": warm, "goal_warm_le_5pct_of_cold": w <= 0.05 * c}
+
+
 def _cyclic(args) -> dict:
     """Five 300-token documents cycled three times through a 48-page (768-token) cache."""
-    from engine.kv.prefix_cache import model_identity  # noqa: F401  (same worker settings)
     eng = start_engine([base_worker(args, kv_cache_memory=_pages_bytes(args, 48))])
     try:
         docs = [text_ids(eng, 300, f"Document {i}:") for i in range(5)]
