@@ -28,6 +28,7 @@ from engine.snapshot import EngineSnapshot, LogLine, RequestView, WorkerView
 HISTORY = 60          # samples of tok/s kept per worker for sparklines
 TEXT_TAIL = 2000      # characters of each request's text kept for the dashboard
 KEEP_FINISHED = 200   # finished requests kept in snapshots
+LOG_GROUP_WINDOW = 5.0   # seconds: the same event again within this is counted on one log line
 
 
 class RequestFailed(TokentopError):
@@ -161,6 +162,7 @@ class Engine:
         self._finished: deque[str] = deque()
         self._routing: deque[RouteDecision] = deque(maxlen=50)
         self._log: deque[LogLine] = deque(maxlen=200)
+        self._log_groups: dict[tuple, tuple[float, int, LogLine]] = {}   # key -> first, count, line
         self._workers: list[_WorkerSlot] = []
         self._events = None
         self._dispatcher: threading.Thread | None = None
@@ -458,8 +460,8 @@ class Engine:
                     self._log_line("error", f"{rec.id}: {f.error}", locked=True)
                 self._trace_lifecycle(rec, f.metrics)
             for rid in event.preempted:
-                self._log_line("warning", f"{rid} preempted on worker {event.worker} (will recompute)",
-                               locked=True)
+                self._log_repeated(("preempted", event.worker, rid), "warning",
+                                   f"{rid} preempted{{times}} on worker {event.worker} (will recompute)")
             self._forget_old()
         for rid, d in deliveries:
             handle = self._handles.get(rid)
@@ -512,6 +514,22 @@ class Engine:
             with self._lock:
                 self._log.append(line)
 
+    def _log_repeated(self, key: tuple, level: str, text: str) -> None:
+        """Log an event that can repeat: within LOG_GROUP_WINDOW of its first line, a repeat
+        rewrites that line as "... ×12 in 4.1 s" (moved to the end) instead of adding one.
+        `text` has a {times} slot for that count. The lock is held."""
+        now = time.time()
+        for k in [k for k, g in self._log_groups.items() if now - g[0] >= LOG_GROUP_WINDOW]:
+            del self._log_groups[k]
+        first, count, old = self._log_groups.get(key, (now, 0, None))
+        count += 1
+        if old is not None and old in self._log:
+            self._log.remove(old)
+        times = f" ×{count} in {now - first:.1f} s" if count > 1 else ""
+        line = LogLine(now, level, text.format(times=times))
+        self._log.append(line)
+        self._log_groups[key] = (first, count, line)
+
     def log(self, level: str, text: str) -> None:
         """Let the UI add a line (e.g. a burst summary) to the engine's event log."""
         self._log_line(level, text)
@@ -539,7 +557,8 @@ class Engine:
             page_states=s.page_states if s else bytes(info.get("pages", 0)),
             page_size=info.get("page_size", w.cfg.page_size), policy=s.policy if s else w.cfg.policy,
             steps=s.steps if s else 0, profile_prefill_tps=pre, profile_decode_tps=dec,
-            max_active=w.cfg.max_active)
+            max_active=w.cfg.max_active, preemptions=s.preemptions_total if s else 0,
+            recomputed_tokens=s.recomputed_tokens_total if s else 0)
 
     def _request_view(self, r: _Record, now: float) -> RequestView:
         m = r.metrics

@@ -55,6 +55,8 @@ class WorkerView:
     profile_prefill_tps: float
     profile_decode_tps: float
     max_active: int
+    preemptions: int = 0          # since the worker started
+    recomputed_tokens: int = 0    # tokens whose KV preemptions threw away, computed again
 
 
 @dataclass(frozen=True)

@@ -285,7 +285,9 @@ class Worker:
             pages_total=self.pool.num_pages, pages_used=self.pool.num_used,
             page_states=self.pool.states(), prefill_tps=prefill_tps, decode_tps=decode_tps,
             steps=self.steps, tokens_in_last_step=self.last_step_tokens, policy=self.scheduler.policy,
-            seqs=seqs, prefill_tokens_total=self.prefill_total, decode_tokens_total=self.decode_total))
+            seqs=seqs, prefill_tokens_total=self.prefill_total, decode_tokens_total=self.decode_total,
+            preemptions_total=self.scheduler.preemptions,
+            recomputed_tokens_total=self.scheduler.recomputed_tokens))
 
 
 def _describe(exc: BaseException) -> str:
