@@ -266,10 +266,13 @@ class Engine:
     # --- requests -----------------------------------------------------------------------
     def submit(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                params: SamplingParams | None = None, prompt_ids: list[int] | None = None,
-               worker: int | None = None, burst: str | None = None) -> RequestHandle:
-        """Queue one request. Bad input raises InvalidRequest and queues nothing."""
+               worker: int | None = None, burst: str | None = None,
+               parse_special: bool = False) -> RequestHandle:
+        """Queue one request. Bad input raises InvalidRequest and queues nothing.
+        A special token spelled in a plain prompt is plain text unless parse_special (trusted
+        prompts only); in chat messages it is always plain text."""
         params = (params or SamplingParams()).validate()
-        ids = self.encode(prompt, messages, prompt_ids)
+        ids = self.encode(prompt, messages, prompt_ids, parse_special=parse_special)
         now = time.monotonic()
         with self._lock:
             live = [w for w in self._workers if w.state == "ready"]
@@ -301,7 +304,7 @@ class Engine:
         return handle
 
     def encode(self, prompt: str | None, messages: list[dict] | None,
-               prompt_ids: list[int] | None) -> list[int]:
+               prompt_ids: list[int] | None, parse_special: bool = False) -> list[int]:
         given = sum(x is not None for x in (prompt, messages, prompt_ids))
         if given != 1:
             raise InvalidRequest("give exactly one of a prompt, chat messages or prompt token ids")
@@ -311,14 +314,13 @@ class Engine:
             if bad:
                 raise InvalidRequest(f"prompt token ids out of range 0..{self.tokenizer.vocab_size - 1}: {bad[:5]}")
         elif messages is not None:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            ids = self.tokenizer.encode(text, add_special=False)
+            ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True)
         else:
             if not isinstance(prompt, str):
                 raise InvalidRequest("the prompt must be text")
             if not prompt.strip():
                 raise InvalidRequest("the prompt is empty; type some text")
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt, parse_special=parse_special)
         if not ids:
             raise InvalidRequest("the prompt encodes to no tokens")
         return ids
