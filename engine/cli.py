@@ -63,6 +63,9 @@ def engine_config_from(args: argparse.Namespace, default_mode: str = "process") 
         # a speed profile only matters when a router has a choice to make
         calibrate=len(args.device or ["cpu"]) > 1 or args.recalibrate)
     workers = parse_devices(args.device or ["cpu"], base)
+    if args.trace_dir:
+        from engine.trace import check_trace_dir
+        check_trace_dir(args.trace_dir)
     return EngineConfig(workers=workers, router_policy=args.router_policy, trace_dir=args.trace_dir,
                         routing_log=args.routing_log, worker_mode=args.worker_mode or default_mode)
 

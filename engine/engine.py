@@ -28,6 +28,7 @@ from engine.snapshot import EngineSnapshot, LogLine, RequestView, WorkerView
 HISTORY = 60          # samples of tok/s kept per worker for sparklines
 TEXT_TAIL = 2000      # characters of each request's text kept for the dashboard
 KEEP_FINISHED = 200   # finished requests kept in snapshots
+UNWRITTEN_TRACE_EVENTS = 2_000_000   # most trace events kept after a failed export
 LOG_GROUP_WINDOW = 5.0   # seconds: the same event again within this is counted on one log line
 
 
@@ -169,6 +170,7 @@ class Engine:
         self._stopping = False
         self._trace_wait: dict[int, list] = {}
         self._trace_cv = threading.Condition(self._lock)
+        self._unwritten_trace: list = []   # events of an export that failed, kept for the next one
         self.tracing = bool(config.trace_dir)
         self.tokenizer = None
         self._routing_log = open(config.routing_log, "a") if config.routing_log else None
@@ -179,8 +181,10 @@ class Engine:
         from engine.devices import check_memory
         from engine.models.catalog import resolve_model
         from engine.models.tokenizer import Tokenizer
-        from engine.trace import Tracer
+        from engine.trace import Tracer, check_trace_dir
 
+        if self.config.trace_dir:   # before any work: not a crash once the work is done
+            check_trace_dir(self.config.trace_dir)
         self._tracer = Tracer("engine", enabled=self.tracing)
         paths = {}
         for cfg in self.config.workers:
@@ -597,8 +601,9 @@ class Engine:
         for phase, t in marks:
             self._tracer.request_phase(rec.id, phase, ts_ns=int(t * 1e9), worker=rec.worker)
 
-    def export_trace(self, path: str | Path | None = None, timeout: float = 5.0) -> Path:
-        """Collect every worker's trace events plus the facade's and write one Chrome JSON file."""
+    def export_trace(self, path: str | Path | None = None, timeout: float = 5.0) -> str:
+        """Collect every worker's trace events plus the facade's and write one Chrome JSON file;
+        return its absolute path. A write error is a one-line TokentopError; nothing else is lost."""
         from engine.trace import write_chrome_trace
 
         target = path or self.config.trace_dir or "traces"
@@ -614,7 +619,15 @@ class Engine:
             events = [e for evs in self._trace_wait.values() for e in evs]
         if self._tracer is not None:
             events += self._tracer.drain()
-        return write_chrome_trace(target, events)
+        events = self._unwritten_trace + events
+        try:
+            written = write_chrome_trace(target, events)
+        except OSError as exc:
+            self._unwritten_trace = events[-UNWRITTEN_TRACE_EVENTS:]
+            raise TokentopError(f"cannot write the trace to {Path(target).absolute()}: "
+                                f"{exc.strerror or exc}; its events are kept for the next export") from None
+        self._unwritten_trace = []
+        return written
 
 
 def _alive(proc) -> bool:
