@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -46,6 +46,7 @@ class RequestResult:
     error: str | None
     metrics: msg.RequestMetrics | None
     worker: int | None
+    notice: str | None = None
 
 
 @dataclass
@@ -67,6 +68,7 @@ class _Record:
     burst: str | None = None
     first_token_at: float | None = None
     finished_at: float | None = None
+    notice: str | None = None      # said once about how the request was taken (max_tokens lowered)
 
 
 class RequestHandle:
@@ -126,7 +128,12 @@ class RequestHandle:
             raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
         r = self._record
         return RequestResult(r.id, r.text, list(r.prompt_ids), list(r.output_ids),
-                             r.finish_reason or "error", r.error, r.metrics, r.worker)
+                             r.finish_reason or "error", r.error, r.metrics, r.worker, r.notice)
+
+    @property
+    def notice(self) -> str | None:
+        """A note on how the request was taken (e.g. max_tokens lowered to the context), or None."""
+        return self._record.notice
 
     def abort(self) -> None:
         self._engine.abort(self.id)
@@ -178,7 +185,7 @@ class Engine:
 
     # --- lifecycle ----------------------------------------------------------------------
     def start(self, wait: bool = True, timeout: float = 600.0) -> "Engine":
-        from engine.devices import check_memory
+        from engine.devices import check_memory, check_model_limits
         from engine.models.catalog import resolve_model
         from engine.models.tokenizer import Tokenizer
         from engine.trace import Tracer, check_trace_dir
@@ -192,6 +199,7 @@ class Engine:
                 cb = (lambda done, total, name=cfg.model: self._progress(name, done, total)) \
                     if self._progress else None
                 paths[cfg.model] = str(resolve_model(cfg.model, progress=cb))
+        check_model_limits(self.config.workers, paths)
         check_memory(self.config.workers, paths)
         self.tokenizer = Tokenizer.from_gguf(paths[self.config.workers[0].model])
         ctx = mp.get_context("spawn")
@@ -289,7 +297,16 @@ class Engine:
             if worker is not None and worker not in [w.index for w in live]:
                 raise InvalidRequest(f"worker {worker} is not ready")
             rid = f"r{next(self._ids)}"
-            rec = _Record(rid, ids, params, now, burst=burst)
+            notice = None
+            room = max_ctx - len(ids)   # the last token sampled needs no KV: context - prompt
+            if params.max_tokens > room:
+                # clamp, and say so once: the record, the router and the table see the real limit
+                notice = (f"max_tokens {params.max_tokens} lowered to {room}: the {len(ids)}-token prompt "
+                          f"leaves {room} of the {max_ctx}-token context (--max-context, --kv-cache-memory)")
+                self._log_repeated(("max_tokens lowered",), "warning",
+                                   f"{rid}: {notice}{{times}}")
+                params = replace(params, max_tokens=room)
+            rec = _Record(rid, ids, params, now, burst=burst, notice=notice)
             decision = self.router.choose(rid, len(ids), params.max_tokens, self._loads(),
                                           cached=None, force=worker)
             rec.worker = decision.chosen
@@ -426,8 +443,11 @@ class Engine:
             with self._lock:
                 w = self._workers[event.worker]
                 w.state, w.info, w.message = "ready", event.info, ""
+            capped = " (all its KV pool holds: raise --kv-cache-memory for more)" \
+                if event.info.get("context_capped_by_kv") else ""
             self._log_line("info", f"worker {event.worker} ({w.cfg.device}) ready: {event.info.get('pages')} "
-                                   f"KV pages of {event.info.get('page_size')} tokens")
+                                   f"KV pages of {event.info.get('page_size')} tokens, context "
+                                   f"{event.info.get('max_context')} tokens{capped}")
         elif isinstance(event, msg.WorkerLoading):
             with self._lock:
                 w = self._workers[event.worker]
@@ -575,7 +595,8 @@ class Engine:
             max_tokens=r.params.max_tokens, queue_time=m.queue_time if m else None,
             ttft=m.ttft if m else (r.first_token_at - r.arrival if r.first_token_at else None),
             itl_mean=m.itl_mean if m else None, e2e=m.e2e if m else end - r.arrival,
-            text_tail=r.text[-TEXT_TAIL:], error=r.error, burst=r.burst, age=now - r.arrival)
+            text_tail=r.text[-TEXT_TAIL:], error=r.error, burst=r.burst, age=now - r.arrival,
+            notice=r.notice)
 
     # --- traces -------------------------------------------------------------------------
     def set_tracing(self, enabled: bool) -> None:

@@ -27,6 +27,7 @@ class RequestView:
     error: str | None
     burst: str | None
     age: float               # seconds since submission
+    notice: str | None = None   # how the request was taken, said once (e.g. max_tokens lowered)
 
 
 @dataclass(frozen=True)
