@@ -27,6 +27,7 @@ class RequestView:
     error: str | None
     burst: str | None
     age: float               # seconds since submission
+    notice: str | None = None   # how the request was taken, said once (e.g. max_tokens lowered)
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,8 @@ class WorkerView:
     profile_prefill_tps: float
     profile_decode_tps: float
     max_active: int
+    preemptions: int = 0          # since the worker started
+    recomputed_tokens: int = 0    # tokens whose KV preemptions threw away, computed again
 
 
 @dataclass(frozen=True)
