@@ -138,6 +138,8 @@ class WorkerStats:
     decode_tokens_total: int = 0
     # prefix cache counters (engine/kv/reuse.py stats(); empty when the cache is off)
     prefix: dict = field(default_factory=dict)
+    preemptions_total: int = 0
+    recomputed_tokens_total: int = 0   # prefill tokens spent recomputing preempted sequences
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ class RequestView:
     burst: str | None
     age: float               # seconds since submission
     leader: str | None = None   # single flight: waiting for this request's prefix pages
+    notice: str | None = None   # how the request was taken, said once (e.g. max_tokens lowered)
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,8 @@ class WorkerView:
     # (tokens; vLLM's names), cached_pages, evictions, single_flight_waits, ...
     prefix: dict = field(default_factory=dict)
     hit_rate: float | None = None   # hit / looked-up tokens over the last ~30 s
+    preemptions: int = 0          # since the worker started
+    recomputed_tokens: int = 0    # tokens whose KV preemptions threw away, computed again
 
 
 @dataclass(frozen=True)
