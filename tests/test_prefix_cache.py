@@ -272,6 +272,19 @@ def test_at_completion_waits_for_the_leaders_end():
     assert seqs[1].num_cached == 32
 
 
+def test_at_completion_late_arrival_restores_published_pages_without_waiting():
+    pool, sched, reuse = make(num_pages=64, budget=64, mode="at-completion")
+    lead = mkseq("lead", range(1, 34), max_tokens=10)
+    sched.add(lead)
+    step(sched, reuse)                                     # prefill done, pages published
+    step(sched, reuse)
+    late = mkseq("late", list(range(1, 34)) + [99], max_tokens=2, t=5.0)
+    sched.add(late)
+    step(sched, reuse)
+    assert late.leader is None and late.num_cached == 32   # nothing it needs is in flight
+    assert reuse.flights.waits == 0
+
+
 @pytest.mark.parametrize("how", ["abort", "preempt"])
 def test_followers_never_hang_when_the_leader_goes(how):
     pool, sched, reuse = make(num_pages=64, budget=8, mode="after-prefill")

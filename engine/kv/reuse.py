@@ -93,7 +93,8 @@ class PrefixReuse:
         if seq.num_cached:
             self._instant("hit", {"request": seq.id, "tokens": seq.num_cached})
         have = seq.num_computed // self.page_size
-        self.flights.lead(seq.id, self.cache.keys(seq, seq.num_tokens // self.page_size)[have:])
+        upto = (len(seq.prompt_ids) if self.prompt_only else seq.num_tokens) // self.page_size
+        self.flights.lead(seq.id, self.cache.keys(seq, upto)[have:])   # pages it will publish
 
     def preempted(self, seq: Sequence) -> None:
         self.flights.stop(seq.id)          # its followers pick a new leader or compute alone

@@ -14,8 +14,10 @@ Modes (`--single-flight`):
 
 Who is tracked: every request from arrival (`arrive`) to termination (`terminate`); a
 termination notice for an id that never arrived, or arrived and already terminated, is an
-error. Flights (leader -> page keys in flight) are dropped as soon as they stop mattering
-(published, or the leader ended or was preempted), and released followers are kept apart
+error. A page leaves the flight when it is published (a request arriving later restores
+it instead of waiting); a flight (leader -> its keys) is dropped as soon as it stops
+mattering (after-prefill: all its pages published; at-completion: the leader's request
+ended; both: the leader was preempted), and released followers are kept apart
 from them (`released`) until they terminate, as in the seeds' final design. A leader that
 is aborted, fails or is preempted drops its flight: its followers are re-examined at the
 next scheduling pass and one of them becomes the new leader (or each computes alone).
@@ -103,13 +105,15 @@ class FlightCoordinator:
         self._flights.setdefault(rid, []).extend(mine)
 
     def published(self, rid: str, keys: list[bytes]) -> None:
-        """after-prefill: pages are reusable now, so nobody needs to wait for them."""
-        if self.mode != "after-prefill" or rid not in self._flights:
+        """The pages are reusable now: nobody new needs to wait for them. after-prefill also
+        ends the flight when nothing of it is left in flight (its followers may go);
+        at-completion keeps it until the leader's request ends."""
+        if self.mode == "off" or rid not in self._flights:
             return
         for k in keys:
             if self._inflight.get(k) == rid:
                 del self._inflight[k]
-        if not any(self._inflight.get(k) == rid for k in self._flights[rid]):
+        if self.mode == "after-prefill" and not any(self._inflight.get(k) == rid for k in self._flights[rid]):
             del self._flights[rid]
 
     def stop(self, rid: str) -> None:
