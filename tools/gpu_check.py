@@ -15,6 +15,9 @@ longer fits):
   kernels    per fused linear of two layers and the lm_head: dense weights + cuBLAS
              (F.linear, bf16) vs torch's int4 kernel (_weight_int4pack_mm) on exact nibble
              planes, where the GGUF type allows; error vs fp32 and median time per row count
+  step       one decode step of one sequence (bf16, 128-token context): host wall time vs
+             the GPU's kernel time and kernel count (torch.profiler): how launch-bound it is,
+             i.e. what CUDA graphs could win
   single     `tokentop bench single --device DEV` (prefill, one-stream decode)
   batching   `tokentop bench batching --device DEV --sizes 1,8,32 --no-sequential`
   nvtx       a short generate on DEV with tracing on; NVTX pushes/pops counted through the
@@ -50,9 +53,9 @@ import tests.test_fidelity  # noqa: E402,F401 - its conftest caps torch at 2 thr
 
 torch.set_num_threads(os.cpu_count() or 1)
 
-SECTIONS = ("env", "fidelity", "kernels", "single", "batching", "nvtx", "routing", "two_gpus")
+SECTIONS = ("env", "fidelity", "kernels", "step", "single", "batching", "nvtx", "routing", "two_gpus")
 # Rough seconds each section needs on an H200 with the 0.5B: a section starts only if it fits.
-ESTIMATE_S = {"env": 5, "fidelity": 60, "kernels": 20, "single": 45, "batching": 60, "nvtx": 20,
+ESTIMATE_S = {"env": 5, "fidelity": 60, "kernels": 20, "step": 15, "single": 45, "batching": 60, "nvtx": 20,
               "routing": 90, "two_gpus": 60}
 REFERENCE = ROOT / "tests" / "data" / "greedy_reference.json"
 PROMPTS_TINY = 4
@@ -270,13 +273,19 @@ class Check:
         for op in res["ops"]:
             d, q = op["dense_ms"], op.get("int4_ms")
             cells = " ".join(f"M={m}: {d[str(m)]:.3f}/" + (f"{q[str(m)]:.3f}" if q else "-")
-                             for m in res["rows"][:3])
+                         for m in res["rows"][:3])
             self.rows.append(("kernels", f"{op['op']} ({op['types']})", f"dense/int4 ms {cells}"))
         for m, t in res["per_token_linears_ms"].items():
             self.rows.append(("kernels", f"all linears M={m}", f"dense {t['dense']:.2f} ms, "
-                              f"int4-where-exact {t['int4_where_exact']:.2f} ms"))
+                              f"int4-where-exact {t['int4_where_exact']:.2f} ms, best of both {t['best_of_both']:.2f} ms"))
         if res.get("int4_error"):
             self.rows.append(("kernels", "int4 kernel", "ERROR " + res["int4_error"][:90]))
+        return res
+
+    def sec_step(self) -> dict:
+        res = decode_step_profile(self.model_path, self.args.device)
+        gpu = f", GPU kernels {res['gpu_ms']:.2f} ms in {res['kernels']} launches" if res.get("gpu_ms") else ""
+        self.rows.append(("step", "1-seq decode step", f"wall {res['wall_ms']:.2f} ms{gpu}"))
         return res
 
     def sec_single(self) -> dict:
@@ -405,6 +414,53 @@ def fidelity_of(model_path: Path, device: str, dtype: str, prompts: list[dict],
             "divergences": notes[:40], "load_s": round(load_s, 1), "run_s": round(run_s, 2)}
 
 
+# --- one decode step ------------------------------------------------------------------------
+
+def decode_step_profile(model_path: Path, device: str, context: int = 128, steps: int = 20) -> dict:
+    """Wall time of one-sequence decode steps, and (on a GPU) the kernels' own time per step."""
+    from engine.models.decoder import Decoder
+    from engine.models.gguf import load_gguf
+    from engine.models.quant import LinearPolicy
+    from tests.test_fidelity import flat_batch, paged_slots
+
+    model = Decoder.from_gguf(load_gguf(model_path), LinearPolicy(activation_dtype=torch.bfloat16, device=device))
+    slots = paged_slots(1, context + 2 * steps + 8)
+    kv = model.new_kv_store(len(slots[0]))
+    ids = torch.randint(3, model.config.vocab_size, (context,), generator=torch.Generator().manual_seed(1)).tolist()
+    model(flat_batch([(ids, 0, 0)], slots), kv)
+    pos = context
+
+    def step():
+        nonlocal pos
+        logits = model(flat_batch([([ids[pos % context]], pos, 0)], slots), kv)
+        tok = int(logits.argmax())          # the engine samples on the host every step too
+        pos += 1
+        return tok
+
+    for _ in range(3):
+        step()
+    _sync(device)
+    t = time.perf_counter()
+    for _ in range(steps):
+        step()
+    _sync(device)
+    res = {"context": context, "steps": steps, "wall_ms": (time.perf_counter() - t) * 1e3 / steps}
+    if torch.device(device).type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                step()
+            _sync(device)
+        gpu_us, kernels = 0.0, 0
+        for evt in prof.events():
+            if str(getattr(evt, "device_type", "")).endswith("CUDA"):
+                gpu_us += evt.time_range.elapsed_us()     # a kernel's (or copy's) own span
+                kernels += 1
+        res.update(gpu_ms=gpu_us / 1e3 / 5, kernels=kernels // 5)
+    del model, kv
+    return res
+
+
 # --- kernel choice --------------------------------------------------------------------------
 
 def _sync(device: str) -> None:
@@ -467,18 +523,20 @@ class Int4Kernel:
 
 
 def _fused_ops(gf) -> list[tuple[str, list[str], int]]:
-    """(label, tensor names, how many layers it stands for): layers 0 and 1 stand for the even
-    and odd layers (Q4_K_M alternates types), plus the lm_head."""
+    """(label, tensor names, how many layers it stands for): each fused linear of the decoder,
+    once per distinct mix of GGUF types (Q4_K_M varies them by layer), plus the lm_head."""
     c = gf.config
+    kinds = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",),
+             "gate_up": ("ffn_gate", "ffn_up"), "down": ("ffn_down",)}
     ops = []
-    for layer, count in ((0, (c.n_layers + 1) // 2), (1, c.n_layers // 2)):
-        if layer >= c.n_layers:
-            continue
-        p = f"blk.{layer}."
-        ops += [(f"L{layer} qkv", [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], count),
-                (f"L{layer} o", [p + "attn_output.weight"], count),
-                (f"L{layer} gate_up", [p + "ffn_gate.weight", p + "ffn_up.weight"], count),
-                (f"L{layer} down", [p + "ffn_down.weight"], count)]
+    for kind, parts in kinds.items():
+        groups: dict[tuple, list[int]] = {}
+        for layer in range(c.n_layers):
+            names = tuple(f"blk.{layer}.{p}.weight" for p in parts)
+            groups.setdefault(tuple(gf.tensor(n).ggml_type for n in names), []).append(layer)
+        for layers in groups.values():
+            names = [f"blk.{layers[0]}.{p}.weight" for p in parts]
+            ops.append((f"{kind} x{len(layers)}", names, len(layers)))
     head = "token_embd.weight" if c.tied_embeddings else "output.weight"
     return ops + [("lm_head", [head], 1)]
 
@@ -498,7 +556,7 @@ def kernel_choice(model_path: Path, device: str, quick: bool = False) -> dict:
     res = {"rows": rows, "dtype": "bf16", "ops": [], "int4_error": None,
            "note": "int4 = torch's _weight_int4pack_mm on exact nibble planes (scales rounded to bf16); "
                    "types it cannot hold exactly (Q6_K's 16-groups, floats) count as dense"}
-    totals = {str(m): {"dense": 0.0, "int4_where_exact": 0.0} for m in rows}
+    totals = {str(m): {"dense": 0.0, "int4_where_exact": 0.0, "best_of_both": 0.0} for m in rows}
     g = torch.Generator().manual_seed(0)
     for label, names, count in _fused_ops(gf):
         tds = [gf.tensor(n) for n in names]
@@ -548,13 +606,13 @@ def kernel_choice(model_path: Path, device: str, quick: bool = False) -> dict:
             xm = x_dev[:m].contiguous()
             op["dense_ms"][str(m)] = time_ms(lambda: torch.nn.functional.linear(xm, dense), device, reps)
             totals[str(m)]["dense"] += op["dense_ms"][str(m)] * count
-            best = op["dense_ms"][str(m)]
+            int4 = op["dense_ms"][str(m)]
             if q4 is not None:
                 packed, sz, planes = q4
                 xq = xm.repeat(1, planes) if planes > 1 else xm
-                op["int4_ms"][str(m)] = time_ms(lambda: kernel.mm(xq, packed, sz), device, reps)
-                best = op["int4_ms"][str(m)]
-            totals[str(m)]["int4_where_exact"] += best * count
+                op["int4_ms"][str(m)] = int4 = time_ms(lambda: kernel.mm(xq, packed, sz), device, reps)
+            totals[str(m)]["int4_where_exact"] += int4 * count
+            totals[str(m)]["best_of_both"] += min(int4, op["dense_ms"][str(m)]) * count
         res["ops"].append(op)
         del dense, q4
     res["per_token_linears_ms"] = totals
