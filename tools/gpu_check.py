@@ -499,13 +499,15 @@ class Int4Kernel:
         self.device = device
         self.cuda = torch.device(device).type == "cuda"
         self.inner_k_tiles = 8
+        self.high_first = True      # even column in the high nibble; flipped if results say so
 
     def pack(self, q: torch.Tensor) -> torch.Tensor:
         """q: uint8 codes 0..15 [N, K] (CPU) -> the kernel's packed weight on the device."""
         if not self.cuda:
             return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
         # [N, K/2] bytes, even column in the high nibble (the layout torch's own tests pack)
-        packed = ((q[:, ::2] << 4) | q[:, 1::2]).to(torch.uint8).to(self.device)
+        hi, lo = (q[:, ::2], q[:, 1::2]) if self.high_first else (q[:, 1::2], q[:, ::2])
+        packed = ((hi << 4) | lo).to(torch.uint8).to(self.device)
         last = None
         for tiles in (self.inner_k_tiles, 4, 2):
             if q.shape[1] % (tiles * 16):
@@ -570,7 +572,7 @@ def kernel_choice(model_path: Path, device: str, quick: bool = False) -> dict:
         ref = x32[:32].double() @ w32.double().T    # error measured on the first 32 rows
         exact = all(t.ggml_type in INT4_EXACT_TYPES for t in tds) and k % 32 == 0
         q4 = None
-        if exact:
+        for attempt in range(2 if exact else 0):   # a second try flips the nibble order
             try:
                 codes = [_int4_planes(_unpack(t), dtype) for t in tds]
                 planes = max(c[0].shape[1] // k for c in codes)
@@ -581,27 +583,27 @@ def kernel_choice(model_path: Path, device: str, quick: bool = False) -> dict:
                     s, z = (np.concatenate([a, np.zeros((pad, a.shape[1]), np.float32)]) for a in (s, z))
                 packed = kernel.pack(torch.from_numpy(np.ascontiguousarray(q)))
                 sz = torch.from_numpy(np.stack([s.T, z.T], axis=-1).copy()).to(dtype).to(device)
-                q4 = (packed, sz, planes)
-                op["planes"] = planes
-            except Exception as exc:  # noqa: BLE001 - record, keep the dense figures
-                res["int4_error"] = f"{label}: {type(exc).__name__}: {exc}"
-                q4 = None
-        x_dev = x32.to(dtype).to(device)
-        y = torch.nn.functional.linear(x_dev[:32], dense).double().cpu()
-        op["dense_rel_err"] = float((y - ref).norm() / ref.norm())
-        if q4 is not None:
-            packed, sz, planes = q4
-            xr = x_dev[:32].repeat(1, planes) if planes > 1 else x_dev[:32].contiguous()
-            try:
+                xr = x32[:32].to(dtype).to(device)
+                xr = xr.repeat(1, planes) if planes > 1 else xr.contiguous()
                 y4 = kernel.mm(xr, packed, sz)[:, :n].double().cpu()
                 op["int4_rel_err"] = float((y4 - ref).norm() / ref.norm())
                 if not op["int4_rel_err"] < 2e-2:    # a wrong layout gives O(1) errors
-                    raise RuntimeError(f"int4 result is off by {op['int4_rel_err']:.3g} relative: "
-                                       "packing layout not as assumed")
-                op["int4_ms"] = {}
-            except Exception as exc:  # noqa: BLE001
-                res["int4_error"] = res["int4_error"] or f"{label}: {type(exc).__name__}: {exc}"
+                    raise RuntimeError(f"int4 result is off by {op['int4_rel_err']:.3g} relative "
+                                       f"(nibble order {'high' if kernel.high_first else 'low'}-first)")
+                q4 = (packed, sz, planes)
+                op["planes"], op["int4_ms"] = planes, {}
+                res["nibble_order"] = "even column in the high nibble" if kernel.high_first else "even column in the low nibble"
+                break
+            except Exception as exc:  # noqa: BLE001 - record, keep the dense figures
                 q4 = None
+                if attempt == 0 and "off by" in str(exc):
+                    kernel.high_first = not kernel.high_first
+                    continue
+                res["int4_error"] = res["int4_error"] or f"{label}: {type(exc).__name__}: {exc}"
+                break
+        x_dev = x32.to(dtype).to(device)
+        y = torch.nn.functional.linear(x_dev[:32], dense).double().cpu()
+        op["dense_rel_err"] = float((y - ref).norm() / ref.norm())
         for m in rows:
             xm = x_dev[:m].contiguous()
             op["dense_ms"][str(m)] = time_ms(lambda: torch.nn.functional.linear(xm, dense), device, reps)
