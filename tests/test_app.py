@@ -24,7 +24,7 @@ from app.widgets.backend import BackendPanel
 from app.widgets.kv_grid import CACHED, FREE, SHARED, USED, downsample, pages_per_cell
 from app.widgets.requests import RequestsTable
 from app.widgets.streams import StreamsPanel
-from engine.config import EngineConfig, WorkerConfig
+from engine.config import EngineConfig, SamplingParams, WorkerConfig
 from engine.devices import parse_devices
 from engine.router import Candidate, RouteDecision
 from engine.snapshot import EngineSnapshot, LogLine, RequestView, WorkerView
@@ -316,26 +316,31 @@ def test_kv_grid_downsampling_keeps_the_notable_state():
 
 
 # --- snapshots ---------------------------------------------------------------------------------
-def fixture_snapshot() -> EngineSnapshot:
-    """A busy moment, built by hand: every page state, every request state, two decisions."""
+def fixture_snapshot(dead: bool = False) -> EngineSnapshot:
+    """A busy moment, built by hand: every page state, every request state, two decisions;
+    dead=True: worker 1 has died and its requests failed."""
     pages0 = bytes([USED] * 40 + [SHARED] * 12 + [CACHED] * 30 + [FREE] * 430)
     pages1 = bytes([USED] * 90 + [FREE] * 400 + [CACHED] * 22)
 
     def worker(i: int, pages: bytes, running: int, waiting: int, history: tuple[float, ...]) -> WorkerView:
+        gone = dead and i == 1
         return WorkerView(
             index=i, name=f"sim:gpu{i}", device=f"sim:gpu{i}", model="tiny.gguf", dtype="simulated",
-            weights="simulated", simulated=True, state="ready", message="", running=running,
+            weights="simulated", simulated=True, state="dead" if gone else "ready",
+            message="worker process exited (exit code -9)" if gone else "", running=running,
             waiting=waiting, prefill_tps=history[-1] * 8, decode_tps=history[-1],
             prefill_history=tuple(h * 8 for h in history), decode_history=history,
             pages_total=len(pages), pages_used=sum(p != FREE for p in pages), page_states=pages,
             page_size=16, policy="fcfs", steps=1234, profile_prefill_tps=20000.0,
-            profile_decode_tps=400.0, max_active=8)
+            profile_decode_tps=400.0, max_active=8, kv_bytes=len(pages) * 16 * 1536,
+            cpu_percent=97.0 + i, rss_bytes=(612 + 40 * i) * 2**20, recomputed_tokens=0 if i else 1200)
 
     def request(n: int, w: int, state: str, out: int, text: str, ttft=None, itl=None, e2e=0.5,
-                error=None) -> RequestView:
+                error=None, reason=None) -> RequestView:
         return RequestView(id=f"r{n}", worker=w, state=state, prompt_tokens=100 + n, cached_tokens=16 * (n % 2),
                            output_tokens=out, max_tokens=64, queue_time=0.001, ttft=ttft, itl_mean=itl,
-                           e2e=e2e, text_tail=text, error=error, burst="mixed#1", age=10.0 - n)
+                           e2e=e2e, text_tail=text, error=error, burst="mixed#1", age=10.0 - n,
+                           finish_reason=reason, prompt=f"prompt {n}", params=SamplingParams(max_tokens=64))
 
     def decision(n: int, chosen: int, scores: tuple[float, float]) -> RouteDecision:
         return RouteDecision(f"r{n}", 1000.0 + n, "cost", chosen, 100 + n, 64, tuple(
@@ -347,10 +352,15 @@ def fixture_snapshot() -> EngineSnapshot:
         time=t0,
         workers=(worker(0, pages0, 3, 1, (0, 120.0, 310.0, 390.0, 402.0, 398.0)),
                  worker(1, pages1, 2, 0, (0, 0, 80.0, 200.0, 260.0, 255.0))),
-        requests=(request(1, 0, "finished", 64, "The capital of France is Paris.", 0.021, 0.012, 0.79),
-                  request(2, 1, "error", 3, "abc", 0.03, None, 0.2, error="model step failed"),
-                  request(3, 0, "aborted", 10, " once upon", 0.02, 0.01, 0.3),
-                  request(4, 1, "decode", 17, " def tokens(self):\n    return self._ids", 0.04),
+        requests=(request(1, 0, "finished", 64, "The capital of France is Paris.", 0.021, 0.012, 0.79,
+                          reason="length"),
+                  request(2, 1, "error", 3, "abc", 0.03, None, 0.2, error="model step failed", reason="error"),
+                  request(3, 0, "aborted", 10, " once upon", 0.02, 0.01, 0.3, reason="abort"),
+                  request(4, 1, "decode", 17, " def tokens(self):\n    return self._ids", 0.04)
+                  if not dead else
+                  request(4, 1, "error", 17, " def tokens(self):\n    return self._ids", 0.04, 0.011, 0.6,
+                          error="worker 1 (sim:gpu1) died: worker process exited (exit code -9)",
+                          reason="error"),
                   request(5, 0, "prefill", 0, ""),
                   request(6, 0, "queued", 0, "")),
         routing=(decision(5, 0, (0.61, 0.74)), decision(6, 0, (0.83, 0.90))),
@@ -360,7 +370,7 @@ def fixture_snapshot() -> EngineSnapshot:
              LogLine(t0 + 2, "error", "r2: model step failed"),
              LogLine(t0 + 3, "info", "burst mixed#0 done: 8 requests (8 ok, 0 failed, 0 aborted), "
                                      "TTFT mean 42 ms p95 80 ms, 812 tok/s aggregate over 1.2 s")),
-        tracing=False)
+        tracing=False, uptime=125.0)
 
 
 @pytest.fixture
