@@ -445,8 +445,8 @@ class Engine:
         with self._lock:
             for d in event.tokens:
                 rec = self._records.get(d.request_id)
-                if rec is None:
-                    continue
+                if rec is None or rec.finish_reason is not None:
+                    continue   # e.g. tokens a dying worker sent after its requests were failed
                 if d.token_id >= 0:
                     rec.output_ids.append(d.token_id)
                     rec.last_token_at = time.monotonic()
@@ -572,7 +572,7 @@ class Engine:
             cached_tokens=m.cached_tokens if m else r.cached, output_tokens=len(r.output_ids),
             max_tokens=r.params.max_tokens, queue_time=m.queue_time if m else None,
             ttft=m.ttft if m and m.ttft is not None else _seen_timings(r)[1],
-            itl_mean=m.itl_mean if m else None, e2e=m.e2e if m else end - r.arrival,
+            itl_mean=m.itl_mean if m else _seen_timings(r)[2], e2e=m.e2e if m else end - r.arrival,
             text_tail=r.text[-TEXT_TAIL:], error=r.error, burst=r.burst, age=now - r.arrival,
             finish_reason=r.finish_reason, prompt=r.prompt_text, params=r.params)
 
@@ -602,6 +602,8 @@ class Engine:
                 queue_time, ttft = (m.queue_time, m.ttft) if m else _seen_timings(rec)[:2]
                 if ttft is None and rec.first_token_at is not None:
                     ttft = rec.first_token_at - rec.arrival
+                if queue_time is not None and ttft is not None:
+                    queue_time = min(queue_time, ttft)   # a preempted request is queued again later
                 marks = [("queued", rec.arrival)]
                 if queue_time is not None:
                     marks.append(("prefill", rec.arrival + queue_time))

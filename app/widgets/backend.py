@@ -13,7 +13,7 @@ from textual.containers import Horizontal, Vertical
 from textual.markup import escape
 from textual.widgets import ProgressBar
 
-from app.widgets.fmt import fmt_mib, fmt_rate, short_model
+from app.widgets.fmt import fit_parts, fmt_mib, fmt_rate, short_model
 from app.widgets.kv_grid import KVGrid
 from app.widgets.line import Line
 from app.widgets.rate_sparkline import RateSparkline
@@ -72,7 +72,7 @@ class BackendPanel(Vertical):
                                       f"{done / 2**20:.0f}/{total / 2**20:.0f} MiB"))
 
     def show_failure(self, message: str) -> None:
-        self.add_class("-dead")
+        self.add_class("-dead", "-message")
         self._bar.display = False
         self._identity_line.set(self._identity("dead", "", None))
         self._load.set(f"[$error]{escape(message)}[/]")
@@ -83,6 +83,9 @@ class BackendPanel(Vertical):
         if w.state in ("ready", "dead", "stopped"):
             self._bar.display = False
         self._identity_line.set(self._identity(w.state, "", w))
+        # Loading and death messages are long ("measuring prefill / decode speed (first use
+        # only)"): they get two wrapped lines instead of being cut.
+        self.set_class(gone or bool(w.message and w.state != "ready"), "-message")
         if gone:
             self._show_gone(w)
             return
@@ -143,10 +146,11 @@ class BackendPanel(Vertical):
         head = f"[bold {style}]● {state}[/]"
         if message and state != "ready":
             return f"{head} [{style}]{escape(message)}[/]"
-        parts = [head]
+        parts = [(0, head)]
         if self.cfg.simulated:
-            parts.append("[reverse $warning] simulated [/]")
-        parts.append(escape(short_model(self.cfg.model)))
+            parts.append((0, "[reverse $warning] simulated [/]"))
+        parts.append((0, escape(short_model(self.cfg.model))))
         if w is not None and not w.simulated and w.dtype != "?":
-            parts.append(escape(f"{w.dtype}/{w.weights}"))
-        return " ".join(parts)
+            parts.append((2, escape(f"{w.dtype}/{w.weights}")))
+        line = getattr(self, "_identity_line", None)
+        return fit_parts(parts, line.size.width if line is not None and line.size.width else 10_000, sep=" ")

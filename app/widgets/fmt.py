@@ -38,9 +38,9 @@ def describe_error(exc: BaseException) -> str:
 
 
 def fmt_mib(num_bytes: int | float) -> str:
-    """Memory in MiB (GiB from 10 GiB up): '612 MiB', '12.5 GiB'."""
+    """Memory in MiB below a GiB, then GiB: '12 MiB', '612 MiB', '2.4 GiB'."""
     mib = num_bytes / 2**20
-    if mib >= 10 * 1024:
+    if mib >= 1024:
         return f"{mib / 1024:.1f} GiB"
     return f"{mib:.1f} MiB" if mib < 10 else f"{mib:.0f} MiB"
 
@@ -62,14 +62,15 @@ def short_worker(name: str) -> str:
 
 def fit_parts(parts: list[tuple[int, str]], width: int, sep: str = " · ") -> str:
     """Join (priority, markup) parts, kept in order, dropping the lowest-priority ones
-    (highest number) until the visible text fits `width` cells; the first part always stays."""
+    (highest number) until the visible text fits `width` cells. Priority-0 parts and the
+    first part always stay (a Line then cuts what is still too long with an ellipsis)."""
     from textual.content import Content
 
     lengths = [Content.from_markup(markup).cell_length for _, markup in parts]
     keep = list(range(len(parts)))
     def visible() -> int:
         return sum(lengths[i] for i in keep) + len(sep) * max(0, len(keep) - 1)
-    for i in sorted(range(1, len(parts)), key=lambda i: (-parts[i][0], -i)):
+    for i in sorted((i for i in range(1, len(parts)) if parts[i][0] > 0), key=lambda i: (-parts[i][0], -i)):
         if width <= 0 or visible() <= width:
             break
         keep.remove(i)

@@ -37,7 +37,7 @@ def format_candidate(c: Candidate, decision: RouteDecision, width: int) -> str:
     name = escape(short_worker(c.name))
     head = f"{mark} [bold]{name}[/]" if chosen else f"{mark} {name}"
     score = format_score(decision.policy, c.score)
-    parts = [(0, f"{head} [b]{score}[/]" if score else head),
+    parts = [(0, f"{head} [b]{score}[/]" if score else f"{head} [$text-muted](no score)[/]"),
              (1, f"run {c.running} wait {c.waiting}"),
              (2, f"prefill {c.prefill_tokens} tok"), (2, f"decode {c.decode_tokens} tok"),
              (3, f"cached {c.cached_tokens} tok"),
@@ -48,7 +48,7 @@ def format_candidate(c: Candidate, decision: RouteDecision, width: int) -> str:
 def format_decision(d: RouteDecision, width: int = 10_000) -> str:
     chosen = next((c.name for c in d.candidates if c.worker == d.chosen), f"w{d.chosen}")
     parts = [(0, f"[bold]{d.request_id}[/] → [bold $accent]{escape(short_worker(chosen))}[/]"),
-             (1, f"[$text-muted]{d.policy}{'' if format_score(d.policy, 0.0) else ' (no score)'}[/]"),
+             (1, f"[$text-muted]{d.policy}[/]"),
              (3, f"[$text-muted]{POLICY_NOTE.get(d.policy, '')}[/]"),
              (2, f"[$text-muted]prompt {d.prompt_tokens} · max {d.max_tokens}[/]")]
     return "\n".join([fit_parts(parts, width), *(format_candidate(c, d, width) for c in d.candidates)])

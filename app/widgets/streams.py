@@ -67,11 +67,17 @@ class StreamsPanel(VerticalScroll):
         super().__init__(**kwargs)
         self._shown: dict[str, tuple[Static, tuple]] = {}   # request id -> (widget, what it shows)
         self._empty = Static("[$text-muted]no active requests[/]")
+        self._last: tuple[tuple[RequestView, ...], dict[int, str] | None] = ((), None)
 
     def compose(self):
         yield self._empty
 
+    def on_resize(self) -> None:
+        # Streams are wrapped here to the panel's width: wrap them again at the new one.
+        self.call_after_refresh(self.show_streams, *self._last)
+
     def show_streams(self, requests: tuple[RequestView, ...], names: dict[int, str] | None = None) -> None:
+        self._last = (requests, names)
         wanted = streams_to_show(requests)
         width = max(20, self.scrollable_content_region.width)
         following = self.scroll_y >= self.max_scroll_y   # at the bottom: keep the newest in view
