@@ -52,7 +52,7 @@ SHUTDOWN_TIMEOUT_S = 2.0     # per worker join before the engine terminates it
 THEME_CYCLE = tuple(t.name for t in THEMES)
 # Dashboard keys. The footer, the help screen and the command palette are generated from them.
 ACTIONS = (
-    Binding("b", "burst", "Burst", tooltip="Fire a burst of requests from a sample prompt file"),
+    Binding("b", "burst", "Burst", tooltip="Fire a burst of requests from a burst file (a sample or your own)"),
     Binding("n", "prompt", "Prompt", tooltip="Submit one prompt you type"),
     Binding("p", "cycle_scheduler", "Sched", tooltip="Cycle the scheduler policy (fcfs, spf)"),
     Binding("r", "cycle_router", "Router", tooltip="Cycle the router policy (round-robin, least-loaded, cost)"),
@@ -262,11 +262,11 @@ class TokentopApp(App[int]):
         if snap is not None:
             live = [w for w in workers if w.state == "ready"]
             parts.append((2, f"decode {fmt_rate(sum(w.decode_tps for w in live))} tok/s"))
-            parts.append((4, f"prefill {fmt_rate(sum(w.prefill_tps for w in live))} tok/s"))
+            parts.append((5, f"prefill {fmt_rate(sum(w.prefill_tps for w in live))} tok/s"))
         parts += [(3, f"router [b]{self.router_policy}[/]"), (3, f"sched [b]{self.scheduler_policy}[/]"),
                   (3, f"trace {tracing}")]
         if snap is not None and snap.uptime:
-            parts.append((5, f"up {fmt_uptime(snap.uptime)}"))
+            parts.append((4, f"up {fmt_uptime(snap.uptime)}"))
         self._status.set_parts(parts, prefix=" ")
 
     def _finish_bursts(self) -> None:
