@@ -8,6 +8,7 @@ Snapshot tests render a hand-built EngineSnapshot, so no live timing can reach t
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from app.widgets.routing import format_decision
 from app.widgets.streams import StreamsPanel
 from engine.config import EngineConfig, SamplingParams, WorkerConfig
 from engine import messages as msg
+from engine import procstat
 from engine.devices import parse_devices
 from engine.router import Candidate, RouteDecision
 from engine.snapshot import EngineSnapshot, LogLine, RequestView, WorkerView
@@ -367,14 +369,16 @@ async def test_selection_follows_the_newest_live_request_and_stays_visible(tiny_
             top = int(table.scroll_y)
             return top <= table._cursor < top + table.size.height - 1
         assert cursor_visible()
-        # Once moved, the cursor keeps its request, and the row stays in view.
+        # Once moved, the cursor keeps its request, and the row stays in view while newer
+        # requests push it down.
         await pilot.press("end")
+        assert table.selected_id == "r1" and cursor_visible()
+        await fire_burst(pilot, app, count="8", interval="0", max_tokens="4000")
+        await wait_for(pilot, lambda: table.row_count == 16, "sixteen rows")
+        await pilot.pause(0.3)
         assert table.selected_id == "r1" and cursor_visible()
         await pilot.press("x")
         await wait_for(pilot, lambda: ("information", "aborting r1") in notices(app), "r1 aborted")
-        # A finished request's row stays put and visible; x says it is over.
-        await pilot.pause(0.3)
-        assert table.selected_id == "r1" and cursor_visible()
 
 
 BAD_BURST = '{"prompt": "fine"}\n{"prompt": "x", "max_tokens": "many"}\n'
@@ -438,9 +442,43 @@ async def test_narrow_terminal_keeps_burst_progress_in_the_header(tiny_model, tm
         header = str(app._status.render())
         assert "burst mixed#1" in header and "/50" in header and "…" not in header
         assert len(header) <= 80
-        # Worker panels: a unit on every rate.
+        # Worker panels: a unit on every rate; CPU% measured for each worker.
         panel = app.query(BackendPanel)[0]
         assert str(panel._decode_label.render()).endswith("tok/s")
+        await wait_for(pilot, lambda: all(w.cpu_percent is not None for w in app.last_snapshot.workers),
+                       "CPU% of every worker")
+
+
+async def test_loading_message_is_not_cut_at_80_columns(tiny_model, tmp_path):
+    app = TokentopApp(sim_config(tiny_model), settings_path=tmp_path / "settings.json", live=False)
+    message = "measuring prefill / decode speed (first use only)"
+    async with app.run_test(size=(80, 24)) as pilot:
+        ready = fixture_snapshot().workers[0]
+        loading = replace(ready, index=1, state="loading", message=message)
+        app.show_snapshot(replace(fixture_snapshot(), workers=(ready, loading)))
+        await pilot.pause()
+        panel = app.query(BackendPanel)[1]
+        assert str(panel._load.render()) == message
+        assert panel._load.size.height == 2 and len(message) <= 2 * panel._load.size.width
+        assert app.query(BackendPanel)[0]._load.size.height == 1      # a ready worker's figures: one line
+
+
+def test_cpu_percent_and_rss_come_from_proc(tmp_path, monkeypatch):
+    stat = tmp_path / "stat"
+    def write_stat(utime: int, stime: int) -> None:   # a command name with spaces and parentheses
+        stat.write_text(f"42 (tokentop (w 1)) S 1 2 3 4 5 6 7 8 9 10 {utime} {stime} 0 0 20 0 1\n")
+    write_stat(100, 50)
+    assert procstat.cpu_seconds(str(stat)) == 150 / procstat._TICKS
+    clock = [1000.0]
+    monkeypatch.setattr(procstat.time, "monotonic", lambda: clock[0])
+    real = procstat.cpu_seconds
+    monkeypatch.setattr(procstat, "cpu_seconds", lambda path: real(str(stat)))     # any thread reads our file
+    sampler = procstat.UsageSampler()
+    assert sampler.sample("w", None, thread_id=1) == (None, None)       # first reading: no rate yet
+    write_stat(100 + procstat._TICKS // 2, 50 + procstat._TICKS // 2)  # +1.0 s of CPU
+    clock[0] += 2.0                                                    # over 2 s of wall time
+    assert sampler.sample("w", None, thread_id=1) == (50.0, None)
+    assert procstat.rss_bytes(os.getpid()) > 0
 
 
 def test_routing_lines_name_their_figures():
