@@ -242,7 +242,7 @@ class TokentopApp(App[int]):
                 panel.show_view(view)
         names = {w.index: w.name for w in snap.workers}
         self._requests.show_requests(snap.requests, names)
-        self._routing.show_decisions(snap.routing, snap.router_policy)
+        self._routing.show_decisions(snap.routing)
         self._streams.show_streams(snap.requests, names)
         self._log.show_lines(snap.log)
         self._show_status()

@@ -612,7 +612,7 @@ class Engine:
                 end = None
                 if rec.finish_reason is not None:
                     end = ({"abort": "aborted", "error": "failed"}.get(rec.finish_reason, "finished"),
-                           rec.finished_at if rec.finished_at is not None else until)
+                           rec.arrival + m.e2e if m else rec.finished_at or until)
                 lifecycles.append((rec.id, rec.worker, marks, end))
         pid = self._tracer.pid if self._tracer is not None else 0
         return request_track_events(pid, lifecycles, since, until)

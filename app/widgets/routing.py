@@ -70,7 +70,7 @@ class RoutingPanel(VerticalScroll):
         self._shown_key = None
         self.show_decisions(self._routing)
 
-    def show_decisions(self, routing: tuple[RouteDecision, ...], policy: str | None = None) -> None:
+    def show_decisions(self, routing: tuple[RouteDecision, ...]) -> None:
         width = self.scrollable_content_region.width or 10_000
         key = (len(routing), routing[-1].request_id, width) if routing else None
         if key == self._shown_key:
