@@ -567,12 +567,13 @@ class Engine:
     def _request_view(self, r: _Record, now: float) -> RequestView:
         m = r.metrics
         end = r.finished_at or now
+        seen = _seen_timings(r)     # while running, or where the worker sent no metrics (it died)
         return RequestView(
             id=r.id, worker=r.worker, state=r.state, prompt_tokens=len(r.prompt_ids),
             cached_tokens=m.cached_tokens if m else r.cached, output_tokens=len(r.output_ids),
-            max_tokens=r.params.max_tokens, queue_time=m.queue_time if m else None,
-            ttft=m.ttft if m and m.ttft is not None else _seen_timings(r)[1],
-            itl_mean=m.itl_mean if m else _seen_timings(r)[2], e2e=m.e2e if m else end - r.arrival,
+            max_tokens=r.params.max_tokens, queue_time=m.queue_time if m else seen[0],
+            ttft=m.ttft if m and m.ttft is not None else seen[1],
+            itl_mean=m.itl_mean if m else seen[2], e2e=m.e2e if m else end - r.arrival,
             text_tail=r.text[-TEXT_TAIL:], error=r.error, burst=r.burst, age=now - r.arrival,
             finish_reason=r.finish_reason, prompt=r.prompt_text, params=r.params)
 
