@@ -270,7 +270,9 @@ async def test_model_assembly_progress_is_shown(tiny_model, tmp_path):
         app.show_snapshot(app.engine.snapshot())                        # not started: no workers yet
         await pilot.pause()
         for panel in app.query(BackendPanel):
-            assert "assembling tiny.gguf: 100/400 MiB" in str(panel._identity_line.render())
+            # the model's name on the first line, the progress on its own line (never cut at 80 columns)
+            assert "loading" in str(panel._identity_line.render()) and "tiny.gguf" in str(panel._identity_line.render())
+            assert str(panel._load.render()) == "assembling the model file: 100/400 MiB"
             assert panel._bar.display and panel._bar.percentage == 0.25
 
 

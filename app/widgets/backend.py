@@ -67,9 +67,9 @@ class BackendPanel(Vertical):
         """Model file assembly progress (bytes), shown until the worker reports in."""
         self._bar.display = True
         self._bar.update(total=total or None, progress=done)
-        self._identity_line.set(
-            self._identity("loading", f"assembling {short_model(self.cfg.model)}: "
-                                      f"{done / 2**20:.0f}/{total / 2**20:.0f} MiB"))
+        self._identity_line.set(self._identity("loading", "", None))     # state and model name
+        self._load.set(f"[$warning]assembling the model file: "
+                       f"{done / 2**20:.0f}/{total / 2**20:.0f} MiB[/]")
 
     def show_failure(self, message: str) -> None:
         self.add_class("-dead", "-message")
