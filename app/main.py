@@ -38,7 +38,7 @@ from app.widgets.panel import Panel
 from app.widgets.requests import RequestsTable
 from app.widgets.routing import RoutingPanel
 from app.widgets.streams import StreamsPanel
-from engine.bursts import BurstFileError, default_prompts_dir, list_burst_files, load_burst
+from engine.bursts import default_prompts_dir, list_burst_files, load_burst
 from engine.cli import EXIT_USAGE, OneLineParser, add_engine_flags, engine_config_from
 from engine.config import SCHED_POLICIES, EngineConfig, SamplingParams
 from engine.engine import Engine
@@ -90,7 +90,8 @@ def build_parser() -> OneLineParser:
 
 
 def startup_burst(path: str) -> BurstSpec:
-    """--burst-file: checked now (a bad file is a one-line error before anything loads)."""
+    """--burst-file: checked now (a bad file is a one-line error before anything loads);
+    fired once every worker has started."""
     items = load_burst(path)
     return BurstSpec(path=Path(path), count=len(items), interval_ms=int(DEFAULTS["interval"]),
                      max_tokens=None, temperature=None)
@@ -218,7 +219,7 @@ class TokentopApp(App[int]):
             self.notify(text, severity=severity, timeout=8 if severity == "error" else 4)
         try:
             self._finish_bursts()
-            if self.startup_burst is not None and self.engine.ready:
+            if self.startup_burst is not None and self._all_workers_up():
                 spec, self.startup_burst = self.startup_burst, None
                 self.fire_burst(spec)
             self.show_snapshot(self.engine.snapshot())
@@ -247,9 +248,15 @@ class TokentopApp(App[int]):
         self._log.show_lines(snap.log)
         self._show_status()
 
+    def _all_workers_up(self) -> bool:
+        """Every worker has finished starting (ready, or failed), and one is ready."""
+        snap = self.last_snapshot
+        return (self.engine.ready and snap is not None and len(snap.workers) == len(self.config.workers)
+                and all(w.state not in ("starting", "loading") for w in snap.workers))
+
     def _show_status(self) -> None:
-        """The header. On a narrow terminal the lowest-priority fields (the number after each)
-        drop out first; burst progress and the engine's state stay."""
+        """The header. On a narrow terminal the fields drop out by priority (the higher the
+        number, the sooner); the name and burst progress always stay."""
         snap = self.last_snapshot
         workers = snap.workers if snap else ()
         ready = sum(w.state == "ready" for w in workers)
