@@ -84,8 +84,8 @@ def build_parser() -> OneLineParser:
                       "Subcommands generate, bench and models run without it.")
     add_engine_flags(p)
     p.add_argument("--burst-file", metavar="FILE", default=None,
-                   help="fire this burst file (JSONL, see sample_prompts/README.md) as soon as a "
-                        "worker is ready: each line once, with its own sampling settings")
+                   help="fire this burst file (JSONL, see sample_prompts/README.md) once the "
+                        "workers have started: each line once, with its own sampling settings")
     return p
 
 
