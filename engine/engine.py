@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -29,6 +29,8 @@ from engine.snapshot import EngineSnapshot, LogLine, RequestView, WorkerView
 HISTORY = 60          # samples of tok/s kept per worker for sparklines
 TEXT_TAIL = 2000      # characters of each request's text kept for the dashboard
 KEEP_FINISHED = 200   # finished requests kept in snapshots
+UNWRITTEN_TRACE_EVENTS = 2_000_000   # most trace events kept after a failed export
+LOG_GROUP_WINDOW = 5.0   # seconds: the same event again within this is counted on one log line
 
 
 class RequestFailed(TokentopError):
@@ -45,6 +47,7 @@ class RequestResult:
     error: str | None
     metrics: msg.RequestMetrics | None
     worker: int | None
+    notice: str | None = None
 
 
 @dataclass
@@ -69,6 +72,7 @@ class _Record:
     first_token_at: float | None = None
     last_token_at: float | None = None
     finished_at: float | None = None
+    notice: str | None = None      # said once about how the request was taken (max_tokens lowered)
 
 
 class RequestHandle:
@@ -128,7 +132,12 @@ class RequestHandle:
             raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
         r = self._record
         return RequestResult(r.id, r.text, list(r.prompt_ids), list(r.output_ids),
-                             r.finish_reason or "error", r.error, r.metrics, r.worker)
+                             r.finish_reason or "error", r.error, r.metrics, r.worker, r.notice)
+
+    @property
+    def notice(self) -> str | None:
+        """A note on how the request was taken (e.g. max_tokens lowered to the context), or None."""
+        return self._record.notice
 
     def abort(self) -> None:
         self._engine.abort(self.id)
@@ -165,12 +174,14 @@ class Engine:
         self._finished: deque[str] = deque()
         self._routing: deque[RouteDecision] = deque(maxlen=50)
         self._log: deque[LogLine] = deque(maxlen=200)
+        self._log_groups: dict[tuple, tuple[float, int, LogLine]] = {}   # key -> first, count, line
         self._workers: list[_WorkerSlot] = []
         self._events = None
         self._dispatcher: threading.Thread | None = None
         self._stopping = False
         self._trace_wait: dict[int, list] = {}
         self._trace_cv = threading.Condition(self._lock)
+        self._unwritten_trace: list = []   # events of an export that failed, kept for the next one
         self.tracing = bool(config.trace_dir)
         self.tokenizer = None
         self._routing_log = open(config.routing_log, "a") if config.routing_log else None
@@ -181,11 +192,13 @@ class Engine:
 
     # --- lifecycle ----------------------------------------------------------------------
     def start(self, wait: bool = True, timeout: float = 600.0) -> "Engine":
-        from engine.devices import check_memory
+        from engine.devices import check_memory, check_model_limits
         from engine.models.catalog import resolve_model
         from engine.models.tokenizer import Tokenizer
-        from engine.trace import Tracer
+        from engine.trace import Tracer, check_trace_dir
 
+        if self.config.trace_dir:   # before any work: not a crash once the work is done
+            check_trace_dir(self.config.trace_dir)
         self._tracer = Tracer("engine", enabled=self.tracing)
         self._started_at = time.monotonic()
         paths = {}
@@ -194,6 +207,7 @@ class Engine:
                 cb = (lambda done, total, name=cfg.model: self._progress(name, done, total)) \
                     if self._progress else None
                 paths[cfg.model] = str(resolve_model(cfg.model, progress=cb))
+        check_model_limits(self.config.workers, paths)
         check_memory(self.config.workers, paths)
         self.tokenizer = Tokenizer.from_gguf(paths[self.config.workers[0].model])
         ctx = mp.get_context("spawn")
@@ -272,10 +286,13 @@ class Engine:
     # --- requests -----------------------------------------------------------------------
     def submit(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                params: SamplingParams | None = None, prompt_ids: list[int] | None = None,
-               worker: int | None = None, burst: str | None = None) -> RequestHandle:
-        """Queue one request. Bad input raises InvalidRequest and queues nothing."""
+               worker: int | None = None, burst: str | None = None,
+               parse_special: bool = False) -> RequestHandle:
+        """Queue one request. Bad input raises InvalidRequest and queues nothing.
+        A special token spelled in a plain prompt is plain text unless parse_special (trusted
+        prompts only); in chat messages it is always plain text."""
         params = (params or SamplingParams()).validate()
-        ids = self.encode(prompt, messages, prompt_ids)
+        ids = self.encode(prompt, messages, prompt_ids, parse_special=parse_special)
         now = time.monotonic()
         with self._lock:
             live = [w for w in self._workers if w.state == "ready"]
@@ -288,7 +305,16 @@ class Engine:
             if worker is not None and worker not in [w.index for w in live]:
                 raise InvalidRequest(f"worker {worker} is not ready")
             rid = f"r{next(self._ids)}"
-            rec = _Record(rid, ids, params, now, burst=burst,
+            notice = None
+            room = max_ctx - len(ids)   # the last token sampled needs no KV: context - prompt
+            if params.max_tokens > room:
+                # clamp, and say so once: the record, the router and the table see the real limit
+                notice = (f"max_tokens {params.max_tokens} lowered to {room}: the {len(ids)}-token prompt "
+                          f"leaves {room} of the {max_ctx}-token context (--max-context, --kv-cache-memory)")
+                self._log_repeated(("max_tokens lowered",), "warning",
+                                   f"{rid}: {notice}{{times}}")
+                params = replace(params, max_tokens=room)
+            rec = _Record(rid, ids, params, now, burst=burst, notice=notice,
                           prompt_text=prompt if isinstance(prompt, str) else self.tokenizer.decode(ids))
             decision = self.router.choose(rid, len(ids), params.max_tokens, self._loads(),
                                           cached=None, force=worker)
@@ -308,7 +334,7 @@ class Engine:
         return handle
 
     def encode(self, prompt: str | None, messages: list[dict] | None,
-               prompt_ids: list[int] | None) -> list[int]:
+               prompt_ids: list[int] | None, parse_special: bool = False) -> list[int]:
         given = sum(x is not None for x in (prompt, messages, prompt_ids))
         if given != 1:
             raise InvalidRequest("give exactly one of a prompt, chat messages or prompt token ids")
@@ -318,14 +344,13 @@ class Engine:
             if bad:
                 raise InvalidRequest(f"prompt token ids out of range 0..{self.tokenizer.vocab_size - 1}: {bad[:5]}")
         elif messages is not None:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            ids = self.tokenizer.encode(text, add_special=False)
+            ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True)
         else:
             if not isinstance(prompt, str):
                 raise InvalidRequest("the prompt must be text")
             if not prompt.strip():
                 raise InvalidRequest("the prompt is empty; type some text")
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt, parse_special=parse_special)
         if not ids:
             raise InvalidRequest("the prompt encodes to no tokens")
         return ids
@@ -427,8 +452,11 @@ class Engine:
             with self._lock:
                 w = self._workers[event.worker]
                 w.state, w.info, w.message = "ready", event.info, ""
+            capped = " (all its KV pool holds: raise --kv-cache-memory for more)" \
+                if event.info.get("context_capped_by_kv") else ""
             self._log_line("info", f"worker {event.worker} ({w.cfg.device}) ready: {event.info.get('pages')} "
-                                   f"KV pages of {event.info.get('page_size')} tokens")
+                                   f"KV pages of {event.info.get('page_size')} tokens, context "
+                                   f"{event.info.get('max_context')} tokens{capped}")
         elif isinstance(event, msg.WorkerLoading):
             with self._lock:
                 w = self._workers[event.worker]
@@ -467,8 +495,8 @@ class Engine:
                 if f.reason == "error":
                     self._log_line("error", f"{rec.id}: {f.error}", locked=True)
             for rid in event.preempted:
-                self._log_line("warning", f"{rid} preempted on worker {event.worker} (will recompute)",
-                               locked=True)
+                self._log_repeated(("preempted", event.worker, rid), "warning",
+                                   f"{rid} preempted{{times}} on worker {event.worker} (will recompute)")
                 if self._tracer is not None and self._tracer.enabled:
                     self._tracer.instant("preempted", request=rid, worker=event.worker)
             self._forget_old()
@@ -525,6 +553,22 @@ class Engine:
             with self._lock:
                 self._log.append(line)
 
+    def _log_repeated(self, key: tuple, level: str, text: str) -> None:
+        """Log an event that can repeat: within LOG_GROUP_WINDOW of its first line, a repeat
+        rewrites that line as "... ×12 in 4.1 s" (moved to the end) instead of adding one.
+        `text` has a {times} slot for that count. The lock is held."""
+        now = time.time()
+        for k in [k for k, g in self._log_groups.items() if now - g[0] >= LOG_GROUP_WINDOW]:
+            del self._log_groups[k]
+        first, count, old = self._log_groups.get(key, (now, 0, None))
+        count += 1
+        if old is not None and old in self._log:
+            self._log.remove(old)
+        times = f" ×{count} in {now - first:.1f} s" if count > 1 else ""
+        line = LogLine(now, level, text.format(times=times))
+        self._log.append(line)
+        self._log_groups[key] = (first, count, line)
+
     def log(self, level: str, text: str) -> None:
         """Let the UI add a line (e.g. a burst summary) to the engine's event log."""
         self._log_line(level, text)
@@ -554,8 +598,9 @@ class Engine:
             page_states=s.page_states if s else bytes(info.get("pages", 0)),
             page_size=info.get("page_size", w.cfg.page_size), policy=s.policy if s else w.cfg.policy,
             steps=s.steps if s else 0, profile_prefill_tps=pre, profile_decode_tps=dec,
-            max_active=w.cfg.max_active, kv_bytes=info.get("kv_bytes", 0),
-            cpu_percent=cpu, rss_bytes=rss, recomputed_tokens=getattr(s, "recomputed_tokens", 0))
+            max_active=w.cfg.max_active, preemptions=s.preemptions_total if s else 0,
+            recomputed_tokens=s.recomputed_tokens_total if s else 0, kv_bytes=info.get("kv_bytes", 0),
+            cpu_percent=cpu, rss_bytes=rss)
 
     def _worker_usage(self, w: _WorkerSlot) -> tuple[float | None, int | None]:
         if w.state not in ("ready", "loading") or w.process is None:
@@ -575,7 +620,8 @@ class Engine:
             ttft=m.ttft if m and m.ttft is not None else seen[1],
             itl_mean=m.itl_mean if m else seen[2], e2e=m.e2e if m else end - r.arrival,
             text_tail=r.text[-TEXT_TAIL:], error=r.error, burst=r.burst, age=now - r.arrival,
-            finish_reason=r.finish_reason, prompt=r.prompt_text, params=r.params)
+            finish_reason=r.finish_reason, prompt=r.prompt_text, params=r.params,
+            notice=r.notice)
 
     # --- traces -------------------------------------------------------------------------
     def set_tracing(self, enabled: bool) -> None:
@@ -618,8 +664,9 @@ class Engine:
         pid = self._tracer.pid if self._tracer is not None else 0
         return request_track_events(pid, lifecycles, since, until)
 
-    def export_trace(self, path: str | Path | None = None, timeout: float = 5.0) -> Path:
-        """Collect every worker's trace events plus the facade's and write one Chrome JSON file."""
+    def export_trace(self, path: str | Path | None = None, timeout: float = 5.0) -> str:
+        """Collect every worker's trace events plus the facade's and write one Chrome JSON file;
+        return its absolute path. A write error is a one-line TokentopError; nothing else is lost."""
         from engine.trace import write_chrome_trace
 
         target = path or self.config.trace_dir or "traces"
@@ -640,7 +687,15 @@ class Engine:
         # already running when tracing started, or is still running now, is in the trace too.
         events += self._lifecycle_events(self._trace_since if self._trace_since is not None else now, now)
         self._trace_since = now        # the next export covers what happens from here on
-        return write_chrome_trace(target, events)
+        events = self._unwritten_trace + events
+        try:
+            written = write_chrome_trace(target, events)
+        except OSError as exc:
+            self._unwritten_trace = events[-UNWRITTEN_TRACE_EVENTS:]
+            raise TokentopError(f"cannot write the trace to {Path(target).absolute()}: "
+                                f"{exc.strerror or exc}; its events are kept for the next export") from None
+        self._unwritten_trace = []
+        return written
 
 
 def _seen_timings(rec: _Record) -> tuple[float | None, float | None, float | None, None]:

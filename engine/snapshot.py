@@ -31,6 +31,7 @@ class RequestView:
     finish_reason: str | None = None   # stop | length | abort | error, once it has ended
     prompt: str = ""                   # the text as submitted (a chat rendered by its template)
     params: SamplingParams | None = None
+    notice: str | None = None   # how the request was taken, said once (e.g. max_tokens lowered)
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,8 @@ class WorkerView:
     kv_bytes: int = 0                  # memory of the whole KV page pool
     cpu_percent: float | None = None   # 100 = one core; None where it cannot be measured
     rss_bytes: int | None = None       # the worker process's resident memory (process mode)
-    recomputed_tokens: int = 0         # prompt + output tokens computed again after preemption
+    preemptions: int = 0          # since the worker started
+    recomputed_tokens: int = 0    # tokens whose KV preemptions threw away, computed again
 
 
 @dataclass(frozen=True)

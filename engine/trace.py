@@ -57,6 +57,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import tempfile
 import threading
 import time
 import zlib
@@ -471,9 +472,26 @@ def traced(name: str | None = None, **args: Any) -> Callable[[F], F]:
 
 # -- writing and checking ----------------------------------------------------------------------
 
+def check_trace_dir(path_or_dir: str | os.PathLike, flag: str = "--trace-dir") -> str:
+    """At start-up, before any work: the absolute path, once its folder exists and a file can be
+    created in it; else a ConfigError naming the flag (not a traceback after the work is done)."""
+    from engine.errors import ConfigError
+
+    path = os.path.abspath(os.fspath(path_or_dir))
+    folder = os.path.dirname(path) if path.endswith(".json") else path
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"{flag} {path}: cannot write a trace there ({exc.strerror or exc}); "
+                          "give a folder you can write to") from None
+    return path
+
+
 def write_chrome_trace(path_or_dir: str | os.PathLike, events: list[dict], *,
                        prefix: str = "tokentop", metadata: dict[str, Any] | None = None) -> str:
-    """Write events as {"traceEvents", "displayTimeUnit", "metadata"} JSON; return the path.
+    """Write events as {"traceEvents", "displayTimeUnit", "metadata"} JSON; return the absolute path.
 
     A path ending in ".json" is written as given. Anything else is a directory (created if
     needed) and the file is named `<prefix>-YYYYmmdd-HHMMSS-mmm.json`, with a -1, -2, ...
@@ -503,7 +521,7 @@ def write_chrome_trace(path_or_dir: str | os.PathLike, events: list[dict], *,
             **(metadata or {}),
         },
     }
-    path = os.fspath(path_or_dir)
+    path = os.path.abspath(os.fspath(path_or_dir))
     if path.endswith(".json"):
         parent = os.path.dirname(path)
         if parent:

@@ -506,6 +506,7 @@ def test_detail_shows_prompt_sampling_end_and_worker_name():
     assert "died" in fields
     assert "length (max tokens reached)" in detail_markup(fixture_snapshot().requests[0], "sim:gpu0")
     assert "prompt 4" in prompt_markup(view)
+    assert "lowered to 447" in detail_markup(replace(view, notice="max_tokens 20000 lowered to 447"), "sim:gpu1")
 
 
 async def test_dashboard_trace_has_lifecycles_preemptions_and_routing(tiny_model, tmp_path):

@@ -43,6 +43,8 @@ def detail_markup(r: RequestView, worker_name: str | None = None) -> str:
             ("ITL (mean)", fmt_seconds(r.itl_mean)), ("end to end", fmt_seconds(r.e2e))]
     if r.finish_reason and r.finish_reason != "error":
         rows.append(("finished", FINISH_WORDS.get(r.finish_reason, r.finish_reason)))
+    if r.notice:
+        rows.append(("note", r.notice))
     lines = [f"  [$text-muted]{name:<14}[/] {escape(value)}" for name, value in rows]
     if r.error:
         lines.append(f"  [$text-muted]{'error':<14}[/] [$error]{escape(r.error)}[/]")
