@@ -525,6 +525,9 @@ async def test_dashboard_trace_has_lifecycles_preemptions_and_routing(tiny_model
         params = SamplingParams(max_tokens=400, ignore_eos=True)
         late = [app.engine.submit(f"request {i} " * 10, params=params) for i in range(4)]
         await wait_for(pilot, lambda: any("preempted" in l.text for l in app.last_snapshot.log), "a preemption")
+        # the worker's panel shows the tokens it had to compute again
+        panel = app.query_one(BackendPanel)
+        await wait_for(pilot, lambda: "recomputed" in str(panel._load.render()), "recomputed tokens in the panel")
         await pilot.press("t")
         await wait_for(pilot, lambda: any(m.startswith("trace written to") for _, m in notices(app)),
                        "the trace")
