@@ -130,6 +130,8 @@ class WorkerStats:
     seqs: tuple[SeqView, ...] = field(default_factory=tuple)
     prefill_tokens_total: int = 0
     decode_tokens_total: int = 0
+    preemptions_total: int = 0
+    recomputed_tokens_total: int = 0   # prefill tokens spent recomputing preempted sequences
 
 
 @dataclass(frozen=True)
