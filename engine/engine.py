@@ -22,6 +22,7 @@ from typing import Callable, Iterator
 from engine import messages as msg
 from engine.config import EngineConfig, SamplingParams, WorkerConfig
 from engine.errors import ConfigError, InvalidRequest, TokentopError, WorkerDied
+from engine.procstat import UsageSampler
 from engine.router import RouteDecision, Router, WorkerLoad
 from engine.snapshot import EngineSnapshot, LogLine, RequestView, WorkerView
 
@@ -67,9 +68,13 @@ class _Record:
     error: str | None = None
     metrics: msg.RequestMetrics | None = None
     burst: str | None = None
+    prompt_text: str = ""
+    prefill_at: float | None = None        # when the worker was first seen computing it
     first_token_at: float | None = None
+    last_token_at: float | None = None
     finished_at: float | None = None
     leader: str | None = None       # single flight: waiting for this request's pages
+    follow_at: float | None = None  # when the facade first saw it waiting on a leader
     notice: str | None = None      # said once about how the request was taken (max_tokens lowered)
 
 
@@ -186,6 +191,9 @@ class Engine:
         self.tokenizer = None
         self._routing_log = open(config.routing_log, "a") if config.routing_log else None
         self._tracer = None
+        self._trace_since = time.monotonic() if self.tracing else None   # start of the trace window
+        self._started_at: float | None = None
+        self._usage = UsageSampler()
 
     # --- lifecycle ----------------------------------------------------------------------
     def start(self, wait: bool = True, timeout: float = 600.0) -> "Engine":
@@ -197,6 +205,7 @@ class Engine:
         if self.config.trace_dir:   # before any work: not a crash once the work is done
             check_trace_dir(self.config.trace_dir)
         self._tracer = Tracer("engine", enabled=self.tracing)
+        self._started_at = time.monotonic()
         paths = {}
         for cfg in self.config.workers:
             if cfg.model not in paths:
@@ -314,7 +323,8 @@ class Engine:
                 self._log_repeated(("max_tokens lowered",), "warning",
                                    f"{rid}: {notice}{{times}}")
                 params = replace(params, max_tokens=room)
-            rec = _Record(rid, ids, params, now, burst=burst, notice=notice)
+            rec = _Record(rid, ids, params, now, burst=burst, notice=notice,
+                          prompt_text=prompt if isinstance(prompt, str) else self.tokenizer.decode(ids))
             decision = self.router.choose(rid, len(ids), params.max_tokens, self._loads(),
                                           cached=self._reuse_estimates(ids, params.cache_salt, live),
                                           force=worker)
@@ -504,12 +514,13 @@ class Engine:
                         keys.discard(key)
             for d in event.tokens:
                 rec = self._records.get(d.request_id)
-                if rec is None:
-                    continue
+                if rec is None or rec.finish_reason is not None:
+                    continue   # e.g. tokens a dying worker sent after its requests were failed
                 if d.token_id >= 0:
                     rec.output_ids.append(d.token_id)
+                    rec.last_token_at = time.monotonic()
                     if rec.first_token_at is None:
-                        rec.first_token_at = time.monotonic()
+                        rec.first_token_at = rec.last_token_at
                 rec.text += d.text
                 rec.state = "decode"
                 deliveries.append((rec.id, d))
@@ -524,10 +535,11 @@ class Engine:
                 deliveries.append((rec.id, f))
                 if f.reason == "error":
                     self._log_line("error", f"{rec.id}: {f.error}", locked=True)
-                self._trace_lifecycle(rec, f.metrics)
             for rid in event.preempted:
                 self._log_repeated(("preempted", event.worker, rid), "warning",
                                    f"{rid} preempted{{times}} on worker {event.worker} (will recompute)")
+                if self._tracer is not None and self._tracer.enabled:
+                    self._tracer.instant("preempted", request=rid, worker=event.worker)
             self._forget_old()
         for rid, d in deliveries:
             handle = self._handles.get(rid)
@@ -547,7 +559,11 @@ class Engine:
                 if rec is None or rec.finish_reason is not None:
                     continue
                 rec.computed, rec.cached, rec.leader = v.computed_tokens, v.cached_tokens, v.leader
+                if v.leader and rec.follow_at is None:
+                    rec.follow_at = time.monotonic()
                 rec.state = {"waiting": "queued"}.get(v.state, v.state)
+                if rec.state != "queued" and rec.prefill_at is None:
+                    rec.prefill_at = time.monotonic()
 
     def _on_dead(self, event: msg.WorkerDead) -> None:
         failed = []
@@ -564,8 +580,8 @@ class Engine:
         for rid in failed:
             rec = self._records[rid]
             err = WorkerDied(f"worker {event.worker} ({w.cfg.device}) died: {w.message}")
-            metrics = msg.RequestMetrics(len(rec.prompt_ids), rec.cached, len(rec.output_ids), None,
-                                         None, None, None, time.monotonic() - rec.arrival)
+            metrics = msg.RequestMetrics(len(rec.prompt_ids), rec.cached, len(rec.output_ids),
+                                         *_seen_timings(rec), time.monotonic() - rec.arrival)
             self._on_step(msg.StepEvents(event.worker, (), (msg.Finished(rid, "error", str(err), metrics),)))
 
     def _forget_old(self) -> None:
@@ -608,12 +624,14 @@ class Engine:
         with self._lock:
             workers = tuple(self._worker_view(w) for w in self._workers)
             reqs = tuple(self._request_view(r, now) for r in self._records.values())
+            uptime = now - self._started_at if self._started_at is not None else 0.0
             return EngineSnapshot(time.time(), workers, reqs, tuple(self._routing),
-                                  self.router.policy, tuple(self._log), self.tracing)
+                                  self.router.policy, tuple(self._log), self.tracing, uptime)
 
     def _worker_view(self, w: _WorkerSlot) -> WorkerView:
         s, info = w.stats, w.info
         pre, dec = self._measured_rates(w)
+        cpu, rss = self._worker_usage(w)
         return WorkerView(
             index=w.index, name=info.get("name", w.cfg.name or w.cfg.device), device=w.cfg.device,
             model=w.cfg.model, dtype=info.get("dtype", "?"), weights=info.get("weights", "?"),
@@ -626,24 +644,35 @@ class Engine:
             page_size=info.get("page_size", w.cfg.page_size), policy=s.policy if s else w.cfg.policy,
             steps=s.steps if s else 0, profile_prefill_tps=pre, profile_decode_tps=dec,
             max_active=w.cfg.max_active, preemptions=s.preemptions_total if s else 0,
-            recomputed_tokens=s.recomputed_tokens_total if s else 0,
-            prefix_cache=info.get("prefix_cache") == "on",
+            recomputed_tokens=s.recomputed_tokens_total if s else 0, kv_bytes=info.get("kv_bytes", 0),
+            cpu_percent=cpu, rss_bytes=rss, prefix_cache=info.get("prefix_cache") == "on",
             prefix=dict(s.prefix) if s else {}, hit_rate=_window_rate(w.prefix_hist))
+
+    def _worker_usage(self, w: _WorkerSlot) -> tuple[float | None, int | None]:
+        if w.state not in ("ready", "loading") or w.process is None:
+            return None, None
+        if isinstance(w.process, threading.Thread):
+            return self._usage.sample(w.index, None, w.process.native_id)
+        return self._usage.sample(w.index, w.process.pid)
 
     def _request_view(self, r: _Record, now: float) -> RequestView:
         m = r.metrics
         end = r.finished_at or now
+        seen = _seen_timings(r)     # while running, or where the worker sent no metrics (it died)
         return RequestView(
             id=r.id, worker=r.worker, state=r.state, prompt_tokens=len(r.prompt_ids),
             cached_tokens=m.cached_tokens if m else r.cached, output_tokens=len(r.output_ids),
-            max_tokens=r.params.max_tokens, queue_time=m.queue_time if m else None,
-            ttft=m.ttft if m else (r.first_token_at - r.arrival if r.first_token_at else None),
-            itl_mean=m.itl_mean if m else None, e2e=m.e2e if m else end - r.arrival,
+            max_tokens=r.params.max_tokens, queue_time=m.queue_time if m else seen[0],
+            ttft=m.ttft if m and m.ttft is not None else seen[1],
+            itl_mean=m.itl_mean if m else seen[2], e2e=m.e2e if m else end - r.arrival,
             text_tail=r.text[-TEXT_TAIL:], error=r.error, burst=r.burst, age=now - r.arrival,
+            finish_reason=r.finish_reason, prompt=r.prompt_text, params=r.params,
             notice=r.notice, leader=r.leader if r.finish_reason is None else None)
 
     # --- traces -------------------------------------------------------------------------
     def set_tracing(self, enabled: bool) -> None:
+        if enabled and not self.tracing:
+            self._trace_since = time.monotonic()
         self.tracing = enabled
         if self._tracer is not None:
             self._tracer.set_enabled(enabled)
@@ -651,22 +680,38 @@ class Engine:
             if w.state == "ready":
                 w.commands.put(msg.SetTracing(enabled))
 
-    def _trace_lifecycle(self, rec: _Record, m: msg.RequestMetrics | None) -> None:
-        if self._tracer is None or not self._tracer.enabled or m is None:
-            return
-        t0 = rec.arrival
-        marks = [("queued", t0)]
-        if m.follow_start is not None and (m.queue_time is None or m.follow_start < m.queue_time):
-            marks.append(("waiting-on-leader", t0 + m.follow_start))
-        if m.queue_time is not None:
-            marks.append(("prefill", t0 + m.queue_time))
-        if m.ttft is not None:
-            marks.append(("decode", t0 + m.ttft))
-        end = {"abort": "aborted", "error": "failed"}.get(rec.finish_reason or "", "finished")
-        marks.append((end, t0 + m.e2e))
-        # time.monotonic and the tracer's perf_counter_ns are both CLOCK_MONOTONIC on Linux
-        for phase, t in marks:
-            self._tracer.request_phase(rec.id, phase, ts_ns=int(t * 1e9), worker=rec.worker)
+    def _lifecycle_events(self, since: float, until: float) -> list[dict]:
+        """Every request alive during [since, until] as phase spans on its own track, clipped
+        to the window: queued -> prefill -> decode, then finished / aborted / failed, or the
+        phase it is still in at `until` (marked running)."""
+        from engine.trace import request_track_events
+
+        with self._lock:
+            records = [r for r in self._records.values()
+                       if r.arrival <= until and (r.finished_at is None or r.finished_at >= since)]
+            lifecycles = []
+            for rec in records:
+                m = rec.metrics
+                queue_time, ttft = (m.queue_time, m.ttft) if m else _seen_timings(rec)[:2]
+                if ttft is None and rec.first_token_at is not None:
+                    ttft = rec.first_token_at - rec.arrival
+                if queue_time is not None and ttft is not None:
+                    queue_time = min(queue_time, ttft)   # a preempted request is queued again later
+                marks = [("queued", rec.arrival)]
+                follow = m.follow_start if m else (rec.follow_at - rec.arrival if rec.follow_at else None)
+                if follow is not None and (queue_time is None or follow < queue_time):
+                    marks.append(("waiting-on-leader", rec.arrival + follow))   # single flight
+                if queue_time is not None:
+                    marks.append(("prefill", rec.arrival + queue_time))
+                if ttft is not None:
+                    marks.append(("decode", rec.arrival + ttft))
+                end = None
+                if rec.finish_reason is not None:
+                    end = ({"abort": "aborted", "error": "failed"}.get(rec.finish_reason, "finished"),
+                           rec.arrival + m.e2e if m else rec.finished_at or until)
+                lifecycles.append((rec.id, rec.worker, marks, end))
+        pid = self._tracer.pid if self._tracer is not None else 0
+        return request_track_events(pid, lifecycles, since, until)
 
     def export_trace(self, path: str | Path | None = None, timeout: float = 5.0) -> str:
         """Collect every worker's trace events plus the facade's and write one Chrome JSON file;
@@ -684,8 +729,13 @@ class Engine:
             while len(self._trace_wait) < len(ready) and time.monotonic() < deadline:
                 self._trace_cv.wait(0.1)
             events = [e for evs in self._trace_wait.values() for e in evs]
+        now = time.monotonic()
         if self._tracer is not None:
             events += self._tracer.drain()
+        # Request lifecycles are built from the engine's records, so a request that was
+        # already running when tracing started, or is still running now, is in the trace too.
+        events += self._lifecycle_events(self._trace_since if self._trace_since is not None else now, now)
+        self._trace_since = now        # the next export covers what happens from here on
         events = self._unwritten_trace + events
         try:
             written = write_chrome_trace(target, events)
@@ -703,6 +753,17 @@ def _window_rate(hist: deque) -> float | None:
         return None
     (q0, h0), (q1, h1) = hist[0], hist[-1]
     return (h1 - h0) / (q1 - q0) if q1 > q0 else None
+
+
+def _seen_timings(rec: _Record) -> tuple[float | None, float | None, float | None, None]:
+    """(queue time, TTFT, mean ITL, max ITL) as the facade saw them, for a request the
+    worker never reported metrics for (it died): the figures it had are kept."""
+    queue_time = rec.prefill_at - rec.arrival if rec.prefill_at is not None else None
+    ttft = rec.first_token_at - rec.arrival if rec.first_token_at is not None else None
+    n = len(rec.output_ids)
+    itl = ((rec.last_token_at - rec.first_token_at) / (n - 1)
+           if n > 1 and rec.first_token_at is not None and rec.last_token_at is not None else None)
+    return queue_time, ttft, itl, None
 
 
 def _alive(proc) -> bool:

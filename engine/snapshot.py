@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.config import SamplingParams
 from engine.router import RouteDecision
 
 
@@ -28,6 +29,9 @@ class RequestView:
     burst: str | None
     age: float               # seconds since submission
     leader: str | None = None   # single flight: waiting for this request's prefix pages
+    finish_reason: str | None = None   # stop | length | abort | error, once it has ended
+    prompt: str = ""                   # the text as submitted (a chat rendered by its template)
+    params: SamplingParams | None = None
     notice: str | None = None   # how the request was taken, said once (e.g. max_tokens lowered)
 
 
@@ -62,6 +66,9 @@ class WorkerView:
     # (tokens; vLLM's names), cached_pages, evictions, single_flight_waits, ...
     prefix: dict = field(default_factory=dict)
     hit_rate: float | None = None   # hit / looked-up tokens over the last ~30 s
+    kv_bytes: int = 0                  # memory of the whole KV page pool
+    cpu_percent: float | None = None   # 100 = one core; None where it cannot be measured
+    rss_bytes: int | None = None       # the worker process's resident memory (process mode)
     preemptions: int = 0          # since the worker started
     recomputed_tokens: int = 0    # tokens whose KV preemptions threw away, computed again
 
@@ -82,3 +89,4 @@ class EngineSnapshot:
     router_policy: str
     log: tuple[LogLine, ...]
     tracing: bool
+    uptime: float = 0.0                # seconds since the engine started
