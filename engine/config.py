@@ -21,6 +21,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int = 0                 # top-n logprobs per generated token, 0 = off
+    cache_salt: str | None = None     # requests share cached KV pages only with the same salt
 
     def validate(self) -> "SamplingParams":
         def bad(msg: str) -> None:
@@ -42,6 +43,8 @@ class SamplingParams:
             bad(f"logprobs must be between 0 and 20, got {self.logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop strings must be non-empty strings")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            bad("cache_salt must be a non-empty string (or None to share the cache with unsalted requests)")
         return self
 
     @property
@@ -52,6 +55,8 @@ class SamplingParams:
 KV_MODES = ("paged", "contiguous")
 DEFAULT_MAX_CONTEXT = 4096   # when --max-context is not given (and the model allows that much)
 SCHED_POLICIES = ("fcfs", "spf")
+PREFIX_CACHE = ("on", "off")
+SINGLE_FLIGHT = ("off", "after-prefill", "at-completion")
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,8 @@ class WorkerConfig:
     compile: bool = False
     recalibrate: bool = False             # measure the speed profile again instead of the cached one
     calibrate: bool = True                # False: skip the profile (tests, benchmarks of one worker)
+    prefix_cache: str = "on"              # on | off (paged KV only)
+    single_flight: str = "after-prefill"  # off | after-prefill | at-completion
     # simulated workers only
     sim_prefill_tps: float = 0.0
     sim_decode_tps: float = 0.0
@@ -100,6 +107,11 @@ class WorkerConfig:
             raise ConfigError(f"--kv-cache must be one of {', '.join(KV_MODES)}, got {self.kv_cache!r}")
         if self.policy not in SCHED_POLICIES:
             raise ConfigError(f"--policy must be one of {', '.join(SCHED_POLICIES)}, got {self.policy!r}")
+        if self.prefix_cache not in PREFIX_CACHE:
+            raise ConfigError(f"--prefix-cache must be on or off, got {self.prefix_cache!r}")
+        if self.single_flight not in SINGLE_FLIGHT:
+            raise ConfigError(f"--single-flight must be one of {', '.join(SINGLE_FLIGHT)}, "
+                              f"got {self.single_flight!r}")
         if self.kv_cache_memory <= 0:
             raise ConfigError("--kv-cache-memory must be positive, e.g. 256MiB")
         # what the model needs per page is checked once its header is read (devices.check_model_limits)

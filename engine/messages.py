@@ -83,6 +83,8 @@ class RequestMetrics:
     itl_max: float | None
     e2e: float                     # arrival -> finished (s)
     preemptions: int = 0
+    follow_start: float | None = None   # arrival -> started waiting on a leader (s)
+    follow_time: float = 0.0            # seconds spent waiting on leaders (single flight)
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,9 @@ class StepEvents:
     tokens: tuple[TokenDelta, ...]
     finished: tuple[Finished, ...]
     preempted: tuple[str, ...] = ()
+    # prefix cache keys (8-byte prefixes) published (True) / evicted (False), in order:
+    # the facade's picture of this worker's cache, for routing estimates
+    cache_delta: tuple[tuple[bool, bytes], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -111,6 +116,7 @@ class SeqView:
     computed_tokens: int
     output_tokens: int
     max_tokens: int
+    leader: str | None = None      # single flight: waiting for this request's pages
 
 
 @dataclass(frozen=True)
@@ -130,6 +136,8 @@ class WorkerStats:
     seqs: tuple[SeqView, ...] = field(default_factory=tuple)
     prefill_tokens_total: int = 0
     decode_tokens_total: int = 0
+    # prefix cache counters (engine/kv/reuse.py stats(); empty when the cache is off)
+    prefix: dict = field(default_factory=dict)
     preemptions_total: int = 0
     recomputed_tokens_total: int = 0   # prefill tokens spent recomputing preempted sequences
 

@@ -55,6 +55,14 @@ class Worker:
             self.blocks, max_active=cfg.max_active, max_batched_tokens=cfg.max_batched_tokens,
             max_context=self.max_context, policy=cfg.policy,
             prefill_chunk=64 if cfg.deterministic else 0)
+        self.reuse = None
+        if cfg.prefix_cache == "on" and cfg.kv_cache == "paged":
+            from engine.kv.prefix_cache import model_identity
+            from engine.kv.reuse import PrefixReuse
+            self.reuse = PrefixReuse(
+                self.pool, model_identity(cfg.model, cfg.weights, cfg.activation_dtype, cfg.simulated),
+                cfg.single_flight, align=self.scheduler.prefill_chunk, tracer=get_tracer())
+            self.scheduler.enable_reuse(self.reuse)
         profile = {}
         if cfg.calibrate or cfg.simulated:
             emit(msg.WorkerLoading(index, "measuring prefill / decode speed (first use only)"))
@@ -73,6 +81,7 @@ class Worker:
             "kv_bytes": num_pages * cfg.page_size * self.runner.bytes_per_slot,
             "device": cfg.device, "simulated": cfg.simulated, "name": cfg.name or cfg.device,
             "max_active": cfg.max_active, "policy": cfg.policy, "kv_cache": cfg.kv_cache,
+            "prefix_cache": "on" if self.reuse else "off", "single_flight": cfg.single_flight,
             "profile_prefill_tps": profile.get("prefill_tps", 0.0),
             "profile_decode_tps": profile.get("decode_tps", 0.0),
             "profile_source": profile.get("source", "none"),
@@ -145,7 +154,8 @@ class Worker:
         with tracer.scope("engine step", step=self.steps):
             self._step(tracer)
         if tracer.enabled:
-            tracer.counter("kv pages", used=self.pool.num_used, free=self.pool.num_free)
+            tracer.counter("kv pages", used=self.pool.num_used, cached=self.pool.num_cached,
+                           free=self.pool.num_free - self.pool.num_cached)
             tracer.counter("requests", running=len(self.scheduler.running),
                            waiting=len(self.scheduler.waiting))
             tracer.counter("tokens in step", tokens=self.last_step_tokens)
@@ -163,10 +173,12 @@ class Worker:
             finished = []
             for item in plan.items:
                 self._finish(item.seq, "error", f"model step failed: {reason}", finished)
-            self.emit(msg.StepEvents(self.index, (), tuple(finished)))
+            self.emit(msg.StepEvents(self.index, (), tuple(finished), cache_delta=self._cache_delta()))
             return
         decode = plan.num_decode
         self.scheduler.advance(plan)
+        if self.reuse is not None:
+            self.reuse.publish(plan, errors)
         now = time.monotonic()
         self._account(now, plan.num_tokens - decode, decode, plan.num_tokens)
 
@@ -179,7 +191,10 @@ class Worker:
             elif item.samples:
                 self._append(seq, sampled[seq.id], now, tokens, finished)
         self.emit(msg.StepEvents(self.index, tuple(tokens), tuple(finished),
-                                 tuple(s.id for s in plan.preempted)))
+                                 tuple(s.id for s in plan.preempted), self._cache_delta()))
+
+    def _cache_delta(self) -> tuple:
+        return self.reuse.cache.take_delta() if self.reuse is not None else ()
 
     def _append(self, seq: Sequence, sample, now: float, tokens: list, finished: list) -> None:
         token_id, logprob, top = sample
@@ -247,7 +262,9 @@ class Worker:
             ttft=None if seq.first_token_at is None else seq.first_token_at - seq.arrival,
             itl_mean=seq.itl_sum / (n_out - 1) if n_out > 1 else None,
             itl_max=seq.itl_max if n_out > 1 else None,
-            e2e=(seq.finished_at or time.monotonic()) - seq.arrival, preemptions=seq.preemptions)
+            e2e=(seq.finished_at or time.monotonic()) - seq.arrival, preemptions=seq.preemptions,
+            follow_start=None if seq.follow_since is None else seq.follow_since - seq.arrival,
+            follow_time=seq.follow_time)
         return msg.Finished(seq.id, seq.finish_reason or "error", seq.error, m)
 
     def _fail_unschedulable(self) -> None:
@@ -287,7 +304,8 @@ class Worker:
         self._last_stats = now
         prefill_tps, decode_tps = self._rates()
         seqs = tuple(msg.SeqView(s.id, s.state.value, len(s.prompt_ids), s.num_cached, s.num_computed,
-                                 len(s.output_ids), s.params.max_tokens) for s in self.seqs.values())
+                                 len(s.output_ids), s.params.max_tokens, s.leader)
+                     for s in self.seqs.values())
         self.emit(msg.WorkerStats(
             worker=self.index, running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             pages_total=self.pool.num_pages, pages_used=self.pool.num_used,
@@ -295,7 +313,8 @@ class Worker:
             steps=self.steps, tokens_in_last_step=self.last_step_tokens, policy=self.scheduler.policy,
             seqs=seqs, prefill_tokens_total=self.prefill_total, decode_tokens_total=self.decode_total,
             preemptions_total=self.scheduler.preemptions,
-            recomputed_tokens_total=self.scheduler.recomputed_tokens))
+            recomputed_tokens_total=self.scheduler.recomputed_tokens,
+            prefix=self.reuse.stats() if self.reuse is not None else {}))
 
 
 def _describe(exc: BaseException) -> str:

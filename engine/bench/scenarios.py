@@ -5,6 +5,7 @@ single    prefill tok/s (500-token prompt) and one-stream decode tok/s (128 toke
 batching  N concurrent requests vs the same requests one after another; paged vs contiguous;
           memory pressure: 8 x 1000 tokens on a simulated worker with 48 MiB vs 1 GiB of KV
           (preemptions and recomputed tokens)
+prefix    prefix reuse: warm vs cold, identical and partial-prefix bursts, cyclic, equality (prefix.py)
 """
 from __future__ import annotations
 
@@ -441,3 +442,9 @@ def bench_dashboard(args) -> dict:
             "dashboard_over_headless": round(median(b) / median(a), 3),
             "headless_runs": a, "dashboard_runs": b,
             "goals": {"dashboard_costs_le_5pct": median(b) / median(a) >= 0.95}}
+
+
+# --- prefix -------------------------------------------------------------------------------
+def bench_prefix(args) -> dict:
+    from engine.bench.prefix import bench_prefix as run
+    return run(args)
