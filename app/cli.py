@@ -10,6 +10,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ENGINE_COMMANDS:
         from engine.cli import main as engine_main
+        if argv[0] == "bench":
+            from app.bench import APP_SCENARIOS
+            return engine_main(argv, extra_bench=APP_SCENARIOS)
         return engine_main(argv)
     from app.main import run_dashboard
     return run_dashboard(argv)

@@ -32,17 +32,17 @@ from app.screens.prompt import PromptDialog
 from app.settings import load_settings, save_settings
 from app.widgets.backend import BackendPanel
 from app.widgets.event_log import EventLog
-from app.widgets.fmt import describe_error, fmt_rate, fmt_uptime
+from app.widgets.fmt import fmt_rate, fmt_uptime
 from app.widgets.line import Line
 from app.widgets.panel import Panel
 from app.widgets.requests import RequestsTable
 from app.widgets.routing import RoutingPanel
 from app.widgets.streams import StreamsPanel
-from engine.bursts import default_prompts_dir, list_burst_files, load_burst
+from app.bursts import default_prompts_dir, list_burst_files, load_burst
 from engine.cli import EXIT_USAGE, OneLineParser, add_engine_flags, engine_config_from
 from engine.config import SCHED_POLICIES, EngineConfig, SamplingParams
 from engine.engine import Engine
-from engine.errors import TokentopError
+from engine.errors import TokentopError, describe_error
 from engine.router import POLICIES as ROUTER_POLICIES
 from engine.snapshot import EngineSnapshot
 from themes import KV_DEFAULTS, STYLESHEET, THEMES

@@ -122,14 +122,15 @@ def build_parser() -> OneLineParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, extra_bench: dict | None = None) -> int:
+    """`extra_bench`: scenario name -> function, the benchmarks app/ adds (the dashboard's)."""
     args = build_parser().parse_args(argv)
     try:
         if args.command == "generate":
             return cmd_generate(args)
         if args.command == "bench":
             from engine.bench import run_bench
-            return run_bench(args)
+            return run_bench(args, extra_bench)
         if args.command == "models":
             return cmd_models(args)
         build_parser().print_help()

@@ -12,7 +12,7 @@ from collections import deque
 
 from engine import messages as msg
 from engine.config import DEFAULT_MAX_CONTEXT, WorkerConfig
-from engine.errors import ConfigError, TokentopError
+from engine.errors import ConfigError, TokentopError, describe_error
 from engine.kv.pages import BlockManager, PagePool
 from engine.profile import worker_profile
 from engine.scheduler import Scheduler
@@ -141,7 +141,7 @@ class Worker:
                     "raise --kv-cache-memory")
             self.runner.start_sequence(seq)
         except Exception as exc:  # refuse this one request, keep serving
-            seq.finish_reason, seq.error = "error", _describe(exc)
+            seq.finish_reason, seq.error = "error", describe_error(exc)
             seq.finished_at = time.monotonic()
             self.emit(msg.StepEvents(self.index, (), (self._finished_event(seq),)))
             return
@@ -169,7 +169,7 @@ class Worker:
         try:
             sampled, errors = self.runner.execute(plan, self.blocks)
         except Exception as exc:   # a fault in the forward fails this step's requests only
-            reason = _describe(exc)
+            reason = describe_error(exc)
             finished = []
             for item in plan.items:
                 self._finish(item.seq, "error", f"model step failed: {reason}", finished)
@@ -317,12 +317,6 @@ class Worker:
             prefix=self.reuse.stats() if self.reuse is not None else {}))
 
 
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, TokentopError):
-        return str(exc)
-    return f"{type(exc).__name__}: {exc}"
-
-
 def worker_main(index: int, cfg: WorkerConfig, model_path: str, commands, events) -> None:
     """Entry point of a worker process or thread. Never raises: death is an event."""
     try:
@@ -332,7 +326,7 @@ def worker_main(index: int, cfg: WorkerConfig, model_path: str, commands, events
         worker = Worker(index, cfg, model_path, events.put)
         worker.run(commands)
     except BaseException as exc:  # noqa: BLE001 - report, then die quietly
-        detail = _describe(exc)
+        detail = describe_error(exc)
         if not isinstance(exc, TokentopError):
             detail += "\n" + traceback.format_exc(limit=8)
         events.put(msg.WorkerDead(index, detail))

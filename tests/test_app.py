@@ -18,7 +18,7 @@ from dataclasses import replace
 
 from textual.content import Content
 
-from app.burst_runner import percentile
+from engine.stats import percentile
 from app.main import TokentopApp, run_dashboard, startup_burst
 from app.screens.burst import BurstDialog
 from app.screens.detail import RequestDetail, detail_markup, prompt_markup

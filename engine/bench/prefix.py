@@ -17,7 +17,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from engine.bench import median
+from engine.stats import median
 from engine.bench.scenarios import FILLER, base_worker, start_engine, stop_engine
 from engine.config import SamplingParams
 
