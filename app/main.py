@@ -40,10 +40,9 @@ from app.widgets.routing import RoutingPanel
 from app.widgets.streams import StreamsPanel
 from app.bursts import default_prompts_dir, list_burst_files, load_burst
 from engine.cli import EXIT_USAGE, OneLineParser, add_engine_flags, engine_config_from
-from engine.config import SCHED_POLICIES, EngineConfig, SamplingParams
+from engine.config import ROUTER_POLICIES, SCHED_POLICIES, EngineConfig, SamplingParams
 from engine.engine import Engine
 from engine.errors import TokentopError, describe_error
-from engine.router import POLICIES as ROUTER_POLICIES
 from engine.snapshot import EngineSnapshot
 from themes import KV_DEFAULTS, STYLESHEET, THEMES
 
@@ -54,8 +53,8 @@ THEME_CYCLE = tuple(t.name for t in THEMES)
 ACTIONS = (
     Binding("b", "burst", "Burst", tooltip="Fire a burst of requests from a burst file (a sample or your own)"),
     Binding("n", "prompt", "Prompt", tooltip="Submit one prompt you type"),
-    Binding("p", "cycle_scheduler", "Sched", tooltip="Cycle the scheduler policy (fcfs, spf)"),
-    Binding("r", "cycle_router", "Router", tooltip="Cycle the router policy (round-robin, least-loaded, cost)"),
+    Binding("p", "cycle_scheduler", "Sched", tooltip=f"Cycle the scheduler policy ({', '.join(SCHED_POLICIES)})"),
+    Binding("r", "cycle_router", "Router", tooltip=f"Cycle the router policy ({', '.join(ROUTER_POLICIES)})"),
     Binding("x,delete", "abort", "Abort", tooltip="Abort the request selected in the request table"),
     Binding("enter", "request_detail", "Detail", show=False, tooltip="Show the selected request in full"),
     Binding("t", "export_trace", "Trace", tooltip="Write a Perfetto trace (turns tracing on if it is off)"),

@@ -10,7 +10,7 @@ import json
 import sys
 from dataclasses import replace
 
-from engine.config import EngineConfig, SamplingParams, WorkerConfig
+from engine.config import ROUTER_POLICIES, SCHED_POLICIES, EngineConfig, SamplingParams, WorkerConfig
 from engine.errors import ConfigError, TokentopError
 
 EXIT_USAGE = 2
@@ -37,9 +37,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     g.add_argument("--kv-cache-memory", default="256MiB", help="KV memory per worker, e.g. 256MiB")
     g.add_argument("--kv-cache", choices=["paged", "contiguous"], default="paged")
-    g.add_argument("--policy", choices=["fcfs", "spf"], default="fcfs", help="scheduler policy")
-    g.add_argument("--router-policy", choices=["round-robin", "least-loaded", "cost", "cache-aware"],
-                   default="cost")
+    g.add_argument("--policy", choices=SCHED_POLICIES, default="fcfs", help="scheduler policy")
+    g.add_argument("--router-policy", choices=ROUTER_POLICIES, default="cost")
     g.add_argument("--prefix-cache", choices=["on", "off"], default="on",
                    help="reuse KV pages of identical prompt prefixes (paged KV only)")
     g.add_argument("--single-flight", choices=["off", "after-prefill", "at-completion"],

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from engine import messages as msg
-from engine.config import EngineConfig, SamplingParams, WorkerConfig
+from engine.config import EngineConfig, SamplingParams, WorkerConfig, check_scheduler_policy
 from engine.errors import ConfigError, InvalidRequest, TokentopError, WorkerDied
 from engine.procstat import UsageSampler
 from engine.router import RouteDecision, Router, WorkerLoad
@@ -430,9 +430,7 @@ class Engine:
 
     # --- policies -----------------------------------------------------------------------
     def set_scheduler_policy(self, policy: str, worker: int | None = None) -> None:
-        from engine.scheduler import POLICIES
-        if policy not in POLICIES:
-            raise ConfigError(f"unknown scheduler policy {policy!r}; choose one of {', '.join(POLICIES)}")
+        check_scheduler_policy(policy)
         for w in self._workers:
             if worker is None or w.index == worker:
                 w.commands.put(msg.SetPolicy(policy))

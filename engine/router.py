@@ -25,7 +25,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-POLICIES = ("round-robin", "least-loaded", "cost", "cache-aware")
+from engine.config import check_router_policy
+
+
 BALANCE_ABS_S = 2.0      # cache-aware: imbalanced if max - min outstanding work > 2 s ...
 BALANCE_REL = 1.5        # ... and max > 1.5 x min
 
@@ -90,9 +92,7 @@ class Router:
         self.balance_rel = balance_rel
 
     def set_policy(self, policy: str) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"unknown router policy {policy!r}; choose one of {', '.join(POLICIES)}")
-        self.policy = policy
+        self.policy = check_router_policy(policy)
 
     def choose(self, request_id: str, prompt_tokens: int, max_tokens: int,
                loads: list[WorkerLoad], cached: dict[int, int] | None = None,

@@ -150,8 +150,9 @@ def test_policies_switch_at_run_time(model):
         assert all(w.policy == "spf" for w in engine.snapshot().workers)
         with pytest.raises(ConfigError):
             engine.set_scheduler_policy("lifo")
-        with pytest.raises(ValueError):
+        with pytest.raises(ConfigError, match="--router-policy round-robin, least-loaded, cost or cache-aware"):
             engine.set_router_policy("random")
+        assert engine.snapshot().router_policy == "least-loaded"   # a refused policy changes nothing
 
 
 @pytest.mark.parametrize("spec, fragment", [
