@@ -91,7 +91,6 @@ class WorkerConfig:
     deterministic: bool = False
     activation_dtype: str = "auto"        # auto | bf16 | fp16 | fp32
     weights: str = "faithful"             # faithful | fast (requantize to int4, labelled)
-    compile: bool = False
     recalibrate: bool = False             # measure the speed profile again instead of the cached one
     calibrate: bool = True                # False: skip the profile (tests, benchmarks of one worker)
     prefix_cache: str = "on"              # on | off (paged KV only)

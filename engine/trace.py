@@ -26,9 +26,6 @@ Usage::
 
     # args and counter values must be plain JSON values (str, int, float, bool)
 
-    @trace.traced("sampler")                 # decorator form, tracer looked up per call
-    def sample(logits): ...
-
     events = tracer.drain()                  # list[dict], picklable: send over a Queue
     path = trace.write_chrome_trace("traces/", events)   # traces/tokentop-20261129-093012-123.json
 
@@ -54,7 +51,6 @@ Design notes:
 """
 from __future__ import annotations
 
-import functools
 import json
 import os
 import tempfile
@@ -63,7 +59,7 @@ import time
 import zlib
 from collections import deque
 from datetime import datetime
-from typing import Any, Callable, Protocol, TypeVar
+from typing import Any, Protocol
 
 _now_ns = time.perf_counter_ns   # CLOCK_MONOTONIC on Linux: shared by all processes
 
@@ -452,22 +448,6 @@ def set_tracer(tracer: Tracer | None) -> Tracer:
     else:
         _local.tracer = tracer
     return previous
-
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def traced(name: str | None = None, **args: Any) -> Callable[[F], F]:
-    """Decorator form of scope(); the tracer is looked up at each call, not at import."""
-    def decorate(fn: F) -> F:
-        label = name or fn.__qualname__
-
-        @functools.wraps(fn)
-        def wrapper(*a: Any, **kw: Any) -> Any:
-            with get_tracer().scope(label, **args):
-                return fn(*a, **kw)
-        return wrapper  # type: ignore[return-value]
-    return decorate
 
 
 # -- writing and checking ----------------------------------------------------------------------
