@@ -7,7 +7,8 @@ Policies:
                   (prefill tokens pending + incoming prompt - reusable prefix) / prefill rate
                 + (decode budget pending + incoming max_tokens) / decode rate
                 counting running and queued requests. Queued requests keep the prefix
-                discount they were routed with (the seeds' accounting bug, avoided).
+                discount they were routed with (dropping it undercounts their work: the
+                accounting bug mini-vllm-rs's heterogeneous-serving post describes).
   cache-aware   the worker with the longest reusable prefix, unless load is imbalanced
                 (SGLang's gateway rule: max - min outstanding work above an absolute AND a
                 relative threshold), then the least-loaded worker. Outstanding work is in

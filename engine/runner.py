@@ -11,7 +11,7 @@ from engine.trace import get_tracer
 
 
 def pick_activation_dtype(device: str, requested: str) -> torch.dtype:
-    """bf16 unless asked otherwise (the int4/dense kernels are fast with it, models.md); a dtype
+    """bf16 unless asked otherwise (torch's CPU int4/dense matmuls are fastest with it); a dtype
     measured unfaithful on this device type is refused (engine/devices.py)."""
     from engine.devices import check_activation_dtype
 

@@ -45,9 +45,10 @@ Design notes:
 - Bounded memory: a ring buffer of `max_events` per recording thread; the oldest events
   are overwritten and the number dropped is reported in the written file's metadata.
 - NVTX: with `nvtx=True` every scope also pushes/pops an NVTX range, coloured per scope name.
-  The push's return value is never looked at (Nsight returns -1 while still recording the
-  range, see seeds/004): the pop runs exactly once, when the wrapped code ends, even if it
-  raises. Never uses torch.cuda.nvtx, which raises on CPU builds.
+  The push's return value is never looked at (under Nsight it returns -1 while still
+  recording the range, as mini-vllm-rs's post "When 'Just Enable the CUDA Feature' Met Two
+  Free GPUs" found with guards that trusted it): the pop runs exactly once, when the wrapped
+  code ends, even if it raises. Never uses torch.cuda.nvtx, which raises on CPU builds.
 """
 from __future__ import annotations
 

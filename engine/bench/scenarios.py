@@ -1,7 +1,8 @@
 """Benchmark scenarios. Every figure here is measured by running the engine; nothing is assumed.
 
 single    prefill tok/s (500-token prompt) and one-stream decode tok/s (128 tokens), peak RSS,
-          per model, as ratios to llama.cpp's figures measured on this machine (models.md)
+          per model, as ratios to llama.cpp's figures (side by side with --llama-cpp, else the
+          reference figures below)
 batching  N concurrent requests vs the same requests one after another; paged vs contiguous;
           memory pressure: 8 x 1000 tokens on a simulated worker with 48 MiB vs 1 GiB of KV
           (preemptions and recomputed tokens)
@@ -19,7 +20,8 @@ from engine.errors import describe_error
 from engine.pacing import paced
 from engine.stats import median, percentile
 
-# llama.cpp 0.3.36 (-march=native, n_threads=2) on this machine, from models.md: prefill, decode tok/s
+# llama-cpp-python 0.3.36 (-march=native, n_threads=2) on an AMD EPYC AVX-512 machine:
+# prefill, decode tok/s. Only used without --llama-cpp, and labelled as not side by side.
 LLAMA_CPP = {"qwen2.5-coder-0.5b": (190.0, 37.0), "qwen2.5-coder-1.5b": (88.0, 23.0),
              "gemma-3-270m": (630.0, 60.0)}
 GOALS = {"qwen2.5-coder-0.5b": (1.5, 1.2), "qwen2.5-coder-1.5b": (1.3, 1.0)}
@@ -130,7 +132,8 @@ def bench_single(args) -> dict:
         elif model in LLAMA_CPP:
             lp, ld = LLAMA_CPP[model]
             ref = {"prefill_tok_s_median": lp, "decode_tok_s_median": ld,
-                   "source": "models.md (measured on an AVX-512 machine; not side by side)"}
+                   "source": "llama-cpp-python 0.3.36 reference figures "
+                             "(AMD EPYC AVX-512 machine; not side by side)"}
         else:
             ref = None
         row["llama_cpp"] = ref
@@ -281,10 +284,10 @@ def _routing_burst(engine, prompts, interval_s: float, out_tokens: int, force: i
 
 
 def bench_routing(args) -> dict:
-    """The seeds' burst: requests 50 ms apart, ~516-token prompts sharing a ~512-token
+    """mini-vllm-rs's heterogeneous-serving burst: requests 50 ms apart, ~516-token prompts sharing a ~512-token
     prefix, 128 output tokens, up to 4 active per worker; forced-fastest vs each policy.
 
-    Devices default to one real CPU worker plus one simulated GPU with the seeds' measured
+    Devices default to one real CPU worker plus one simulated GPU with mini-vllm-rs's published
     Metal rates (labelled simulated in the report)."""
     from engine.devices import parse_devices
     from engine.engine import Engine
