@@ -11,6 +11,7 @@ import asyncio
 import itertools
 import json
 import multiprocessing as mp
+import os
 import queue
 import threading
 import time
@@ -21,10 +22,14 @@ from typing import Callable, Iterator
 
 from engine import messages as msg
 from engine.config import EngineConfig, SamplingParams, WorkerConfig, check_scheduler_policy
+from engine.devices import check_memory, check_model_limits
 from engine.errors import ConfigError, InvalidRequest, TokentopError, WorkerDied
+from engine.models.catalog import resolve_model
+from engine.models.tokenizer import Tokenizer
 from engine.procstat import UsageSampler
 from engine.router import RouteDecision, Router, WorkerLoad
 from engine.snapshot import EngineSnapshot, LogLine, RequestView, WorkerView
+from engine.trace import Tracer, check_trace_dir, request_track_events, set_tracer, write_chrome_trace
 
 HISTORY = 60          # samples of tok/s kept per worker for sparklines
 TEXT_TAIL = 2000      # characters of each request's text kept for the dashboard
@@ -197,11 +202,6 @@ class Engine:
 
     # --- lifecycle ----------------------------------------------------------------------
     def start(self, wait: bool = True, timeout: float = 600.0) -> "Engine":
-        from engine.devices import check_memory, check_model_limits
-        from engine.models.catalog import resolve_model
-        from engine.models.tokenizer import Tokenizer
-        from engine.trace import Tracer, check_trace_dir
-
         if self.config.trace_dir:   # before any work: not a crash once the work is done
             check_trace_dir(self.config.trace_dir)
         self._tracer = Tracer("engine", enabled=self.tracing)
@@ -269,8 +269,9 @@ class Engine:
             if w.state not in ("dead",):
                 try:
                     w.commands.put(msg.Stop())
-                except Exception:
-                    pass
+                except (ValueError, OSError) as exc:   # its queue is closed or its pipe broken
+                    self._log_line("warning", f"worker {w.index}: stop not delivered ({exc}); "
+                                   "it is terminated after the timeout")
         deadline = time.monotonic() + timeout
         for w in self._workers:
             if w.process is not None:
@@ -348,6 +349,7 @@ class Engine:
 
     def _reuse_estimates(self, ids: list[int], salt: str | None, live: list[_WorkerSlot]) -> dict[int, int]:
         """Prompt tokens each worker could restore: its published keys vs the prompt's chain."""
+        # imported here: it imports torch (see engine/__init__.py)
         from engine.kv.prefix_cache import DELTA_KEY_BYTES, chain_keys, extra_key, model_identity
 
         chains: dict[tuple, list[bytes]] = {}
@@ -682,8 +684,6 @@ class Engine:
         """Every request alive during [since, until] as phase spans on its own track, clipped
         to the window: queued -> prefill -> decode, then finished / aborted / failed, or the
         phase it is still in at `until` (marked running)."""
-        from engine.trace import request_track_events
-
         with self._lock:
             records = [r for r in self._records.values()
                        if r.arrival <= until and (r.finished_at is None or r.finished_at >= since)]
@@ -714,8 +714,6 @@ class Engine:
     def export_trace(self, path: str | Path | None = None, timeout: float = 5.0) -> str:
         """Collect every worker's trace events plus the facade's and write one Chrome JSON file;
         return its absolute path. A write error is a one-line TokentopError; nothing else is lost."""
-        from engine.trace import write_chrome_trace
-
         target = path or self.config.trace_dir or "traces"
         with self._trace_cv:
             self._trace_wait.clear()
@@ -769,11 +767,9 @@ def _alive(proc) -> bool:
 
 
 def _worker_entry(index, cfg, model_path, commands, events, tracing, log_path=None) -> None:
-    from engine.trace import Tracer, set_tracer
-    from engine.worker import worker_main
+    from engine.worker import worker_main   # imports torch: see engine/__init__.py
 
     if log_path:   # a worker process must not draw over the dashboard's terminal
-        import os
         os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(fd, 1)

@@ -4,8 +4,15 @@ from __future__ import annotations
 import torch
 
 from engine.config import WorkerConfig
+from engine.devices import check_activation_dtype
 from engine.kv.pages import BlockManager
 from engine.models.batch import ForwardBatch, KVStore, SeqSlice
+from engine.models.decoder import Decoder
+from engine.models.gguf import load_gguf
+from engine.models.quant import LinearPolicy
+from engine.models.selfcheck import check_linears
+from engine.models.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.sampling import RequestSampler, sample
 from engine.scheduler import StepPlan
 from engine.trace import get_tracer
 
@@ -13,20 +20,12 @@ from engine.trace import get_tracer
 def pick_activation_dtype(device: str, requested: str) -> torch.dtype:
     """bf16 unless asked otherwise (torch's CPU int4/dense matmuls are fastest with it); a dtype
     measured unfaithful on this device type is refused (engine/devices.py)."""
-    from engine.devices import check_activation_dtype
-
     table = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     return table[check_activation_dtype(device, requested)]
 
 
 class ModelRunner:
     def __init__(self, cfg: WorkerConfig, model_path: str):
-        from engine.models.decoder import Decoder
-        from engine.models.gguf import load_gguf
-        from engine.models.quant import LinearPolicy
-        from engine.models.selfcheck import check_linears
-        from engine.models.tokenizer import Tokenizer
-
         self.cfg = cfg
         self.device = torch.device(cfg.device)
         dtype = pick_activation_dtype(cfg.device, cfg.activation_dtype)
@@ -50,9 +49,6 @@ class ModelRunner:
         self.kv = self.model.new_kv_store(num_slots, dtype=self.kv_dtype)
 
     def start_sequence(self, seq) -> None:
-        from engine.models.tokenizer import IncrementalDetokenizer
-        from engine.sampling import RequestSampler
-
         seq.sampler = RequestSampler(seq.params, seq.prompt_ids)
         seq.detok = IncrementalDetokenizer(self.tokenizer)
 
@@ -65,8 +61,6 @@ class ModelRunner:
         logits = self.model(batch, self.kv)
         if not sample_ids:
             return {}, {}
-        from engine.sampling import sample
-
         with get_tracer().scope("sampler", rows=len(samplers)):
             result = sample(logits, samplers)
         sampled, errors = {}, {}

@@ -21,6 +21,7 @@ from engine.models.batch import KVStore
 from engine.models.gguf import load_gguf
 from engine.models.tokenizer import Tokenizer
 from engine.scheduler import StepPlan
+from engine.trace import get_tracer
 
 PLACEHOLDER_TEXT = " sim"
 
@@ -64,11 +65,9 @@ class SimRunner:
         return sampled, {}
 
     def set_tracing(self, enabled: bool) -> None:
-        from engine.trace import get_tracer
         get_tracer().set_enabled(enabled)
 
     def drain_trace(self) -> list:
-        from engine.trace import get_tracer
         return get_tracer().drain()
 
 

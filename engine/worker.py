@@ -10,13 +10,19 @@ import time
 import traceback
 from collections import deque
 
+import torch
+
 from engine import messages as msg
 from engine.config import DEFAULT_MAX_CONTEXT, WorkerConfig
 from engine.errors import ConfigError, TokentopError, describe_error
 from engine.kv.pages import BlockManager, PagePool
+from engine.kv.prefix_cache import model_identity
+from engine.kv.reuse import PrefixReuse
 from engine.profile import worker_profile
+from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SeqState
+from engine.sim import SimRunner
 from engine.trace import get_tracer
 
 STATS_INTERVAL = 0.2     # seconds between WorkerStats events (5 Hz)
@@ -29,12 +35,7 @@ class Worker:
         self.cfg = cfg
         self.emit = emit
         emit(msg.WorkerLoading(index, f"loading {cfg.model} on {cfg.device}"))
-        if cfg.simulated:
-            from engine.sim import SimRunner
-            self.runner = SimRunner(cfg, model_path)
-        else:
-            from engine.runner import ModelRunner
-            self.runner = ModelRunner(cfg, model_path)
+        self.runner = SimRunner(cfg, model_path) if cfg.simulated else ModelRunner(cfg, model_path)
         self.tokenizer = self.runner.tokenizer
         self.max_context = min(cfg.max_context or DEFAULT_MAX_CONTEXT, self.runner.model_context)
         num_pages = cfg.kv_cache_memory // (self.runner.bytes_per_slot * cfg.page_size)
@@ -57,8 +58,6 @@ class Worker:
             prefill_chunk=64 if cfg.deterministic else 0)
         self.reuse = None
         if cfg.prefix_cache == "on" and cfg.kv_cache == "paged":
-            from engine.kv.prefix_cache import model_identity
-            from engine.kv.reuse import PrefixReuse
             self.reuse = PrefixReuse(
                 self.pool, model_identity(cfg.model, cfg.weights, cfg.activation_dtype, cfg.simulated),
                 cfg.single_flight, align=self.scheduler.prefill_chunk, tracer=get_tracer())
@@ -321,7 +320,6 @@ def worker_main(index: int, cfg: WorkerConfig, model_path: str, commands, events
     """Entry point of a worker process or thread. Never raises: death is an event."""
     try:
         if cfg.threads:
-            import torch
             torch.set_num_threads(cfg.threads)
         worker = Worker(index, cfg, model_path, events.put)
         worker.run(commands)
