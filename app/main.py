@@ -83,6 +83,10 @@ def build_parser() -> OneLineParser:
     p = OneLineParser(prog="tokentop", description="htop for an LLM inference engine: the dashboard. "
                       "Subcommands generate, bench and models run without it.")
     add_engine_flags(p)
+    p.add_argument("--serve", default=None, metavar="[HOST:]PORT",
+                   help="also serve the OpenAI-compatible API here; its requests show in the panels")
+    from engine.serve.cli import add_serve_flags
+    add_serve_flags(p)
     return p
 
 
@@ -92,12 +96,29 @@ def run_dashboard(argv: list[str]) -> int:
         config = engine_config_from(args, default_mode="process")
         log = Path(platformdirs.user_log_dir("tokentop")) / "workers.log"
         app = TokentopApp(replace(config, worker_log=str(log)))
+        http = _start_http(app, args) if args.serve else None
     except (TokentopError, OSError) as exc:
         print(f"tokentop: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    app.run()
+    try:
+        app.run()
+    finally:
+        if http is not None:
+            http.stop()
     app.wait_for_shutdown()
     return app.return_code or 0
+
+
+def _start_http(app: "TokentopApp", args):
+    """`--serve`: the HTTP API on the app's own engine, so its requests appear in the panels."""
+    from engine.serve.cli import serve_config_from
+    from engine.serve.server import HttpServer, parse_bind
+
+    host, port = parse_bind(args.serve, default_host=args.host)
+    http = HttpServer(app.engine, serve_config_from(args, host=host, port=port), quiet=True).start()
+    app.serve_url = http.url
+    app.engine.log("info", f"serving the OpenAI API on {http.url}/v1 (metrics at {http.url}/metrics)")
+    return http
 
 
 class TokentopApp(App[int]):
@@ -132,6 +153,7 @@ class TokentopApp(App[int]):
         self._notices: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
         self._shutdown_thread: threading.Thread | None = None
         self._refresh_error: str | None = None
+        self.serve_url: str | None = None      # set by --serve
 
     # --- layout -------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -241,6 +263,8 @@ class TokentopApp(App[int]):
                  f"{ready}/{len(self.config.workers)} ready", f"{active} active"]
         for run in self.bursts:
             parts.append(f"burst {run.name} {run.submitted}/{run.spec.count}")
+        if self.serve_url:
+            parts.append(f"api {self.serve_url}")
         self._status.set(" " + " · ".join(parts))
 
     def _finish_bursts(self) -> None:

@@ -99,6 +99,11 @@ def build_parser() -> OneLineParser:
                    help="bench single: a python with llama-cpp-python, to measure llama.cpp side by side")
     add_engine_flags(b)
 
+    from engine.serve.cli import add_serve_flags
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP API (with /metrics), headless")
+    add_serve_flags(s)
+    add_engine_flags(s)
+
     m = sub.add_parser("models", help="list bundled models and whether they are installed")
     m.add_argument("--json", action="store_true")
     return p
@@ -114,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
             return run_bench(args)
         if args.command == "models":
             return cmd_models(args)
+        if args.command == "serve":
+            from engine.serve.cli import cmd_serve
+            return cmd_serve(args)
         build_parser().print_help()
         return EXIT_USAGE
     except TokentopError as exc:

@@ -171,6 +171,7 @@ class Engine:
         self.tokenizer = None
         self._routing_log = open(config.routing_log, "a") if config.routing_log else None
         self._tracer = None
+        self._observers: list[Callable[[str, object], None]] = []
 
     # --- lifecycle ----------------------------------------------------------------------
     def start(self, wait: bool = True, timeout: float = 600.0) -> "Engine":
@@ -296,6 +297,7 @@ class Engine:
             self._tracer.instant("route", request=rid, chosen=decision.chosen, policy=decision.policy,
                                  scores={c.worker: round(c.score, 4) for c in decision.candidates})
         slot.commands.put(msg.Submit(rid, tuple(ids), params, now))
+        self._notify("route", decision)
         return handle
 
     def encode(self, prompt: str | None, messages: list[dict] | None,
@@ -457,11 +459,15 @@ class Engine:
                 if f.reason == "error":
                     self._log_line("error", f"{rec.id}: {f.error}", locked=True)
                 self._trace_lifecycle(rec, f.metrics)
+                deliveries.append((None, (rec.worker, f)))
             for rid in event.preempted:
                 self._log_line("warning", f"{rid} preempted on worker {event.worker} (will recompute)",
                                locked=True)
             self._forget_old()
         for rid, d in deliveries:
+            if rid is None:
+                self._notify("finished", d)
+                continue
             handle = self._handles.get(rid)
             if handle is not None:
                 handle._deliver(d)
@@ -515,6 +521,31 @@ class Engine:
     def log(self, level: str, text: str) -> None:
         """Let the UI add a line (e.g. a burst summary) to the engine's event log."""
         self._log_line(level, text)
+
+    # --- for servers and exporters (engine/serve) ------------------------------------------
+    def add_observer(self, fn: Callable[[str, object], None]) -> None:
+        """fn(kind, payload) on every routing decision ("route", RouteDecision; caller's thread)
+        and finished request ("finished", (worker, Finished); dispatcher thread). Keep it quick."""
+        self._observers.append(fn)
+
+    def _notify(self, kind: str, payload) -> None:
+        for fn in self._observers:
+            try:
+                fn(kind, payload)
+            except Exception as exc:   # an exporter's bug must not stop the engine
+                self._log_line("error", f"observer failed on {kind}: {type(exc).__name__}: {exc}")
+
+    def outstanding(self) -> int:
+        """Requests submitted and not yet finished, on all workers."""
+        with self._lock:
+            return sum(r.finish_reason is None for r in self._records.values())
+
+    def capacity(self) -> tuple[int, int]:
+        """(requests the ready workers can run at once, the longest context among them)."""
+        with self._lock:
+            live = [w for w in self._workers if w.state == "ready"]
+            return (sum(w.cfg.max_active for w in live),
+                    max((w.info.get("max_context", 0) for w in live), default=0))
 
     # --- snapshot -----------------------------------------------------------------------
     def snapshot(self) -> EngineSnapshot:
