@@ -82,13 +82,14 @@ class RequestHandle:
 
     # called by the dispatcher thread
     def _deliver(self, event) -> None:
+        if isinstance(event, msg.Finished):
+            # done before the event is seen: whoever iterated to the end may call result(0)
+            self._done.set()
         with self._lock:
             if self._aq is not None:
                 self._aloop.call_soon_threadsafe(self._aq.put_nowait, event)
             else:
                 self._q.put(event)
-        if isinstance(event, msg.Finished):
-            self._done.set()
 
     def __iter__(self) -> Iterator[msg.TokenDelta]:
         while True:

@@ -34,12 +34,9 @@ class ServeConfig:
 
 
 def served_names(engine: Engine) -> list[str]:
-    """The model ids clients may ask for: the --model value, and a file's stem for a path."""
+    """The model ids clients may ask for: the --model value; for a file, its stem first."""
     model = engine.config.workers[0].model
-    names = [model]
-    if model.endswith(".gguf"):
-        names.append(Path(model).stem)
-    return names
+    return [Path(model).stem, model] if model.endswith(".gguf") else [model]
 
 
 class OpenAIServer:
@@ -129,17 +126,18 @@ class OpenAIServer:
                              code="context_length_exceeded")
         mt = p.params.max_tokens
         if p.max_tokens_given and mt > room:
-            name = "max_completion_tokens" if p.kind == "chat" and mt else "max_tokens"
-            raise P.ApiError(400, f"max_tokens {mt} plus the prompt's {len(ids)} tokens exceed the context "
+            name = p.max_tokens_given if isinstance(p.max_tokens_given, str) else "max_tokens"
+            raise P.ApiError(400, f"{name} {mt} plus the prompt's {len(ids)} tokens exceed the context "
                                   f"of {ctx} tokens; ask for at most {room}", name, code="context_length_exceeded")
         if not p.max_tokens_given:
             # OpenAI's defaults: 16 for completions, as much as fits for chat
             mt = min(16, room) if p.kind == "completion" else room
             p = replace(p, params=replace(p.params, max_tokens=mt))
-        queued = self.engine.outstanding() - capacity
-        if queued >= self.config.max_queue:
-            raise P.ApiError(429, f"{queued} requests are already waiting (limit {self.config.max_queue}); "
-                                  "retry later", type="rate_limit_error", code="queue_full")
+        waiting = max(0, self.engine.outstanding() - capacity)    # this one would wait behind them
+        if self.engine.outstanding() >= capacity and waiting + 1 > self.config.max_queue:
+            raise P.ApiError(429, f"{waiting} requests are already waiting for a free slot (--max-queue "
+                                  f"{self.config.max_queue}); retry later", type="rate_limit_error",
+                             code="queue_full")
         try:
             handle = self.engine.submit(prompt_ids=ids, params=p.params)
         except InvalidRequest as exc:

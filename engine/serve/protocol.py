@@ -60,7 +60,7 @@ class Parsed:
     include_usage: bool = False
     logprobs: bool = False               # return logprobs at all
     top_logprobs: int = 0
-    max_tokens_given: bool = False
+    max_tokens_given: str | bool = False   # the field's name when the client gave one
     return_token_ids: bool = False
     extra: dict = field(default_factory=dict)
 
@@ -72,7 +72,9 @@ def _check_types(body: dict, fields: dict) -> None:
         value = body[name]
         ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
         if not ok:
-            want = " or ".join(_TYPE_NAMES.get(t, "null") for t in types if t is not type(None))
+            names = dict.fromkeys(_TYPE_NAMES[float if t is int and float in types else t]
+                                  for t in types if t is not type(None))
+            want = " or ".join(names)
             raise ApiError(400, f"'{name}' must be {want}, got {_json_type(value)}", param=name)
 
 
@@ -125,7 +127,7 @@ def _max_tokens(body: dict, *names: str) -> tuple[int | None, bool]:
         if v is not None:
             if v <= 0:
                 raise ApiError(400, f"'{name}' must be at least 1, got {v}", name)
-            return v, True
+            return v, name
     return None, False
 
 
