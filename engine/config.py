@@ -83,6 +83,11 @@ class WorkerConfig:
     def simulated(self) -> bool:
         return self.device.startswith("sim:")
 
+    @property
+    def remote(self) -> bool:
+        """remote:URL - requests are forwarded to an OpenAI-compatible server (engine/remote.py)."""
+        return self.device.startswith("remote:")
+
     def validate(self) -> "WorkerConfig":
         if self.max_active < 1:
             raise ConfigError(f"--max-active must be >= 1, got {self.max_active}")

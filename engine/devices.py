@@ -31,9 +31,12 @@ def parse_devices(specs: list[str], base: WorkerConfig) -> tuple[WorkerConfig, .
             out.append(replace(base, device=f"cuda:{index}", name=f"cuda:{index}"))
         elif spec.startswith("sim:"):
             out.append(_parse_sim(spec, base))
+        elif spec.startswith("remote:"):
+            from engine.remote import parse_remote
+            out.append(parse_remote(spec, base, sum(w.remote for w in out)))
         else:
             raise ConfigError(f"unknown device {spec!r}; use cpu, cuda, cuda:N or "
-                              "sim:NAME[:prefill=R,decode=R] (e.g. --device sim:gpu0)")
+                              "sim:NAME[:prefill=R,decode=R] (e.g. --device sim:gpu0) or remote:URL[,name=NAME]")
     names = [w.name for w in out]
     if len(set(names)) != len(names):
         raise ConfigError(f"two workers share a name in {names}; give simulated workers distinct names")

@@ -59,6 +59,7 @@ class _Record:
     cached: int = 0
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
+    messages: tuple | None = None
     finish_reason: str | None = None
     error: str | None = None
     metrics: msg.RequestMetrics | None = None
@@ -196,7 +197,12 @@ class Engine:
         else:
             self._events = queue.Queue()
         for i, cfg in enumerate(self.config.workers):
-            if self.config.worker_mode == "process":
+            if cfg.remote:      # forwarding needs no process of its own: a thread of I/O
+                from engine.remote import remote_worker_main
+                commands = queue.Queue()
+                proc = threading.Thread(target=remote_worker_main, name=f"tokentop-remote-{i}",
+                                        args=(i, cfg, paths[cfg.model], commands, self._events), daemon=True)
+            elif self.config.worker_mode == "process":
                 commands = ctx.Queue()
                 proc = ctx.Process(target=_worker_entry, name=f"tokentop-worker-{i}",
                                    args=(i, cfg, paths[cfg.model], commands, self._events,
@@ -223,7 +229,7 @@ class Engine:
         while time.monotonic() < deadline:
             with self._lock:
                 states = [w.state for w in self._workers]
-            if all(s in ("ready", "dead") for s in states):
+            if all(s in ("ready", "dead", "down") for s in states):
                 break
             time.sleep(0.02)
         with self._lock:
@@ -282,7 +288,8 @@ class Engine:
             if worker is not None and worker not in [w.index for w in live]:
                 raise InvalidRequest(f"worker {worker} is not ready")
             rid = f"r{next(self._ids)}"
-            rec = _Record(rid, ids, params, now, burst=burst)
+            rec = _Record(rid, ids, params, now, burst=burst,
+                          messages=tuple(messages) if messages is not None else None)
             decision = self.router.choose(rid, len(ids), params.max_tokens, self._loads(),
                                           cached=None, force=worker)
             rec.worker = decision.chosen
@@ -297,7 +304,8 @@ class Engine:
         if self._tracer is not None and self._tracer.enabled:
             self._tracer.instant("route", request=rid, chosen=decision.chosen, policy=decision.policy,
                                  scores={c.worker: round(c.score, 4) for c in decision.candidates})
-        slot.commands.put(msg.Submit(rid, tuple(ids), params, now))
+        slot.commands.put(msg.Submit(rid, tuple(ids), params, now,
+                                     rec.messages if slot.cfg.remote else None))
         self._notify("route", decision)
         return handle
 
@@ -421,8 +429,19 @@ class Engine:
             with self._lock:
                 w = self._workers[event.worker]
                 w.state, w.info, w.message = "ready", event.info, ""
-            self._log_line("info", f"worker {event.worker} ({w.cfg.device}) ready: {event.info.get('pages')} "
-                                   f"KV pages of {event.info.get('page_size')} tokens")
+            self._log_line("info", f"worker {event.worker} ({w.cfg.device}) ready: " + (
+                event.info.get("summary") or f"{event.info.get('pages')} KV pages of "
+                                             f"{event.info.get('page_size')} tokens"))
+        elif isinstance(event, msg.WorkerDown):
+            with self._lock:
+                w = self._workers[event.worker]
+                w.state, w.message = "down", event.message
+            self._log_line("error", f"worker {event.worker} ({w.cfg.device}) down: {event.message}")
+        elif isinstance(event, msg.Reroute):
+            self._reroute(event)
+        elif isinstance(event, msg.ProfileUpdate):
+            with self._lock:
+                self._workers[event.worker].profile = (event.prefill_tps, event.decode_tps)
         elif isinstance(event, msg.WorkerLoading):
             with self._lock:
                 w = self._workers[event.worker]
@@ -505,6 +524,34 @@ class Engine:
                                          None, None, None, time.monotonic() - rec.arrival)
             self._on_step(msg.StepEvents(event.worker, (), (msg.Finished(rid, "error", str(err), metrics),)))
 
+    def _reroute(self, event: msg.Reroute) -> None:
+        """A request its remote worker could not start (nothing streamed yet) goes elsewhere once."""
+        with self._lock:
+            rec = self._records.get(event.request_id)
+            if rec is None or rec.finish_reason is not None or rec.worker != event.worker:
+                return
+            loads = [ld for ld in self._loads() if ld.worker != event.worker and ld.alive]
+            error = None
+            if rec.output_ids or rec.text:
+                error = f"worker {event.worker} failed mid-stream: {event.reason}"
+            elif not loads:
+                error = f"worker {event.worker} failed ({event.reason}) and no other worker is ready"
+            if error is None:
+                decision = self.router.choose(rec.id, len(rec.prompt_ids), rec.params.max_tokens, loads)
+                rec.worker, rec.state = decision.chosen, "queued"
+                self._routing.append(decision)
+                slot = self._workers[decision.chosen]
+                self._log_line("warning", f"{rec.id} rerouted from worker {event.worker} to "
+                                          f"{decision.chosen}: {event.reason}", locked=True)
+        if error is not None:
+            m = msg.RequestMetrics(len(rec.prompt_ids), 0, len(rec.output_ids), None, None, None, None,
+                                   time.monotonic() - rec.arrival)
+            self._on_step(msg.StepEvents(event.worker, (), (msg.Finished(rec.id, "error", error, m),)))
+            return
+        slot.commands.put(msg.Submit(rec.id, tuple(rec.prompt_ids), rec.params, rec.arrival,
+                                     rec.messages if slot.cfg.remote else None))
+        self._notify("route", decision)
+
     def _forget_old(self) -> None:
         while len(self._finished) > KEEP_FINISHED:
             rid = self._finished.popleft()
@@ -571,7 +618,8 @@ class Engine:
             page_states=s.page_states if s else bytes(info.get("pages", 0)),
             page_size=info.get("page_size", w.cfg.page_size), policy=s.policy if s else w.cfg.policy,
             steps=s.steps if s else 0, profile_prefill_tps=pre, profile_decode_tps=dec,
-            max_active=w.cfg.max_active)
+            max_active=w.cfg.max_active, remote_url=info.get("url") if w.cfg.remote else None,
+            kv_usage=s.kv_usage if s else None, note=info.get("note", ""))
 
     def _request_view(self, r: _Record, now: float) -> RequestView:
         m = r.metrics

@@ -55,6 +55,9 @@ class WorkerView:
     profile_prefill_tps: float
     profile_decode_tps: float
     max_active: int
+    remote_url: str | None = None    # remote workers: the server requests are forwarded to
+    kv_usage: float | None = None    # remote workers: KV usage scraped from its /metrics, if any
+    note: str = ""                   # e.g. how prompt lengths are counted for a remote
 
 
 @dataclass(frozen=True)

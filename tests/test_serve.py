@@ -234,8 +234,10 @@ def test_200_streams_with_a_third_disconnecting_free_every_page(sim_server):
     assert not [r for r in snap.requests if r.state in ("queued", "prefill", "decode")]
     finished = [i for i in range(200) if i not in quitters]
     assert all(outcome[i] == 48 for i in finished)
-    aborted = sum(r.state == "aborted" for r in snap.requests)
-    assert aborted >= 60        # a quitter whose stream had ended already has nothing to abort
+    mine = snap.requests[-200:]
+    assert {r.state for r in mine} <= {"finished", "aborted"}
+    # a quitter whose stream had already been generated in full has nothing left to abort
+    assert 20 <= sum(r.state == "aborted" for r in mine) <= len(quitters)
 
 
 def test_whole_response_client_timeout_aborts_the_request(real_model_path):

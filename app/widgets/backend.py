@@ -19,7 +19,7 @@ from engine.config import WorkerConfig
 from engine.snapshot import WorkerView
 
 STATE_STYLE = {"ready": "$success", "loading": "$warning", "starting": "$warning",
-               "dead": "$error", "stopped": "$text-muted"}
+               "dead": "$error", "down": "$error", "stopped": "$text-muted"}
 
 
 class BackendPanel(Vertical):
@@ -84,11 +84,20 @@ class BackendPanel(Vertical):
         self._decode_profile.set(f" prof {fmt_rate(w.profile_decode_tps)}" if w.profile_decode_tps else " prof —")
         self._prefill_spark.update_samples(w.prefill_history)
         self._decode_spark.update_samples(w.decode_history)
+        if w.remote_url is not None:
+            self._show_remote(w)
+            return
         self._grid.update_states(w.page_states)
         if w.pages_total:
             used = 100.0 * w.pages_used / w.pages_total
             self._kv_caption.set(
                 f"KV {used:.0f}% of {w.pages_total} pages×{w.page_size}, {self._grid.per_cell}/cell")
+
+    def _show_remote(self, w: WorkerView) -> None:
+        """A remote server: its URL, scraped load, measured rates; it has no page grid to draw."""
+        self._grid.display = False
+        kv = f", KV {100 * w.kv_usage:.0f}% (scraped)" if w.kv_usage is not None else ""
+        self._kv_caption.set(escape(f"no KV grid{kv} · {w.note}" if w.note else f"no KV grid{kv}"))
 
     def _identity(self, state: str, message: str, w: WorkerView | None = None) -> str:
         style = STATE_STYLE.get(state, "$text")
@@ -100,6 +109,11 @@ class BackendPanel(Vertical):
         parts = [head]
         if self.cfg.simulated:
             parts.append("[reverse $warning] simulated [/]")
+        if self.cfg.remote:
+            parts.append(f"[reverse $accent] remote [/] {escape(self.cfg.device[len('remote:'):])}")
+            if w is not None and w.model != self.cfg.model and w.state == "ready":
+                parts.append(escape(short_model(w.model)))
+            return " ".join(parts)
         parts.append(escape(short_model(self.cfg.model)))
         if w is not None and not w.simulated and w.dtype != "?":
             parts.append(escape(f"{w.dtype}/{w.weights}"))
