@@ -386,3 +386,10 @@ def bench_dashboard(args) -> dict:
             "dashboard_over_headless": round(median(b) / median(a), 3),
             "headless_runs": a, "dashboard_runs": b,
             "goals": {"dashboard_costs_le_5pct": median(b) / median(a) >= 0.95}}
+
+
+# --- serve ---------------------------------------------------------------------------------
+def bench_serve(args) -> dict:
+    """HTTP API vs in-process, 8 concurrent streams (engine/serve/bench.py)."""
+    from engine.serve.bench import bench_serve as run
+    return run(args)
