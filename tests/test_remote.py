@@ -105,3 +105,67 @@ def test_two_tokentop_servers_as_remote_workers_kill_and_restart(real_model_path
 def engine_params():
     from engine.config import SamplingParams
     return SamplingParams(max_tokens=5)
+
+
+class FailingServer:
+    """An OpenAI-shaped server on loopback that is healthy but answers every completion with
+    `status` (503: busy, reroute; 400: the request itself is bad, report it)."""
+
+    def __init__(self, status: int):
+        import threading
+
+        import uvicorn
+        from starlette.applications import Starlette
+        from starlette.responses import JSONResponse
+        from starlette.routing import Route
+
+        async def health(_):
+            return JSONResponse({"status": "ok"})
+
+        async def models(_):
+            return JSONResponse({"object": "list", "data": [{"id": "other-model", "object": "model"}]})
+
+        async def complete(request):
+            self.bodies.append(await request.json())
+            return JSONResponse({"error": {"message": f"refused with {status}", "type": "x", "param": None,
+                                           "code": None}}, status_code=status)
+
+        from engine.serve.server import bind
+        self.bodies: list[dict] = []
+        app = Starlette(routes=[Route("/health", health), Route("/v1/models", models),
+                                Route("/v1/completions", complete, methods=["POST"]),
+                                Route("/v1/chat/completions", complete, methods=["POST"])])
+        self.sock = bind("127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="error", lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(5)
+
+
+@pytest.mark.parametrize("status", [503, 400])
+def test_a_refusing_remote_reroutes_busy_and_reports_bad(real_model_path, status):
+    from engine.config import SamplingParams
+
+    remote = FailingServer(status)
+    try:
+        devices = [f"remote:{remote.url},name=far", "sim:near:prefill=5000,decode=200"]
+        with in_process_server(real_model_path, devices) as (engine, http):
+            w = engine.snapshot().workers[0]
+            assert w.state == "ready" and "estimate" in w.note        # another model: lengths estimated
+            h = engine.submit(messages=[{"role": "user", "content": "hi"}], params=SamplingParams(max_tokens=3),
+                              worker=0)
+            res = h.result(20)
+            assert remote.bodies and remote.bodies[0]["messages"] == [{"role": "user", "content": "hi"}]
+            assert remote.bodies[0]["model"] == "other-model"
+            if status == 503:       # busy: rerouted to the local worker, and it succeeds there
+                assert res.worker == 1 and res.finish_reason == "length" and len(res.token_ids) == 3
+                assert any("rerouted from worker 0" in line.text for line in engine.snapshot().log)
+            else:                   # the server says the request is bad: the client hears why
+                assert res.finish_reason == "error" and "refused with 400" in res.error and res.worker == 0
+            assert engine.snapshot().workers[0].state == "ready"     # neither marks it down
+    finally:
+        remote.stop()
