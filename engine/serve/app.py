@@ -23,6 +23,8 @@ from engine.errors import InvalidRequest, TokentopError
 from engine.serve import protocol as P
 from engine.serve.metrics import CONTENT_TYPE, EngineMetrics
 
+LONG_PROMPT_CHARS = 20_000
+
 
 @dataclass(frozen=True)
 class ServeConfig:
@@ -96,7 +98,8 @@ class OpenAIServer:
         try:
             self._auth(request)
             parsed = parse(await self._read_json(request))
-            handle, parsed, n_prompt = self._submit(parsed)
+            ids = await self._encode(parsed)
+            handle, parsed, n_prompt = self._submit(parsed, ids)
         except P.ApiError as exc:
             return self._error(exc)
         rid, created = P.new_id(parsed.kind), P.now()
@@ -106,18 +109,27 @@ class OpenAIServer:
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await self._whole(request, handle, parsed, n_prompt, rid, created)
 
-    def _submit(self, p: P.Parsed):
-        """Everything that can refuse a request happens here, before it is queued."""
+    async def _encode(self, p: P.Parsed) -> list[int]:
         if p.model is not None and p.model not in self.names:
             raise P.ApiError(404, f"model {p.model!r} does not exist here; GET /v1/models lists "
                                   f"{', '.join(map(repr, self.names))}", "model", code="model_not_found")
         if not self.engine.ready:
+            if all(w.state in ("dead", "stopped") for w in self.engine.snapshot().workers):
+                raise P.ApiError(503, "every worker of this server has stopped; see its log",
+                                 type="service_unavailable", code="no_worker")
             raise P.ApiError(503, "the model is still loading; retry when GET /health answers 200",
                              type="service_unavailable", code="loading")
+        size = len(p.prompt or "") + sum(len(str(m.get("content", ""))) for m in p.messages or ()
+                                         if isinstance(m, dict))
         try:
-            ids = self.engine.encode(p.prompt, p.messages, p.prompt_ids)
+            if size > LONG_PROMPT_CHARS:   # tokenizing a long prompt must not stall other streams
+                return await asyncio.to_thread(self.engine.encode, p.prompt, p.messages, p.prompt_ids)
+            return self.engine.encode(p.prompt, p.messages, p.prompt_ids)
         except InvalidRequest as exc:
             raise P.ApiError(400, str(exc), "messages" if p.kind == "chat" else "prompt") from None
+
+    def _submit(self, p: P.Parsed, ids: list[int]):
+        """Every check that depends on the engine's state, then submit: no await in between."""
         capacity, ctx = self.engine.capacity()
         room = ctx - len(ids)
         if room < 1:
