@@ -266,3 +266,44 @@ def test_429_past_the_queue_limit_and_bearer_key(real_model_path):
         wait_idle(engine, 10)
         assert c.completions.create(model="qwen2.5-coder-0.5b", prompt="d", max_tokens=2).usage.completion_tokens == 2
         assert httpx.get(http.url + "/metrics").status_code == 200         # no key needed to scrape
+
+
+def test_health_is_503_while_loading_then_200(real_model_path):
+    from engine.config import EngineConfig, WorkerConfig
+    from engine.devices import parse_devices
+    from engine.engine import Engine
+    from engine.serve.app import ServeConfig
+    from engine.serve.server import HttpServer
+
+    engine = Engine(EngineConfig(workers=parse_devices(["sim:gpu0"], WorkerConfig(model=str(real_model_path))),
+                                 worker_mode="thread"))
+    http = HttpServer(engine, ServeConfig(port=0), quiet=True).start()
+    try:
+        r = httpx.get(http.url + "/health", timeout=5)
+        assert r.status_code == 503 and r.json()["status"] == "loading"
+        r = httpx.post(http.url + "/v1/completions", json={"prompt": "hi"}, timeout=5)
+        assert r.status_code == 503 and "still loading" in r.json()["error"]["message"]
+        engine.start()
+        assert httpx.get(http.url + "/health", timeout=5).status_code == 200
+    finally:
+        http.stop()
+        engine.shutdown()
+
+
+def test_busy_port_and_bad_remote_spec_are_one_line_errors():
+    import socket
+    import subprocess
+    import sys
+
+    from tests.serve_util import ROOT
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        for argv in (["--serve", f"127.0.0.1:{port}"], ["serve", "--port", str(port)],
+                     ["serve", "--device", "remote:localhost:80"]):
+            r = subprocess.run([sys.executable, "-m", "app.cli", *argv, "--device", "sim:gpu0"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=60)
+            assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+            assert "Address already in use" in r.stderr or "remote:http://HOST:PORT" in r.stderr

@@ -114,7 +114,8 @@ class OpenAIServer:
             raise P.ApiError(404, f"model {p.model!r} does not exist here; GET /v1/models lists "
                                   f"{', '.join(map(repr, self.names))}", "model", code="model_not_found")
         if not self.engine.ready:
-            if all(w.state in ("dead", "stopped") for w in self.engine.snapshot().workers):
+            workers = self.engine.snapshot().workers
+            if workers and all(w.state in ("dead", "stopped") for w in workers):
                 raise P.ApiError(503, "every worker of this server has stopped; see its log",
                                  type="service_unavailable", code="no_worker")
             raise P.ApiError(503, "the model is still loading; retry when GET /health answers 200",
