@@ -79,6 +79,7 @@ class RemoteWorker:
         self.ready = False
         self.tasks: dict[str, asyncio.Task] = {}
         self.streamed: dict[str, int] = {}      # request id -> tokens streamed so far
+        self.prompt_len: dict[str, int] = {}
         self.prefill_tps = 0.0
         self.decode_tps = 0.0
         self.history: list[tuple[float, int]] = []
@@ -123,6 +124,7 @@ class RemoteWorker:
                 self.emit(msg.Reroute(self.index, cmd.request_id, f"{self.url} is down"))
                 return
             self.streamed[cmd.request_id] = 0
+            self.prompt_len[cmd.request_id] = len(cmd.prompt_ids)
             self.tasks[cmd.request_id] = asyncio.ensure_future(self._forward(cmd))
         elif isinstance(cmd, msg.Abort):
             task = self.tasks.get(cmd.request_id)
@@ -248,6 +250,7 @@ class RemoteWorker:
         finally:
             self.tasks.pop(rid, None)
             self.streamed.pop(rid, None)
+            self.prompt_len.pop(rid, None)
 
     def _body(self, cmd: msg.Submit) -> tuple[str, dict]:
         p = cmd.params
@@ -315,7 +318,9 @@ class RemoteWorker:
             running = self.scraped["running"] if self.scraped["running"] is not None else mine_running
             waiting = self.scraped["waiting"] if self.scraped["waiting"] is not None \
                 else len(self.streamed) - mine_running
-            seqs = tuple(msg.SeqView(rid, "decode" if n else "waiting", 0, 0, 0, n, 0)
+            # a request that streams has had its prompt computed: the router stops counting it
+            seqs = tuple(msg.SeqView(rid, "decode" if n else "waiting", self.prompt_len.get(rid, 0), 0,
+                                     self.prompt_len.get(rid, 0) if n else 0, n, 0)
                          for rid, n in self.streamed.items())
             self.emit(msg.WorkerStats(
                 worker=self.index, running=int(running), waiting=int(waiting), pages_total=0, pages_used=0,
