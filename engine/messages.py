@@ -131,6 +131,8 @@ class WorkerStats:
     seqs: tuple[SeqView, ...] = field(default_factory=tuple)
     prefill_tokens_total: int = 0
     decode_tokens_total: int = 0
+    preemptions_total: int = 0
+    recomputed_tokens_total: int = 0   # prefill tokens spent recomputing preempted sequences
     kv_usage: float | None = None  # a remote's scraped KV cache usage (0..1), when it exposes one
 
 
