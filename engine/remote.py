@@ -162,7 +162,9 @@ class RemoteWorker:
         mine = [n for n in (self.local_model, Path(self.local_model).stem) if n in ids]
         self.same_model = bool(mine)
         self.remote_model = mine[0] if mine else ids[0]
-        ctx = next((m.get("max_model_len") for m in models if m.get("id") == self.remote_model), None)
+        # vLLM and tokentop say max_model_len; llama.cpp's server says meta.n_ctx (per slot)
+        ctx = next((m.get("max_model_len") or (m.get("meta") or {}).get("n_ctx")
+                    for m in models if m.get("id") == self.remote_model), None)
         self.max_context = int(ctx) if isinstance(ctx, int) and ctx > 0 else self.cfg.max_context
         self._said_down = None
         return None

@@ -49,8 +49,11 @@ def test_llama_server_behind_the_router(real_model_path, llama_server):
         assert w.state == "ready" and w.remote_url == llama_server and "same model" in w.note
         params = SamplingParams(max_tokens=8)
         forced = [engine.submit("The capital of France is", params=params, worker=0) for _ in range(2)]
-        burst = [engine.submit(f"Request {i}: count to ten.", params=params) for i in range(6)]
+        for h in forced:                 # its measured rates now stand in for the nominal ones
+            h.result(120)
+        burst = [engine.submit(f"Request {i}: count to ten.", params=params) for i in range(12)]
         results = [h.result(120) for h in forced + burst]
+        assert {r.worker for r in results[2:]} == {0, 1}, "the cost policy used both workers"
         assert all(r.finish_reason in ("length", "stop") and r.error is None for r in results), \
             [r.error for r in results]
         paris = results[0]
