@@ -307,3 +307,15 @@ def test_busy_port_and_bad_remote_spec_are_one_line_errors():
                                capture_output=True, text=True, timeout=60)
             assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
             assert "Address already in use" in r.stderr or "remote:http://HOST:PORT" in r.stderr
+
+
+def test_an_internal_fault_is_a_500_in_the_api_shape_and_logged(sim_server, monkeypatch):
+    engine, http = sim_server
+
+    def broken(*a, **k):
+        raise RuntimeError("tokenizer exploded")
+
+    monkeypatch.setattr(engine, "encode", broken)
+    r = httpx.post(http.url + "/v1/completions", json={"prompt": "hi"}, timeout=10)
+    assert r.status_code == 500 and "tokenizer exploded" in r.json()["error"]["message"]
+    assert any("tokenizer exploded" in line.text for line in engine.snapshot().log)

@@ -54,7 +54,7 @@ class OpenAIServer:
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
-        ], exception_handlers={404: self._not_found, 405: self._not_allowed})
+        ], exception_handlers={404: self._not_found, 405: self._not_allowed, Exception: self._internal})
 
     # --- small endpoints ----------------------------------------------------------------
     async def health(self, request: Request) -> Response:
@@ -83,6 +83,12 @@ class OpenAIServer:
         return self._error(P.ApiError(404, f"no route {request.url.path}; this server offers POST "
                                            "/v1/completions, POST /v1/chat/completions, GET /v1/models, "
                                            "GET /health and GET /metrics", code="not_found"))
+
+    async def _internal(self, request: Request, exc: Exception) -> Response:
+        # a bug here must still answer in the API's shape, and show in the engine's log
+        self.engine.log("error", f"http: {request.url.path}: {type(exc).__name__}: {exc}")
+        return self._error(P.ApiError(500, f"internal error: {type(exc).__name__}: {exc}",
+                                      type="server_error", code="internal_error"))
 
     async def _not_allowed(self, request: Request, exc) -> Response:
         return self._error(P.ApiError(405, f"{request.method} is not allowed on {request.url.path}"))
