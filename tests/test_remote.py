@@ -84,6 +84,11 @@ def test_two_tokentop_servers_as_remote_workers_kill_and_restart(real_model_path
             assert len(errors) == len(failed) and all(r.worker == 1 for r in errors)
             assert all("failed mid-stream" in r.error for r in errors)
             assert snap.workers[1].state == "down" and snap.workers[2].state == "ready"
+            from tests.test_serve import metrics, total
+            m = metrics(http.url)       # the front's /metrics says so too, per worker
+            assert total(m, "tokentop:worker_state", worker="a", state="down") == 1
+            assert total(m, "tokentop:worker_info", worker="b", remote="true") == 1
+            assert total(m, "tokentop:request_failures_total", worker="a") == len(failed)
             # while it is down, nothing new goes to it
             before = {r.id for r in snap.requests}
             results.clear()
