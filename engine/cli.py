@@ -102,6 +102,10 @@ def build_parser() -> OneLineParser:
     b.add_argument("--out", default=None, help="also write the JSON report here")
     b.add_argument("--policies", default="forced-fastest,round-robin,least-loaded,cost",
                    help="bench routing: which policies to compare")
+    b.add_argument("--sizes", default=None, metavar="N,N,...",
+                   help="bench batching: concurrent request counts (1 and 8 always included)")
+    b.add_argument("--no-sequential", action="store_true",
+                   help="bench batching: skip the one-after-another comparison")
     b.add_argument("--llama-cpp", default=None, metavar="PYTHON",
                    help="bench single: a python with llama-cpp-python, to measure llama.cpp side by side")
     add_engine_flags(b)
