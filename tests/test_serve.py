@@ -81,6 +81,11 @@ def test_completion_parse_refuses_with_the_field_and_the_fix(body, param, words)
     assert e.value.status == 400 and e.value.param == param and words in e.value.message
 
 
+def test_cache_salt_reaches_the_request():
+    assert parse_completion({"prompt": "hi", "cache_salt": "tenant-a"}).params.cache_salt == "tenant-a"
+    assert parse_chat({"messages": [{"role": "user", "content": "x"}]}).params.cache_salt is None
+
+
 def test_chat_parse_accepts_text_parts_and_max_completion_tokens():
     p = parse_chat({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
                                                               {"type": "text", "text": "b"}]}],

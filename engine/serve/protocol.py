@@ -41,6 +41,7 @@ COMMON_FIELDS = {
     "repetition_penalty": NUMBER + (type(None),), "stop": (str, list, type(None)),
     "seed": (int, type(None)), "n": (int, type(None)), "ignore_eos": (bool,),
     "stop_token_ids": (list, type(None)), "return_token_ids": (bool, type(None)), "user": (str,),
+    "cache_salt": (str, type(None)),     # vLLM's field: share cached KV pages only within a salt
 }
 COMPLETION_FIELDS = {**COMMON_FIELDS, "prompt": (str, list), "logprobs": (int, type(None)),
                      "echo": (bool, type(None)), "best_of": (int, type(None)), "suffix": (str, type(None))}
@@ -111,7 +112,7 @@ def _params(body: dict, max_tokens: int | None, logprobs: int) -> SamplingParams
             presence_penalty=float(num("presence_penalty", 0.0)),
             frequency_penalty=float(num("frequency_penalty", 0.0)), seed=body.get("seed"),
             stop=tuple(stop), stop_token_ids=tuple(ids), ignore_eos=bool(body.get("ignore_eos", False)),
-            logprobs=logprobs).validate()
+            logprobs=logprobs, cache_salt=body.get("cache_salt")).validate()
     except InvalidRequest as exc:
         raise ApiError(400, str(exc), _param_of(str(exc))) from None
 
