@@ -71,6 +71,9 @@ class WorkerView:
     rss_bytes: int | None = None       # the worker process's resident memory (process mode)
     preemptions: int = 0          # since the worker started
     recomputed_tokens: int = 0    # tokens whose KV preemptions threw away, computed again
+    remote_url: str | None = None    # remote workers: the server requests are forwarded to
+    kv_usage: float | None = None    # remote workers: KV usage scraped from its /metrics, if any
+    note: str = ""                   # e.g. how prompt lengths are counted for a remote
 
 
 @dataclass(frozen=True)

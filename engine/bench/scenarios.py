@@ -401,3 +401,10 @@ def bench_trace(args) -> dict:
 def bench_prefix(args) -> dict:
     from engine.bench.prefix import bench_prefix as run
     return run(args)
+
+
+# --- serve ---------------------------------------------------------------------------------
+def bench_serve(args) -> dict:
+    """HTTP API vs in-process, 8 concurrent streams (engine/serve/bench.py)."""
+    from engine.serve.bench import bench_serve as run
+    return run(args)
