@@ -23,7 +23,7 @@ from typing import Callable, Iterator
 from engine import messages as msg
 from engine.config import EngineConfig, SamplingParams, WorkerConfig, check_scheduler_policy
 from engine.devices import check_memory, check_model_limits
-from engine.errors import ConfigError, InvalidRequest, TokentopError, WorkerDied
+from engine.errors import ConfigError, InvalidRequest, TokentopError, WorkerDied, describe_error
 from engine.models.catalog import resolve_model
 from engine.models.tokenizer import Tokenizer
 from engine.procstat import UsageSampler
@@ -682,7 +682,7 @@ class Engine:
             try:
                 fn(kind, payload)
             except Exception as exc:   # an exporter's bug must not stop the engine
-                self._log_line("error", f"observer failed on {kind}: {type(exc).__name__}: {exc}")
+                self._log_line("error", f"observer failed on {kind}: {describe_error(exc)}")
 
     def outstanding(self) -> int:
         """Requests submitted and not yet finished, on all workers."""

@@ -31,7 +31,7 @@ import httpx
 
 from engine import messages as msg
 from engine.config import WorkerConfig
-from engine.errors import ConfigError
+from engine.errors import ConfigError, describe_error
 
 STATS_INTERVAL = 0.2
 SCRAPE_INTERVAL = 1.0
@@ -376,4 +376,4 @@ def remote_worker_main(index: int, cfg: WorkerConfig, model_path: str, commands,
     try:
         RemoteWorker(index, cfg, model_path, commands, events).run()
     except BaseException as exc:  # noqa: BLE001
-        events.put(msg.WorkerDead(index, f"{type(exc).__name__}: {exc}"))
+        events.put(msg.WorkerDead(index, describe_error(exc)))

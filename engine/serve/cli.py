@@ -5,7 +5,7 @@ import signal
 import sys
 import threading
 
-from engine.errors import TokentopError
+from engine.errors import TokentopError, describe_error
 
 
 def add_serve_flags(p) -> None:
@@ -50,7 +50,7 @@ def cmd_serve(args) -> int:
             failed.append(str(exc))
             http.server.should_exit = True
         except Exception as exc:  # noqa: BLE001 - one line, then stop serving
-            failed.append(f"{type(exc).__name__}: {exc}")
+            failed.append(describe_error(exc))
             http.server.should_exit = True
 
     print(f"tokentop: listening on {http.url} (GET /health answers 503 until the model is loaded)",
