@@ -12,6 +12,7 @@ from engine.models.gguf import load_gguf
 from engine.models.quant import LinearPolicy
 from engine.models.selfcheck import check_linears
 from engine.models.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.output import SampledToken, StepOutput
 from engine.sampling import RequestSampler, sample
 from engine.scheduler import StepPlan
 from engine.trace import get_tracer
@@ -56,11 +57,11 @@ class ModelRunner:
         seq.sampler = None
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan, blocks: BlockManager) -> tuple[dict, dict]:
+    def execute(self, plan: StepPlan, blocks: BlockManager) -> StepOutput:
         batch, samplers, sample_ids = self.build_batch(plan, blocks)
         logits = self.model(batch, self.kv)
         if not sample_ids:
-            return {}, {}
+            return StepOutput({}, {})
         with get_tracer().scope("sampler", rows=len(samplers)):
             result = sample(logits, samplers)
         sampled, errors = {}, {}
@@ -69,8 +70,8 @@ class ModelRunner:
                 errors[seq_id] = str(result.errors[row])
                 continue
             top = result.top_logprobs[row] if result.top_logprobs else ()
-            sampled[seq_id] = (int(result.tokens[row]), float(result.logprobs[row]), top)
-        return sampled, errors
+            sampled[seq_id] = SampledToken(int(result.tokens[row]), float(result.logprobs[row]), top)
+        return StepOutput(sampled, errors)
 
     def build_batch(self, plan: StepPlan, blocks: BlockManager):
         token_ids: list[int] = []

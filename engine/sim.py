@@ -20,6 +20,7 @@ from engine.errors import ConfigError
 from engine.models.batch import KVStore
 from engine.models.gguf import load_gguf
 from engine.models.tokenizer import Tokenizer
+from engine.output import SampledToken, StepOutput
 from engine.scheduler import StepPlan
 from engine.trace import get_tracer
 
@@ -54,15 +55,15 @@ class SimRunner:
     def end_sequence(self, seq) -> None:
         pass
 
-    def execute(self, plan: StepPlan, blocks) -> tuple[dict, dict]:
+    def execute(self, plan: StepPlan, blocks) -> StepOutput:
         decode = plan.num_decode
         prefill = plan.num_tokens - decode
         seconds = prefill / self.cfg.sim_prefill_tps + decode / self.cfg.sim_decode_tps
         if self.cfg.sim_jitter:
             seconds *= 1 + self.rng.uniform(-self.cfg.sim_jitter, self.cfg.sim_jitter)
         time.sleep(max(0.0, seconds))
-        sampled = {i.seq.id: (self.placeholder, None, ()) for i in plan.items if i.samples}
-        return sampled, {}
+        sampled = {i.seq.id: SampledToken(self.placeholder) for i in plan.items if i.samples}
+        return StepOutput(sampled, {})
 
     def set_tracing(self, enabled: bool) -> None:
         get_tracer().set_enabled(enabled)

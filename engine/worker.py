@@ -18,6 +18,7 @@ from engine.errors import ConfigError, TokentopError, describe_error
 from engine.kv.pages import BlockManager, PagePool
 from engine.kv.prefix_cache import model_identity
 from engine.kv.reuse import PrefixReuse
+from engine.output import OutputProcessor
 from engine.profile import worker_profile
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
@@ -49,6 +50,7 @@ class Worker:
         elif num_pages * cfg.page_size < self.max_context:
             # no sequence can outgrow the pool: its size is the real context limit
             self.max_context, capped_by_kv = num_pages * cfg.page_size, True
+        self.output = OutputProcessor(self.tokenizer.eog_ids, self.max_context)
         self.runner.allocate_kv(num_pages * cfg.page_size)
         self.pool = PagePool(num_pages, cfg.page_size)
         self.blocks = BlockManager(self.pool, cfg.kv_cache, region_pages)
@@ -95,8 +97,8 @@ class Worker:
             if not self.scheduler.idle:
                 self.step()
             self._maybe_send_stats()
-        for seq in list(self.seqs.values()):
-            self._finish(seq, "abort", "the engine shut down", [])
+        # the facade fails what is still open itself once its workers are gone
+        self._end([(seq, "abort", "the engine shut down") for seq in self.seqs.values()], emit=False)
         self._maybe_send_stats(force=True)
 
     def _drain_commands(self, commands, block: bool) -> None:
@@ -115,8 +117,7 @@ class Worker:
         elif isinstance(cmd, msg.Abort):
             seq = self.seqs.get(cmd.request_id)
             if seq is not None:
-                self._finish(seq, "abort", None, [])
-                self.emit(msg.StepEvents(self.index, (), (self._finished_event(seq),)))
+                self._end([(seq, "abort", None)])
         elif isinstance(cmd, msg.SetPolicy):
             self.scheduler.set_policy(cmd.policy)
         elif isinstance(cmd, msg.SetTracing):
@@ -140,9 +141,7 @@ class Worker:
                     "raise --kv-cache-memory")
             self.runner.start_sequence(seq)
         except Exception as exc:  # refuse this one request, keep serving
-            seq.finish_reason, seq.error = "error", describe_error(exc)
-            seq.finished_at = time.monotonic()
-            self.emit(msg.StepEvents(self.index, (), (self._finished_event(seq),)))
+            self._end([(seq, "error", describe_error(exc))])
             return
         self.seqs[seq.id] = seq
         self.scheduler.add(seq)
@@ -168,11 +167,8 @@ class Worker:
         try:
             sampled, errors = self.runner.execute(plan, self.blocks)
         except Exception as exc:   # a fault in the forward fails this step's requests only
-            reason = describe_error(exc)
-            finished = []
-            for item in plan.items:
-                self._finish(item.seq, "error", f"model step failed: {reason}", finished)
-            self.emit(msg.StepEvents(self.index, (), tuple(finished), cache_delta=self._cache_delta()))
+            reason = f"model step failed: {describe_error(exc)}"
+            self._end([(item.seq, "error", reason) for item in plan.items])
             return
         decode = plan.num_decode
         self.scheduler.advance(plan)
@@ -182,100 +178,49 @@ class Worker:
         self._account(now, plan.num_tokens - decode, decode, plan.num_tokens)
 
         tokens: list[msg.TokenDelta] = []
-        finished: list[msg.Finished] = []
+        ends: list[tuple[Sequence, str, str | None]] = []
         for item in plan.items:
             seq = item.seq
             if seq.id in errors:
-                self._finish(seq, "error", errors[seq.id], finished)
+                ends.append((seq, "error", errors[seq.id]))
             elif item.samples:
-                self._append(seq, sampled[seq.id], now, tokens, finished)
-        self.emit(msg.StepEvents(self.index, tuple(tokens), tuple(finished),
-                                 tuple(s.id for s in plan.preempted), self._cache_delta()))
+                deltas, reason = self.output.on_token(seq, sampled[seq.id], now)
+                tokens += deltas
+                if reason:
+                    ends.append((seq, reason, None))
+        self._end(ends, tokens, tuple(s.id for s in plan.preempted))
 
     def _cache_delta(self) -> tuple:
         return self.reuse.cache.take_delta() if self.reuse is not None else ()
 
-    def _append(self, seq: Sequence, sample, now: float, tokens: list, finished: list) -> None:
-        token_id, logprob, top = sample
-        seq.record_token(now)
-        p = seq.params
-        is_eog = token_id in self.tokenizer.eog_ids and not p.ignore_eos
-        if is_eog or token_id in p.stop_token_ids:
-            seq.output_ids.append(token_id)
-            tail = seq.detok.flush() if seq.detok else ""
-            self._emit_text(seq, tail, None, tokens, final=True)
-            self._finish(seq, "stop", None, finished)
-            return
-        seq.output_ids.append(token_id)
-        if seq.sampler is not None:
-            seq.sampler.observe(token_id)
-        delta = seq.detok.push(token_id) if seq.detok else ""
-        stopped = self._emit_text(seq, delta, (token_id, logprob, top), tokens, final=False)
-        if stopped:
-            self._finish(seq, "stop", None, finished)
-        elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_context:
-            self._emit_text(seq, seq.detok.flush() if seq.detok else "", None, tokens, final=True)
-            self._finish(seq, "length", None, finished)
-
-    def _emit_text(self, seq: Sequence, delta: str, token, tokens: list, final: bool) -> bool:
-        """Append text, honouring stop strings (held back until they can't start a stop)."""
-        stops = seq.params.stop
-        pending = seq.held_text + delta
-        stopped = False
-        if stops:
-            hits = [(pending.find(s), s) for s in stops if s in pending]
-            if hits:
-                cut = min(h for h, _ in hits)
-                pending, stopped = pending[:cut], True
-                out, held = pending, ""
-            elif final:
-                out, held = pending, ""
-            else:
-                cut = max(0, len(pending) - (max(len(s) for s in stops) - 1))
-                out, held = pending[:cut], pending[cut:]
-        else:
-            out, held = pending, ""
-        seq.held_text = held
-        seq.text += out
-        if token is not None or out:
-            token_id, logprob, top = token if token is not None else (-1, None, ())
-            tokens.append(msg.TokenDelta(seq.id, token_id, out, logprob, tuple(top)))
-        return stopped
-
-    def _finish(self, seq: Sequence, reason: str, error: str | None, finished: list) -> None:
-        if seq.state == SeqState.FINISHED:
-            return
-        self.scheduler.remove(seq)
-        self.runner.end_sequence(seq)
-        seq.state = SeqState.FINISHED
-        seq.finish_reason, seq.error = reason, error
-        seq.finished_at = time.monotonic()
-        self.seqs.pop(seq.id, None)
-        finished.append(self._finished_event(seq))
-
-    def _finished_event(self, seq: Sequence) -> msg.Finished:
-        n_out = len(seq.output_ids)
-        m = msg.RequestMetrics(
-            prompt_tokens=len(seq.prompt_ids), cached_tokens=seq.num_cached, output_tokens=n_out,
-            queue_time=None if seq.first_scheduled is None else seq.first_scheduled - seq.arrival,
-            ttft=None if seq.first_token_at is None else seq.first_token_at - seq.arrival,
-            itl_mean=seq.itl_sum / (n_out - 1) if n_out > 1 else None,
-            itl_max=seq.itl_max if n_out > 1 else None,
-            e2e=(seq.finished_at or time.monotonic()) - seq.arrival, preemptions=seq.preemptions,
-            follow_start=None if seq.follow_since is None else seq.follow_since - seq.arrival,
-            follow_time=seq.follow_time)
-        return msg.Finished(seq.id, seq.finish_reason or "error", seq.error, m)
+    def _end(self, ends, tokens=(), preempted: tuple[str, ...] = (), emit: bool = True) -> None:
+        """The one way requests finish: each (seq, reason, error) leaves the scheduler, gives
+        its pages back and becomes a Finished event, emitted in one StepEvents with `tokens`.
+        A request refused at submission never entered the scheduler: it only gets its event."""
+        finished = []
+        for seq, reason, error in list(ends):
+            if seq.state == SeqState.FINISHED:
+                continue
+            if seq.id in self.seqs:
+                self.scheduler.remove(seq)
+                self.runner.end_sequence(seq)
+            seq.state = SeqState.FINISHED
+            seq.finish_reason, seq.error = reason, error
+            seq.finished_at = time.monotonic()
+            self.seqs.pop(seq.id, None)
+            finished.append(self.output.finished_event(seq))
+        if emit and (tokens or finished or preempted):
+            self.emit(msg.StepEvents(self.index, tuple(tokens), tuple(finished), preempted,
+                                     self._cache_delta()))
 
     def _fail_unschedulable(self) -> None:
         """Nothing fits although nothing runs: the head request can never fit this pool."""
         if self.scheduler.running or not self.scheduler.waiting:
             return
         seq = self.scheduler.waiting[0]
-        finished: list[msg.Finished] = []
         pages = f"{self.pool.num_pages} page{'s' if self.pool.num_pages != 1 else ''}"
-        self._finish(seq, "error", f"the request needs more KV pages than this worker has ({pages} of "
-                     f"{self.cfg.page_size} tokens); raise --kv-cache-memory or lower max_tokens", finished)
-        self.emit(msg.StepEvents(self.index, (), tuple(finished)))
+        self._end([(seq, "error", f"the request needs more KV pages than this worker has ({pages} of "
+                    f"{self.cfg.page_size} tokens); raise --kv-cache-memory or lower max_tokens")])
 
     # --- stats ------------------------------------------------------------------------
     def _account(self, now: float, prefill: int, decode: int, total: int) -> None:
