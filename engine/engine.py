@@ -161,7 +161,7 @@ class _WorkerSlot:
     process: object = None
     state: str = "starting"
     message: str = ""
-    info: dict = field(default_factory=dict)
+    info: msg.WorkerInfo | None = None        # set when the worker reports ready
     stats: msg.WorkerStats | None = None
     prefill_hist: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
     decode_hist: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
@@ -316,7 +316,7 @@ class Engine:
             live = [w for w in self._workers if w.state == "ready"]
             if not live:
                 raise InvalidRequest("no worker is ready yet (still loading, or all workers died)")
-            max_ctx = max(w.info.get("max_context", 0) for w in live)
+            max_ctx = max(w.info.max_context for w in live)
             if len(ids) + 1 > max_ctx:
                 raise InvalidRequest(f"prompt has {len(ids)} tokens but the context is {max_ctx} tokens; "
                                      "shorten the prompt or raise --max-context")
@@ -366,9 +366,9 @@ class Engine:
         chains: dict[tuple, list[bytes]] = {}
         out = {}
         for w in live:
-            if w.info.get("prefix_cache") != "on" or not w.cache_keys:
+            if w.info.prefix_cache != "on" or not w.cache_keys:
                 continue
-            cfg, ps = w.cfg, w.info.get("page_size", w.cfg.page_size)
+            cfg, ps = w.cfg, w.info.page_size
             ident = model_identity(cfg.model, cfg.weights, cfg.activation_dtype, cfg.simulated)
             if (ident, ps) not in chains:
                 chains[ident, ps] = chain_keys(ids, ps, extra_key(ident, salt), (len(ids) - 1) // ps)
@@ -416,7 +416,7 @@ class Engine:
         return True
 
     def _loads(self) -> list[WorkerLoad]:
-        loads = {w.index: WorkerLoad(w.index, w.info.get("name", w.cfg.device),
+        loads = {w.index: WorkerLoad(w.index, (w.info or msg.WorkerInfo.before_ready(w.cfg)).name,
                                      *self._rates(w), alive=w.state == "ready")
                  for w in self._workers}
         for rec in self._records.values():
@@ -434,7 +434,8 @@ class Engine:
     def _measured_rates(self, w: _WorkerSlot) -> tuple[float, float]:
         """The worker's profile (0 when it was not calibrated, e.g. a lone worker)."""
         pre, dec = w.profile
-        return (pre or w.info.get("profile_prefill_tps", 0.0), dec or w.info.get("profile_decode_tps", 0.0))
+        info = w.info or msg.WorkerInfo.before_ready(w.cfg)
+        return pre or info.profile_prefill_tps, dec or info.profile_decode_tps
 
     def _rates(self, w: _WorkerSlot) -> tuple[float, float]:
         # without a profile the cost router still needs numbers: nominal rates, never shown
@@ -497,11 +498,12 @@ class Engine:
             with self._lock:
                 w = self._workers[event.worker]
                 w.state, w.info, w.message = "ready", event.info, ""
+            info = event.info
             capped = " (all its KV pool holds: raise --kv-cache-memory for more)" \
-                if event.info.get("context_capped_by_kv") else ""
+                if info.context_capped_by_kv else ""
             self._log_line("info", f"worker {event.worker} ({w.cfg.device}) ready: " + (
-                event.info.get("summary") or f"{event.info.get('pages')} KV pages of "
-                f"{event.info.get('page_size')} tokens, context {event.info.get('max_context')} tokens{capped}"))
+                info.summary or f"{info.pages} KV pages of {info.page_size} tokens, "
+                f"context {info.max_context} tokens{capped}"))
         elif isinstance(event, msg.WorkerDown):
             with self._lock:
                 w = self._workers[event.worker]
@@ -694,7 +696,7 @@ class Engine:
         with self._lock:
             live = [w for w in self._workers if w.state == "ready"]
             return (sum(w.cfg.max_active for w in live),
-                    max((w.info.get("max_context", 0) for w in live), default=0))
+                    max((w.info.max_context for w in live), default=0))
 
     # --- snapshot -----------------------------------------------------------------------
     def snapshot(self) -> EngineSnapshot:
@@ -707,26 +709,26 @@ class Engine:
                                   self.router.policy, tuple(self._log), self.tracing, uptime)
 
     def _worker_view(self, w: _WorkerSlot) -> WorkerView:
-        s, info = w.stats, w.info
+        s, info = w.stats, w.info or msg.WorkerInfo.before_ready(w.cfg)
         pre, dec = self._measured_rates(w)
         cpu, rss = self._worker_usage(w)
         return WorkerView(
-            index=w.index, name=info.get("name", w.cfg.name or w.cfg.device), device=w.cfg.device,
-            model=w.cfg.model, dtype=info.get("dtype", "?"), weights=info.get("weights", "?"),
+            index=w.index, name=info.name, device=w.cfg.device,
+            model=w.cfg.model, dtype=info.dtype, weights=info.weights,
             simulated=w.cfg.simulated, state=w.state, message=w.message,
             running=s.running if s else 0, waiting=s.waiting if s else 0,
             prefill_tps=s.prefill_tps if s else 0.0, decode_tps=s.decode_tps if s else 0.0,
             prefill_history=tuple(w.prefill_hist), decode_history=tuple(w.decode_hist),
-            pages_total=s.pages_total if s else info.get("pages", 0), pages_used=s.pages_used if s else 0,
-            page_states=s.page_states if s else bytes(info.get("pages", 0)),
-            page_size=info.get("page_size", w.cfg.page_size), policy=s.policy if s else w.cfg.policy,
+            pages_total=s.pages_total if s else info.pages, pages_used=s.pages_used if s else 0,
+            page_states=s.page_states if s else bytes(info.pages),
+            page_size=info.page_size, policy=s.policy if s else w.cfg.policy,
             steps=s.steps if s else 0, profile_prefill_tps=pre, profile_decode_tps=dec,
             max_active=w.cfg.max_active, preemptions=s.preemptions_total if s else 0,
-            recomputed_tokens=s.recomputed_tokens_total if s else 0, kv_bytes=info.get("kv_bytes", 0),
-            cpu_percent=cpu, rss_bytes=rss, prefix_cache=info.get("prefix_cache") == "on",
+            recomputed_tokens=s.recomputed_tokens_total if s else 0, kv_bytes=info.kv_bytes,
+            cpu_percent=cpu, rss_bytes=rss, prefix_cache=info.prefix_cache == "on",
             prefix=dict(s.prefix) if s else {}, hit_rate=_window_rate(w.prefix_hist),
-            remote_url=info.get("url") if w.cfg.remote else None,
-            kv_usage=s.kv_usage if s else None, note=info.get("note", ""))
+            remote_url=info.url if w.cfg.remote else None,
+            kv_usage=s.kv_usage if s else None, note=info.note)
 
     def _worker_usage(self, w: _WorkerSlot) -> tuple[float | None, int | None]:
         if w.state not in ("ready", "loading") or w.process is None:

@@ -169,15 +169,15 @@ class RemoteWorker:
         self._said_down = None
         return None
 
-    def _info(self) -> dict:
+    def _info(self) -> msg.WorkerInfo:
         note = ("prompt lengths: local tokenizer (same model)" if self.same_model else
                 f"prompt lengths: estimate (local {self.local_model} tokenizer; remote serves {self.remote_model})")
-        return {"name": self.cfg.name, "model": self.remote_model, "dtype": "remote", "weights": "remote",
-                "pages": 0, "page_size": 0, "max_context": self.max_context, "device": self.cfg.device,
-                "simulated": False, "remote": True, "url": self.url, "max_active": self.cfg.max_active,
-                "policy": "remote", "note": note, "profile_prefill_tps": self.prefill_tps,
-                "profile_decode_tps": self.decode_tps,
-                "summary": f"forwarding to {self.url} ({self.remote_model}; {note})"}
+        return msg.WorkerInfo(
+            name=self.cfg.name, model=self.remote_model, dtype="remote", weights="remote", pages=0,
+            page_size=0, max_context=self.max_context, device=self.cfg.device, simulated=False,
+            remote=True, url=self.url, max_active=self.cfg.max_active, policy="remote", note=note,
+            profile_prefill_tps=self.prefill_tps, profile_decode_tps=self.decode_tps,
+            summary=f"forwarding to {self.url} ({self.remote_model}; {note})")
 
     def _mark_down(self, reason: str) -> None:
         if self.ready:

@@ -76,7 +76,7 @@ class Worker:
         self._history: deque[tuple[float, int, int]] = deque()
         self._last_stats = 0.0
         self.stopping = False
-        emit(msg.WorkerReady(index, {
+        emit(msg.WorkerReady(index, msg.WorkerInfo(**{
             **self.runner.info, "pages": num_pages, "page_size": cfg.page_size,
             "max_context": self.max_context, "context_capped_by_kv": capped_by_kv,
             "kv_bytes": num_pages * cfg.page_size * self.runner.bytes_per_slot,
@@ -86,7 +86,7 @@ class Worker:
             "profile_prefill_tps": profile.get("prefill_tps", 0.0),
             "profile_decode_tps": profile.get("decode_tps", 0.0),
             "profile_source": profile.get("source", "none"),
-        }))
+        })))
 
     # --- loop -------------------------------------------------------------------------
     def run(self, commands) -> None:
