@@ -13,6 +13,7 @@ from engine.models.quant import LinearPolicy
 from engine.models.selfcheck import check_linears
 from engine.models.tokenizer import IncrementalDetokenizer, Tokenizer
 from engine.output import SampledToken, StepOutput
+from engine.runner_api import Runner
 from engine.sampling import RequestSampler, sample
 from engine.scheduler import StepPlan
 from engine.trace import get_tracer
@@ -25,7 +26,7 @@ def pick_activation_dtype(device: str, requested: str) -> torch.dtype:
     return table[check_activation_dtype(device, requested)]
 
 
-class ModelRunner:
+class ModelRunner(Runner):
     def __init__(self, cfg: WorkerConfig, model_path: str):
         self.cfg = cfg
         self.device = torch.device(cfg.device)
@@ -100,9 +101,3 @@ class ModelRunner:
             seqs=seqs,
             logits_rows=torch.tensor(logits_rows, dtype=torch.int64))
         return batch, samplers, sample_ids
-
-    def set_tracing(self, enabled: bool) -> None:
-        get_tracer().set_enabled(enabled)
-
-    def drain_trace(self) -> list:
-        return get_tracer().drain()

@@ -21,13 +21,13 @@ from engine.models.batch import KVStore
 from engine.models.gguf import load_gguf
 from engine.models.tokenizer import Tokenizer
 from engine.output import SampledToken, StepOutput
+from engine.runner_api import Runner
 from engine.scheduler import StepPlan
-from engine.trace import get_tracer
 
 PLACEHOLDER_TEXT = " sim"
 
 
-class SimRunner:
+class SimRunner(Runner):
     def __init__(self, cfg: WorkerConfig, model_path: str):
         if cfg.sim_prefill_tps <= 0 or cfg.sim_decode_tps <= 0:
             raise ConfigError(f"simulated worker {cfg.device!r} needs both rates, e.g. "
@@ -64,12 +64,6 @@ class SimRunner:
         time.sleep(max(0.0, seconds))
         sampled = {i.seq.id: SampledToken(self.placeholder) for i in plan.items if i.samples}
         return StepOutput(sampled, {})
-
-    def set_tracing(self, enabled: bool) -> None:
-        get_tracer().set_enabled(enabled)
-
-    def drain_trace(self) -> list:
-        return get_tracer().drain()
 
 
 class _PlaceholderText:

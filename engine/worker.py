@@ -21,6 +21,7 @@ from engine.kv.reuse import PrefixReuse
 from engine.output import OutputProcessor
 from engine.profile import worker_profile
 from engine.runner import ModelRunner
+from engine.runner_api import Runner
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SeqState
 from engine.sim import SimRunner
@@ -36,7 +37,7 @@ class Worker:
         self.cfg = cfg
         self.emit = emit
         emit(msg.WorkerLoading(index, f"loading {cfg.model} on {cfg.device}"))
-        self.runner = SimRunner(cfg, model_path) if cfg.simulated else ModelRunner(cfg, model_path)
+        self.runner: Runner = SimRunner(cfg, model_path) if cfg.simulated else ModelRunner(cfg, model_path)
         self.tokenizer = self.runner.tokenizer
         self.max_context = min(cfg.max_context or DEFAULT_MAX_CONTEXT, self.runner.model_context)
         num_pages = cfg.kv_cache_memory // (self.runner.bytes_per_slot * cfg.page_size)
