@@ -281,7 +281,7 @@ class TokentopApp(App[int]):
         snap = self.last_snapshot
         workers = snap.workers if snap else ()
         ready = sum(w.state == "ready" for w in workers)
-        active = sum(r.state in ("queued", "prefill", "decode") for r in snap.requests) if snap else 0
+        active = sum(r.state.live for r in snap.requests) if snap else 0
         tracing = "[b $success]on[/]" if self.engine.tracing else "off"
         parts = [(0, "[b $accent]tokentop[/]")]
         for run in self.bursts:

@@ -28,7 +28,7 @@ from engine.models.catalog import resolve_model
 from engine.models.tokenizer import Tokenizer
 from engine.procstat import UsageSampler
 from engine.router import RouteDecision, Router, WorkerLoad
-from engine.snapshot import EngineSnapshot, LogLine, RequestView, WorkerView
+from engine.snapshot import EngineSnapshot, LogLine, RequestState, RequestView, WorkerView
 from engine.trace import Tracer, check_trace_dir, request_track_events, set_tracer, write_chrome_trace
 
 HISTORY = 60          # samples of tok/s kept per worker for sparklines
@@ -63,7 +63,7 @@ class _Record:
     params: SamplingParams
     arrival: float
     worker: int | None = None
-    state: str = "queued"
+    state: RequestState = RequestState.QUEUED
     cached_estimate: int = 0
     computed: int = 0
     cached: int = 0
@@ -423,7 +423,7 @@ class Engine:
             if rec.finish_reason is not None or rec.worker is None:
                 continue
             load = loads[rec.worker]
-            if rec.state == "queued":
+            if rec.state == RequestState.QUEUED:
                 load.waiting += 1
             else:
                 load.running += 1
@@ -545,14 +545,14 @@ class Engine:
                     if rec.first_token_at is None:
                         rec.first_token_at = rec.last_token_at
                 rec.text += d.text
-                rec.state = "decode"
+                rec.state = RequestState.DECODE
                 deliveries.append((rec.id, d))
             for f in event.finished:
                 rec = self._records.get(f.request_id)
                 if rec is None:
                     continue
                 rec.finish_reason, rec.error, rec.metrics = f.reason, f.error, f.metrics
-                rec.state = {"error": "error", "abort": "aborted"}.get(f.reason, "finished")
+                rec.state = RequestState.of_finish(f.reason)
                 rec.finished_at = time.monotonic()
                 self._finished.append(rec.id)
                 deliveries.append((rec.id, f))
@@ -588,8 +588,8 @@ class Engine:
                 rec.computed, rec.cached, rec.leader = v.computed_tokens, v.cached_tokens, v.leader
                 if v.leader and rec.follow_at is None:
                     rec.follow_at = time.monotonic()
-                rec.state = {"waiting": "queued"}.get(v.state, v.state)
-                if rec.state != "queued" and rec.prefill_at is None:
+                rec.state = RequestState.of_worker(v.state)
+                if rec.state != RequestState.QUEUED and rec.prefill_at is None:
                     rec.prefill_at = time.monotonic()
 
     def _on_dead(self, event: msg.WorkerDead) -> None:
@@ -625,7 +625,7 @@ class Engine:
                 error = f"worker {event.worker} failed ({event.reason}) and no other worker is ready"
             if error is None:
                 decision = self.router.choose(rec.id, len(rec.prompt_ids), rec.params.max_tokens, loads)
-                rec.worker, rec.state = decision.chosen, "queued"
+                rec.worker, rec.state = decision.chosen, RequestState.QUEUED
                 self._routing.append(decision)
                 slot = self._workers[decision.chosen]
                 self._log_line("warning", f"{rec.id} rerouted from worker {event.worker} to "
@@ -787,7 +787,7 @@ class Engine:
                     marks.append(("decode", rec.arrival + ttft))
                 end = None
                 if rec.finish_reason is not None:
-                    end = ({"abort": "aborted", "error": "failed"}.get(rec.finish_reason, "finished"),
+                    end = (RequestState.of_finish(rec.finish_reason).value,
                            rec.arrival + m.e2e if m else rec.finished_at or until)
                 lifecycles.append((rec.id, rec.worker, marks, end))
         pid = self._tracer.pid if self._tracer is not None else 0

@@ -65,7 +65,7 @@ from typing import Any, Protocol
 _now_ns = time.perf_counter_ns   # CLOCK_MONOTONIC on Linux: shared by all processes
 
 DEFAULT_MAX_EVENTS = 2_000_000
-TERMINAL_PHASES = frozenset({"finished", "aborted", "failed"})
+TERMINAL_PHASES = frozenset({"finished", "aborted", "error"})   # engine.snapshot.RequestState
 _REQUEST_TID_BASE = 1 << 30      # above any Linux thread id (pid_max <= 2**22)
 _DROPPED_MARKER = "tokentop_dropped_events"
 
