@@ -1,13 +1,12 @@
-"""The Engine facade: submit, stream, abort, snapshot, policies, traces.
+"""The Engine facade: lifecycle, submit, stream, abort, policies, snapshots, traces.
 
-Threads and processes: each worker runs in its own process (default) or thread. The facade
-owns one dispatcher thread that reads the shared event queue, updates request records and
-wakes the request handles. Public methods are thread-safe (one lock, never held while
-waiting on a queue or a worker).
+Threads and processes: each worker runs in its own process (default) or thread. Requests are
+kept in a RequestTable (engine/requests.py); one Dispatcher thread (engine/dispatch.py) reads
+the shared event queue, updates the records and wakes the request handles. Public methods
+are thread-safe (one lock, never held while waiting on a queue or a worker).
 """
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
 import multiprocessing as mp
@@ -18,139 +17,28 @@ import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 from engine import messages as msg
 from engine.config import EngineConfig, SamplingParams, WorkerConfig, check_scheduler_policy
 from engine.devices import check_memory, check_model_limits
-from engine.errors import ConfigError, InvalidRequest, TokentopError, WorkerDied, describe_error
+from engine.dispatch import Dispatcher
+from engine.errors import ConfigError, InvalidRequest, TokentopError, describe_error
 from engine.models.catalog import resolve_model
 from engine.models.tokenizer import Tokenizer
 from engine.procstat import UsageSampler
+# RequestFailed, RequestHandle and RequestResult are part of the facade's API, imported from here
+from engine.requests import (RequestFailed, RequestHandle, RequestRecord, RequestResult,  # noqa: F401
+                             RequestTable, seen_timings)
 from engine.router import RouteDecision, Router, WorkerLoad
 from engine.snapshot import EngineSnapshot, LogLine, RequestState, RequestView, WorkerView
 from engine.trace import Tracer, check_trace_dir, request_track_events, set_tracer, write_chrome_trace
 
 HISTORY = 60          # samples of tok/s kept per worker for sparklines
 TEXT_TAIL = 2000      # characters of each request's text kept for the dashboard
-KEEP_FINISHED = 200   # finished requests kept in snapshots
 HIT_WINDOW = 150      # WorkerStats samples (~30 s at 5 Hz) behind a worker's prefix hit rate
 UNWRITTEN_TRACE_EVENTS = 2_000_000   # most trace events kept after a failed export
 LOG_GROUP_WINDOW = 5.0   # seconds: the same event again within this is counted on one log line
-
-
-class RequestFailed(TokentopError):
-    """Raised by a handle's iterator/result when its request ended in error."""
-
-
-@dataclass
-class RequestResult:
-    id: str
-    text: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    finish_reason: str
-    error: str | None
-    metrics: msg.RequestMetrics | None
-    worker: int | None
-    notice: str | None = None
-
-
-@dataclass
-class _Record:
-    id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    arrival: float
-    worker: int | None = None
-    state: RequestState = RequestState.QUEUED
-    cached_estimate: int = 0
-    computed: int = 0
-    cached: int = 0
-    output_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    messages: tuple | None = None
-    finish_reason: str | None = None
-    error: str | None = None
-    metrics: msg.RequestMetrics | None = None
-    burst: str | None = None
-    prompt_text: str = ""
-    prefill_at: float | None = None        # when the worker was first seen computing it
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    finished_at: float | None = None
-    leader: str | None = None       # single flight: waiting for this request's pages
-    follow_at: float | None = None  # when the facade first saw it waiting on a leader
-    notice: str | None = None      # said once about how the request was taken (max_tokens lowered)
-
-
-class RequestHandle:
-    """Streams one request's TokenDelta events; `result()` waits for the end."""
-
-    def __init__(self, engine: "Engine", record: _Record):
-        self._engine = engine
-        self.id = record.id
-        self._record = record
-        self._q: queue.Queue = queue.Queue()
-        self._done = threading.Event()
-        self._aloop: asyncio.AbstractEventLoop | None = None
-        self._aq: asyncio.Queue | None = None
-        self._lock = threading.Lock()
-
-    # called by the dispatcher thread
-    def _deliver(self, event) -> None:
-        if isinstance(event, msg.Finished):
-            # done before the event is seen: whoever iterated to the end may call result(0)
-            self._done.set()
-        with self._lock:
-            if self._aq is not None:
-                self._aloop.call_soon_threadsafe(self._aq.put_nowait, event)
-            else:
-                self._q.put(event)
-
-    def __iter__(self) -> Iterator[msg.TokenDelta]:
-        while True:
-            event = self._q.get()
-            if isinstance(event, msg.Finished):
-                self._raise_if_failed(event)
-                return
-            yield event
-
-    async def __aiter__(self):
-        with self._lock:
-            self._aloop = asyncio.get_running_loop()
-            self._aq = asyncio.Queue()
-            while not self._q.empty():
-                self._aq.put_nowait(self._q.get_nowait())
-        while True:
-            event = await self._aq.get()
-            if isinstance(event, msg.Finished):
-                self._raise_if_failed(event)
-                return
-            yield event
-
-    def _raise_if_failed(self, event: msg.Finished) -> None:
-        if event.reason == "error":
-            raise RequestFailed(event.error or "request failed")
-
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def result(self, timeout: float | None = None) -> RequestResult:
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
-        r = self._record
-        return RequestResult(r.id, r.text, list(r.prompt_ids), list(r.output_ids),
-                             r.finish_reason or "error", r.error, r.metrics, r.worker, r.notice)
-
-    @property
-    def notice(self) -> str | None:
-        """A note on how the request was taken (e.g. max_tokens lowered to the context), or None."""
-        return self._record.notice
-
-    def abort(self) -> None:
-        self._engine.abort(self.id)
 
 
 @dataclass
@@ -181,15 +69,14 @@ class Engine:
         self._progress = progress
         self._lock = threading.RLock()
         self._ids = itertools.count(1)
-        self._records: dict[str, _Record] = {}
-        self._handles: dict[str, RequestHandle] = {}
-        self._finished: deque[str] = deque()
+        self.requests = RequestTable()
         self._routing: deque[RouteDecision] = deque(maxlen=50)
         self._log: deque[LogLine] = deque(maxlen=200)
         self._log_groups: dict[tuple, tuple[float, int, LogLine]] = {}   # key -> first, count, line
         self._workers: list[_WorkerSlot] = []
         self._events = None
-        self._dispatcher: threading.Thread | None = None
+        self.dispatcher = Dispatcher(self)
+        self._dispatch_started = False
         self._stopping = False
         self._trace_wait: dict[int, list] = {}
         self._trace_cv = threading.Condition(self._lock)
@@ -244,9 +131,8 @@ class Engine:
                 slot.profile = (cfg.sim_prefill_tps, cfg.sim_decode_tps)
             self._workers.append(slot)
             proc.start()
-        self._dispatcher = threading.Thread(target=self._dispatch_loop, name="tokentop-dispatch",
-                                            daemon=True)
-        self._dispatcher.start()
+        self.dispatcher.start()
+        self._dispatch_started = True
         if wait:
             self.wait_ready(timeout)
         return self
@@ -286,8 +172,8 @@ class Engine:
                 w.process.join(max(0.0, deadline - time.monotonic()))
                 if isinstance(w.process, mp.process.BaseProcess) and w.process.is_alive():
                     w.process.terminate()
-        if self._dispatcher is not None:
-            self._dispatcher.join(1.0)
+        if self._dispatch_started:
+            self.dispatcher.join(1.0)
         if self._routing_log:
             self._routing_log.close()
 
@@ -332,7 +218,7 @@ class Engine:
                 self._log_repeated(("max_tokens lowered",), "warning",
                                    f"{rid}: {notice}{{times}}")
                 params = replace(params, max_tokens=room)
-            rec = _Record(rid, ids, params, now, burst=burst, notice=notice,
+            rec = RequestRecord(rid, ids, params, now, burst=burst, notice=notice,
                           messages=tuple(messages) if messages is not None else None,
                           prompt_text=prompt if isinstance(prompt, str) else self.tokenizer.decode(ids))
             decision = self.router.choose(rid, len(ids), params.max_tokens, self._loads(),
@@ -344,9 +230,8 @@ class Engine:
             if self._routing_log:
                 self._routing_log.write(json.dumps(decision.to_json()) + "\n")
                 self._routing_log.flush()
-            handle = RequestHandle(self, rec)
-            self._records[rid] = rec
-            self._handles[rid] = handle
+            handle = RequestHandle(rec, self.abort)
+            self.requests.add(rec, handle)
             slot = self._workers[decision.chosen]
         if self._tracer is not None and self._tracer.enabled:
             self._tracer.instant("route", request=rid, chosen=decision.chosen, policy=decision.policy,
@@ -408,28 +293,17 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         with self._lock:
-            rec = self._records.get(request_id)
-            if rec is None or rec.finish_reason is not None or rec.worker is None:
+            rec = self.requests.live(request_id)
+            if rec is None or rec.worker is None:
                 return False
             slot = self._workers[rec.worker]
         slot.commands.put(msg.Abort(request_id))
         return True
 
     def _loads(self) -> list[WorkerLoad]:
-        loads = {w.index: WorkerLoad(w.index, (w.info or msg.WorkerInfo.before_ready(w.cfg)).name,
-                                     *self._rates(w), alive=w.state == "ready")
-                 for w in self._workers}
-        for rec in self._records.values():
-            if rec.finish_reason is not None or rec.worker is None:
-                continue
-            load = loads[rec.worker]
-            if rec.state == RequestState.QUEUED:
-                load.waiting += 1
-            else:
-                load.running += 1
-            load.prefill_tokens += max(0, len(rec.prompt_ids) - max(rec.computed, rec.cached_estimate))
-            load.decode_tokens += max(0, rec.params.max_tokens - len(rec.output_ids))
-        return list(loads.values())
+        return self.requests.loads([
+            WorkerLoad(w.index, (w.info or msg.WorkerInfo.before_ready(w.cfg)).name, *self._rates(w),
+                       alive=w.state == "ready") for w in self._workers])
 
     def _measured_rates(self, w: _WorkerSlot) -> tuple[float, float]:
         """The worker's profile (0 when it was not calibrated, e.g. a lone worker)."""
@@ -458,192 +332,6 @@ class Engine:
     def set_worker_profile(self, index: int, prefill_tps: float, decode_tps: float) -> None:
         with self._lock:
             self._workers[index].profile = (prefill_tps, decode_tps)
-
-    # --- dispatcher ---------------------------------------------------------------------
-    def _dispatch_loop(self) -> None:
-        while True:
-            try:
-                event = self._events.get(timeout=0.2)
-            except queue.Empty:
-                event = None
-            except (EOFError, OSError):
-                return
-            if event is not None:
-                self._on_event(event)
-            self._check_liveness()
-            if self._stopping and all(not _alive(w.process) for w in self._workers):
-                try:
-                    while True:
-                        self._on_event(self._events.get_nowait())
-                except (queue.Empty, EOFError, OSError):
-                    pass
-                return
-
-    def _check_liveness(self) -> None:
-        for w in self._workers:
-            if w.state in ("dead", "stopped") or _alive(w.process):
-                continue
-            if self._stopping:
-                w.state = "stopped"
-                continue
-            code = getattr(w.process, "exitcode", None)
-            self._on_event(msg.WorkerDead(w.index, f"worker process exited (exit code {code})"))
-
-    def _on_event(self, event) -> None:
-        if isinstance(event, msg.StepEvents):
-            self._on_step(event)
-        elif isinstance(event, msg.WorkerStats):
-            self._on_stats(event)
-        elif isinstance(event, msg.WorkerReady):
-            with self._lock:
-                w = self._workers[event.worker]
-                w.state, w.info, w.message = "ready", event.info, ""
-            info = event.info
-            capped = " (all its KV pool holds: raise --kv-cache-memory for more)" \
-                if info.context_capped_by_kv else ""
-            self._log_line("info", f"worker {event.worker} ({w.cfg.device}) ready: " + (
-                info.summary or f"{info.pages} KV pages of {info.page_size} tokens, "
-                f"context {info.max_context} tokens{capped}"))
-        elif isinstance(event, msg.WorkerDown):
-            with self._lock:
-                w = self._workers[event.worker]
-                w.state, w.message = "down", event.message
-            self._log_line("error", f"worker {event.worker} ({w.cfg.device}) down: {event.message}")
-        elif isinstance(event, msg.Reroute):
-            self._reroute(event)
-        elif isinstance(event, msg.ProfileUpdate):
-            with self._lock:
-                self._workers[event.worker].profile = (event.prefill_tps, event.decode_tps)
-        elif isinstance(event, msg.WorkerLoading):
-            with self._lock:
-                w = self._workers[event.worker]
-                w.state, w.message = "loading", event.message
-        elif isinstance(event, msg.WorkerDead):
-            self._on_dead(event)
-        elif isinstance(event, msg.TraceEvents):
-            with self._trace_cv:
-                self._trace_wait[event.worker] = event.events
-                self._trace_cv.notify_all()
-
-    def _on_step(self, event: msg.StepEvents) -> None:
-        deliveries = []
-        with self._lock:
-            if event.cache_delta:
-                keys = self._workers[event.worker].cache_keys
-                for added, key in event.cache_delta:
-                    if added:
-                        keys.add(key)
-                    else:
-                        keys.discard(key)
-            for d in event.tokens:
-                rec = self._records.get(d.request_id)
-                if rec is None or rec.finish_reason is not None:
-                    continue   # e.g. tokens a dying worker sent after its requests were failed
-                if d.token_id >= 0:
-                    rec.output_ids.append(d.token_id)
-                    rec.last_token_at = time.monotonic()
-                    if rec.first_token_at is None:
-                        rec.first_token_at = rec.last_token_at
-                rec.text += d.text
-                rec.state = RequestState.DECODE
-                deliveries.append((rec.id, d))
-            for f in event.finished:
-                rec = self._records.get(f.request_id)
-                if rec is None:
-                    continue
-                rec.finish_reason, rec.error, rec.metrics = f.reason, f.error, f.metrics
-                rec.state = RequestState.of_finish(f.reason)
-                rec.finished_at = time.monotonic()
-                self._finished.append(rec.id)
-                deliveries.append((rec.id, f))
-                if f.reason == "error":
-                    self._log_line("error", f"{rec.id}: {f.error}", locked=True)
-                deliveries.append((None, (rec.worker, f)))
-            for rid in event.preempted:
-                self._log_repeated(("preempted", event.worker, rid), "warning",
-                                   f"{rid} preempted{{times}} on worker {event.worker} (will recompute)")
-                if self._tracer is not None and self._tracer.enabled:
-                    self._tracer.instant("preempted", request=rid, worker=event.worker)
-            self._forget_old()
-        for rid, d in deliveries:
-            if rid is None:
-                self._notify("finished", d)
-                continue
-            handle = self._handles.get(rid)
-            if handle is not None:
-                handle._deliver(d)
-
-    def _on_stats(self, s: msg.WorkerStats) -> None:
-        with self._lock:
-            w = self._workers[s.worker]
-            w.stats = s
-            w.prefill_hist.append(s.prefill_tps)
-            w.decode_hist.append(s.decode_tps)
-            if s.prefix:
-                w.prefix_hist.append((s.prefix["prefix_cache_queries"], s.prefix["prefix_cache_hits"]))
-            for v in s.seqs:
-                rec = self._records.get(v.request_id)
-                if rec is None or rec.finish_reason is not None:
-                    continue
-                rec.computed, rec.cached, rec.leader = v.computed_tokens, v.cached_tokens, v.leader
-                if v.leader and rec.follow_at is None:
-                    rec.follow_at = time.monotonic()
-                rec.state = RequestState.of_worker(v.state)
-                if rec.state != RequestState.QUEUED and rec.prefill_at is None:
-                    rec.prefill_at = time.monotonic()
-
-    def _on_dead(self, event: msg.WorkerDead) -> None:
-        failed = []
-        with self._lock:
-            w = self._workers[event.worker]
-            if w.state == "dead":
-                return
-            w.state, w.message = "dead", event.message.splitlines()[0] if event.message else "died"
-            for rec in self._records.values():
-                if rec.worker == event.worker and rec.finish_reason is None:
-                    failed.append(rec.id)
-            self._log_line("error", f"worker {event.worker} ({w.cfg.device}) died: {w.message}; "
-                                    f"{len(failed)} request(s) failed", locked=True)
-        for rid in failed:
-            rec = self._records[rid]
-            err = WorkerDied(f"worker {event.worker} ({w.cfg.device}) died: {w.message}")
-            metrics = msg.RequestMetrics(len(rec.prompt_ids), rec.cached, len(rec.output_ids),
-                                         *_seen_timings(rec), time.monotonic() - rec.arrival)
-            self._on_step(msg.StepEvents(event.worker, (), (msg.Finished(rid, "error", str(err), metrics),)))
-
-    def _reroute(self, event: msg.Reroute) -> None:
-        """A request its remote worker could not start (nothing streamed yet) goes elsewhere once."""
-        with self._lock:
-            rec = self._records.get(event.request_id)
-            if rec is None or rec.finish_reason is not None or rec.worker != event.worker:
-                return
-            loads = [ld for ld in self._loads() if ld.worker != event.worker and ld.alive]
-            error = None
-            if rec.output_ids or rec.text:
-                error = f"worker {event.worker} failed mid-stream: {event.reason}"
-            elif not loads:
-                error = f"worker {event.worker} failed ({event.reason}) and no other worker is ready"
-            if error is None:
-                decision = self.router.choose(rec.id, len(rec.prompt_ids), rec.params.max_tokens, loads)
-                rec.worker, rec.state = decision.chosen, RequestState.QUEUED
-                self._routing.append(decision)
-                slot = self._workers[decision.chosen]
-                self._log_line("warning", f"{rec.id} rerouted from worker {event.worker} to "
-                                          f"{decision.chosen}: {event.reason}", locked=True)
-        if error is not None:
-            m = msg.RequestMetrics(len(rec.prompt_ids), 0, len(rec.output_ids), None, None, None, None,
-                                   time.monotonic() - rec.arrival)
-            self._on_step(msg.StepEvents(event.worker, (), (msg.Finished(rec.id, "error", error, m),)))
-            return
-        slot.commands.put(msg.Submit(rec.id, tuple(rec.prompt_ids), rec.params, rec.arrival,
-                                     rec.messages if slot.cfg.remote else None))
-        self._notify("route", decision)
-
-    def _forget_old(self) -> None:
-        while len(self._finished) > KEEP_FINISHED:
-            rid = self._finished.popleft()
-            self._records.pop(rid, None)
-            self._handles.pop(rid, None)
 
     def _log_line(self, level: str, text: str, locked: bool = False) -> None:
         line = LogLine(time.time(), level, text)
@@ -689,7 +377,7 @@ class Engine:
     def outstanding(self) -> int:
         """Requests submitted and not yet finished, on all workers."""
         with self._lock:
-            return sum(r.finish_reason is None for r in self._records.values())
+            return self.requests.outstanding()
 
     def capacity(self) -> tuple[int, int]:
         """(requests the ready workers can run at once, the longest context among them)."""
@@ -703,7 +391,7 @@ class Engine:
         now = time.monotonic()
         with self._lock:
             workers = tuple(self._worker_view(w) for w in self._workers)
-            reqs = tuple(self._request_view(r, now) for r in self._records.values())
+            reqs = tuple(self._request_view(r, now) for r in self.requests.records.values())
             uptime = now - self._started_at if self._started_at is not None else 0.0
             return EngineSnapshot(time.time(), workers, reqs, tuple(self._routing),
                                   self.router.policy, tuple(self._log), self.tracing, uptime)
@@ -737,10 +425,10 @@ class Engine:
             return self._usage.sample(w.index, None, w.process.native_id)
         return self._usage.sample(w.index, w.process.pid)
 
-    def _request_view(self, r: _Record, now: float) -> RequestView:
+    def _request_view(self, r: RequestRecord, now: float) -> RequestView:
         m = r.metrics
         end = r.finished_at or now
-        seen = _seen_timings(r)     # while running, or where the worker sent no metrics (it died)
+        seen = seen_timings(r)     # while running, or where the worker sent no metrics (it died)
         return RequestView(
             id=r.id, worker=r.worker, state=r.state, prompt_tokens=len(r.prompt_ids),
             cached_tokens=m.cached_tokens if m else r.cached, output_tokens=len(r.output_ids),
@@ -767,12 +455,12 @@ class Engine:
         to the window: queued -> prefill -> decode, then finished / aborted / failed, or the
         phase it is still in at `until` (marked running)."""
         with self._lock:
-            records = [r for r in self._records.values()
+            records = [r for r in self.requests.records.values()
                        if r.arrival <= until and (r.finished_at is None or r.finished_at >= since)]
             lifecycles = []
             for rec in records:
                 m = rec.metrics
-                queue_time, ttft = (m.queue_time, m.ttft) if m else _seen_timings(rec)[:2]
+                queue_time, ttft = (m.queue_time, m.ttft) if m else seen_timings(rec)[:2]
                 if ttft is None and rec.first_token_at is not None:
                     ttft = rec.first_token_at - rec.arrival
                 if queue_time is not None and ttft is not None:
@@ -831,21 +519,6 @@ def _window_rate(hist: deque) -> float | None:
         return None
     (q0, h0), (q1, h1) = hist[0], hist[-1]
     return (h1 - h0) / (q1 - q0) if q1 > q0 else None
-
-
-def _seen_timings(rec: _Record) -> tuple[float | None, float | None, float | None, None]:
-    """(queue time, TTFT, mean ITL, max ITL) as the facade saw them, for a request the
-    worker never reported metrics for (it died): the figures it had are kept."""
-    queue_time = rec.prefill_at - rec.arrival if rec.prefill_at is not None else None
-    ttft = rec.first_token_at - rec.arrival if rec.first_token_at is not None else None
-    n = len(rec.output_ids)
-    itl = ((rec.last_token_at - rec.first_token_at) / (n - 1)
-           if n > 1 and rec.first_token_at is not None and rec.last_token_at is not None else None)
-    return queue_time, ttft, itl, None
-
-
-def _alive(proc) -> bool:
-    return proc is not None and proc.is_alive()
 
 
 def _worker_entry(index, cfg, model_path, commands, events, tracing, log_path=None) -> None:

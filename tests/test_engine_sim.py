@@ -219,8 +219,8 @@ def test_repeated_preemptions_are_one_log_line(model):
     from engine import messages as msg
     engine = Engine(EngineConfig(workers=parse_devices(["sim:gpu0"], WorkerConfig(model=str(model)))))
     for _ in range(12):
-        engine._on_step(msg.StepEvents(1, (), (), ("r43",)))
-    engine._on_step(msg.StepEvents(1, (), (), ("r44",)))
+        engine.dispatcher.on_step(msg.StepEvents(1, (), (), ("r43",)))
+    engine.dispatcher.on_step(msg.StepEvents(1, (), (), ("r44",)))
     lines = [line.text for line in engine.snapshot().log]
     assert len(lines) == 2 and lines[0].startswith("r43 preempted ×12 in ") and "worker 1" in lines[0]
     assert lines[1] == "r44 preempted on worker 1 (will recompute)"
