@@ -21,6 +21,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int = 0                 # top-n logprobs per generated token, 0 = off
+    speculate: str = ""               # "" = the worker's default, or off | ngram | draft
 
     def validate(self) -> "SamplingParams":
         def bad(msg: str) -> None:
@@ -42,6 +43,8 @@ class SamplingParams:
             bad(f"logprobs must be between 0 and 20, got {self.logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop strings must be non-empty strings")
+        if self.speculate not in ("",) + SPEC_MODES:
+            bad(f"speculate must be one of {', '.join(SPEC_MODES)}, got {self.speculate!r}")
         return self
 
     @property
@@ -49,6 +52,8 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+SPEC_MODES = ("off", "ngram", "draft")
+SPEC_K_POLICIES = ("adaptive:cost", "adaptive:acceptance", "adaptive:length")
 KV_MODES = ("paged", "contiguous")
 SCHED_POLICIES = ("fcfs", "spf")
 
@@ -73,6 +78,14 @@ class WorkerConfig:
     compile: bool = False
     recalibrate: bool = False             # measure the speed profile again instead of the cached one
     calibrate: bool = True                # False: skip the profile (tests, benchmarks of one worker)
+    # speculative decoding (engine/spec/)
+    speculate: str = "off"                # default mode of requests: off | ngram | draft
+    draft_model: str = ""                 # catalog name or .gguf path of the draft model
+    spec_k: str = "adaptive:cost"         # N (fixed draft length) or one of SPEC_K_POLICIES
+    spec_tv_budget: float = 0.0           # mentored decoding: TV budget D (0 = lossless)
+    spec_bonus: bool = True               # emit the target's token after a fully accepted draft
+    ngram_min: int = 1                    # prompt lookup: shortest / longest n-gram matched
+    ngram_max: int = 4
     # simulated workers only
     sim_prefill_tps: float = 0.0
     sim_decode_tps: float = 0.0
@@ -96,6 +109,20 @@ class WorkerConfig:
             raise ConfigError(f"--policy must be one of {', '.join(SCHED_POLICIES)}, got {self.policy!r}")
         if self.kv_cache_memory <= 0:
             raise ConfigError("--kv-cache-memory must be positive, e.g. 256MiB")
+        if self.speculate not in SPEC_MODES:
+            raise ConfigError(f"--speculate must be one of {', '.join(SPEC_MODES)}, got {self.speculate!r}")
+        if self.speculate == "draft" and not self.draft_model:
+            raise ConfigError("--speculate draft needs --draft-model NAME|PATH "
+                              "(e.g. --model qwen2.5-coder-1.5b --draft-model qwen2.5-coder-0.5b)")
+        if self.draft_model and self.kv_cache == "contiguous":
+            raise ConfigError("--draft-model needs --kv-cache paged (the draft's pages come from the pool)")
+        if self.spec_k not in SPEC_K_POLICIES and not (self.spec_k.isdigit() and 0 <= int(self.spec_k) <= 16):
+            raise ConfigError(f"--spec-k must be a number 0-16 or one of {', '.join(SPEC_K_POLICIES)}, "
+                              f"got {self.spec_k!r}")
+        if not 0.0 <= self.spec_tv_budget <= 1.0:
+            raise ConfigError(f"--spec-tv-budget must be in [0, 1] (0 = lossless), got {self.spec_tv_budget}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ConfigError(f"--ngram-min/--ngram-max need 1 <= min <= max, got {self.ngram_min}/{self.ngram_max}")
         return self
 
 

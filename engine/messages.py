@@ -70,6 +70,7 @@ class TokenDelta:
     text: str
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
+    drafted: bool = False          # an accepted draft token (speculative decoding), not the target's
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,7 @@ class RequestMetrics:
     itl_max: float | None
     e2e: float                     # arrival -> finished (s)
     preemptions: int = 0
+    spec: dict | None = None       # speculative decoding counters (engine/spec/stats.py)
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,7 @@ class SeqView:
     computed_tokens: int
     output_tokens: int
     max_tokens: int
+    spec: dict | None = None       # mode + speculative decoding counters, None = not speculating
 
 
 @dataclass(frozen=True)
@@ -130,6 +133,7 @@ class WorkerStats:
     seqs: tuple[SeqView, ...] = field(default_factory=tuple)
     prefill_tokens_total: int = 0
     decode_tokens_total: int = 0
+    spec: dict | None = None       # the worker's speculative decoding totals
 
 
 @dataclass(frozen=True)

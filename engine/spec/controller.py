@@ -1,0 +1,127 @@
+"""The worker's side of speculative decoding: choose k, propose, roll back, count.
+
+Per step, around the scheduler and the runner:
+  prepare(scheduler)   before scheduling: each decoding request's k (policy.py); n-gram
+                       proposals are made here, so the scheduler reserves exactly them
+  propose(plan)        after scheduling: the draft model drafts for the scheduled requests
+  settle(item, v)      after the target step: keep the K/V of the emitted tokens only,
+                       release whole pages past them (target's and draft's), record metrics
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from engine.config import WorkerConfig
+from engine.errors import InvalidRequest
+from engine.sequence import Sequence, SeqState
+from engine.spec.ngram import propose_ngram
+from engine.spec.policy import CostK, CostModel, StepContext, make_policy
+from engine.spec.stats import SpecStats
+from engine.spec.verify import Verdict
+from engine.trace import get_tracer
+
+
+@dataclass
+class SeqSpec:
+    """A request's speculation state."""
+    mode: str                       # ngram | draft
+    policy: object
+    stats: SpecStats = field(default_factory=SpecStats)
+    draft_probs: object = None      # q of this round's drafts (draft model, sampled requests)
+
+
+class SpecController:
+    def __init__(self, cfg: WorkerConfig, draft=None):
+        self.cfg = cfg
+        self.draft = draft                   # engine.spec.draft.DraftModel or None
+        self.stats = SpecStats()             # the worker's totals
+        self.cost = CostModel()
+        self.bonus = cfg.spec_bonus
+        self.tv_budget = cfg.spec_tv_budget
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        return ("off", "ngram", "draft") if self.draft is not None else ("off", "ngram")
+
+    def start(self, seq: Sequence) -> None:
+        mode = seq.params.speculate or self.cfg.speculate
+        if mode == "draft" and self.draft is None:
+            raise InvalidRequest("speculate=draft needs a worker started with --draft-model; "
+                                 "use speculate=ngram or off")
+        seq.spec = None if mode == "off" else SeqSpec(mode, make_policy(self.cfg.spec_k))
+
+    # --- before scheduling --------------------------------------------------------------
+    def prepare(self, running: list[Sequence], waiting: list[Sequence], budget: int) -> None:
+        decoding = [s for s in running if s.state == SeqState.DECODE and s.num_pending == 1]
+        spec = [s for s in decoding if s.spec is not None]
+        for s in running:
+            s.spec_want, s.draft_ids = 0, []
+        if not spec:
+            return
+        prefill = sum(s.num_pending for s in running if s.state != SeqState.DECODE)
+        prefill += sum(s.num_pending for s in waiting)
+        rows = len(decoding) + min(prefill, max(0, budget - len(decoding)))
+        other = float(len(decoding) - 1)
+        draft_rounds = 0
+        for seq in sorted(spec, key=lambda s: s.arrival):
+            max_k = min(seq.remaining_decode - 1, self.cfg.max_context - seq.num_tokens,
+                        max(0, budget - rows))
+            ctx = StepContext(self.cost, rows, other, draft_rounds, seq.spec.mode == "draft", max_k)
+            k = max(0, min(seq.spec.policy.next_k(ctx), max_k))
+            seq.spec.stats.k = k
+            if k and seq.spec.mode == "ngram":
+                seq.draft_ids = propose_ngram(seq.prompt_ids + seq.output_ids, k,
+                                              self.cfg.ngram_min, self.cfg.ngram_max)
+                k = len(seq.draft_ids)
+            seq.spec_want = k
+            rows += k
+            if k:
+                policy = seq.spec.policy
+                other += policy.expected_tokens(k) - 1 if isinstance(policy, CostK) else k / 2
+                if seq.spec.mode == "draft":
+                    draft_rounds = max(draft_rounds, k)
+
+    # --- after scheduling ---------------------------------------------------------------
+    def propose(self, plan, blocks) -> None:
+        """Draft-model proposals for the scheduled requests; a request the draft could not
+        serve (no pages) is shrunk back to a plain decode."""
+        items = [i for i in plan.items if i.draft and i.seq.spec is not None and i.seq.spec.mode == "draft"]
+        if not items or self.draft is None:
+            return
+        t0 = time.perf_counter()
+        got, steps, rows = self.draft.propose([(i.seq, i.draft) for i in items], blocks)
+        if steps:
+            self.cost.add_draft(rows / steps, (time.perf_counter() - t0) / steps)
+        for item in items:
+            drafts, q = got.get(item.seq.id, ([], None))
+            drafts = drafts[:item.draft]
+            item.num_tokens -= item.draft - len(drafts)
+            item.draft = len(drafts)
+            item.seq.draft_ids = drafts
+            item.seq.spec.draft_probs = q
+
+    def record_step(self, plan, seconds: float) -> None:
+        """Teach the cost model: target step time by rows (decode/verify-only steps)."""
+        if all(i.seq.state == SeqState.DECODE for i in plan.items):
+            self.cost.add_target(plan.num_tokens, seconds)
+
+    # --- after the target step ------------------------------------------------------------
+    def settle(self, item, verdict: Verdict | None, blocks) -> None:
+        """Keep the K/V of what is emitted, release the rest. Call after scheduler.advance."""
+        seq = item.seq
+        if verdict is not None:
+            seq.num_computed -= item.num_tokens - len(verdict.tokens)
+            sp = seq.spec
+            sp.stats.record(verdict.proposed, verdict.accepted, len(verdict.tokens))
+            self.stats.record(verdict.proposed, verdict.accepted, len(verdict.tokens))
+            self.stats.k = verdict.proposed
+            sp.policy.update(verdict.proposed, verdict.accepted)
+            get_tracer().instant("spec verdict", request=seq.id, proposed=verdict.proposed,
+                                 accepted=verdict.accepted, bonus=verdict.bonus)
+        blocks.truncate(seq, seq.num_computed)
+        blocks.truncate_draft(seq, seq.num_computed)
+        seq.draft_ids = []
+        seq.spec_want = 0
+        if seq.spec is not None:
+            seq.spec.draft_probs = None

@@ -1,0 +1,188 @@
+"""How many tokens to draft: per request, every step.
+
+- fixed N.
+- adaptive:acceptance (the seeds' rule): start 4, +1 when a round's acceptance rate is
+  above 0.8, -1 below 0.4, bounds 1-8.
+- adaptive:length: EMA (alpha 0.2) of the accepted length; next k = round(EMA) + 1.
+- adaptive:cost (default): the k, including 0, that maximizes the expected tokens per second
+  of the whole step, from the worker's measured step costs (CostModel) and the request's
+  acceptance by position. Heavy batching (every extra row costs everyone) or failing drafts
+  (low acceptance) make k = 0 win; a rare short probe keeps the estimates alive.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+K_MIN, K_MAX = 1, 8
+
+
+class FixedK:
+    def __init__(self, k: int):
+        self.k = k
+
+    def next_k(self, ctx: "StepContext") -> int:
+        return self.k
+
+    def update(self, proposed: int, accepted: int) -> None:
+        pass
+
+
+class AcceptanceK:
+    def __init__(self):
+        self.k = 4
+
+    def next_k(self, ctx: "StepContext") -> int:
+        return self.k
+
+    def update(self, proposed: int, accepted: int) -> None:
+        if proposed <= 0:
+            return
+        rate = accepted / proposed
+        if rate > 0.8:
+            self.k = min(K_MAX, self.k + 1)
+        elif rate < 0.4:
+            self.k = max(K_MIN, self.k - 1)
+
+
+class LengthK:
+    ALPHA = 0.2
+
+    def __init__(self):
+        self.ema: float | None = None
+        self.k = 4
+
+    def next_k(self, ctx: "StepContext") -> int:
+        return self.k
+
+    def update(self, proposed: int, accepted: int) -> None:
+        if proposed <= 0:
+            return
+        self.ema = accepted if self.ema is None else (1 - self.ALPHA) * self.ema + self.ALPHA * accepted
+        self.k = max(K_MIN, min(K_MAX, round(self.ema) + 1))
+
+
+class LinearFit:
+    """seconds ~ a + b * rows, least squares with exponential forgetting."""
+
+    def __init__(self, decay: float = 0.97):
+        self.decay = decay
+        self.s = self.sx = self.sy = self.sxx = self.sxy = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        d = self.decay
+        self.s, self.sx, self.sy = d * self.s + 1, d * self.sx + x, d * self.sy + y
+        self.sxx, self.sxy = d * self.sxx + x * x, d * self.sxy + x * y
+
+    @property
+    def known(self) -> bool:
+        return self.s > 0
+
+    def coef(self) -> tuple[float, float]:
+        """(a, b); with one distinct row count seen, b is a guess of 5% of a per row."""
+        if not self.s:
+            return 0.0, 0.0
+        mx, my = self.sx / self.s, self.sy / self.s
+        var = self.sxx / self.s - mx * mx
+        if var < 0.25:
+            b = 0.05 * my / max(mx, 1.0)
+        else:
+            b = max(0.0, (self.sxy / self.s - mx * my) / var)
+        return max(0.0, my - b * mx), b
+
+    def __call__(self, x: float) -> float:
+        a, b = self.coef()
+        return a + b * x
+
+
+class CostModel:
+    """A worker's measured costs: a target step by its rows, a draft step by its rows."""
+
+    def __init__(self):
+        self.target = LinearFit()
+        self.draft = LinearFit()
+
+    def add_target(self, rows: int, seconds: float) -> None:
+        self.target.add(rows, seconds)
+
+    def add_draft(self, rows: int, seconds: float) -> None:
+        self.draft.add(rows, seconds)
+
+
+@dataclass
+class StepContext:
+    """What the chooser knows about the step being planned."""
+    cost: CostModel
+    base_rows: int          # rows of the step without this request's drafts
+    other_tokens: float     # tokens the step emits for everyone else
+    draft_rounds: int       # draft-model steps already planned by others (0 for n-gram)
+    uses_draft: bool        # the request drafts with a model (each k costs a draft step)
+    max_k: int
+
+
+class CostK:
+    """Expected-tokens-per-second chooser (see the module docstring)."""
+
+    PRIOR_ACCEPT, PRIOR_WEIGHT = 0.6, 2.0   # Beta prior on acceptance at each position
+    PROBE_FIRST, PROBE_MAX = 8, 128          # steps at k = 0 before a probe, doubling
+
+    def __init__(self):
+        self.accepted = [0.0] * K_MAX
+        self.tried = [0.0] * K_MAX
+        self.k = 0
+        self._idle = 0
+        self._probe_every = self.PROBE_FIRST
+        self._probing = False
+
+    def alpha(self, i: int) -> float:
+        """P(draft i+1 accepted | drafts 1..i were), recent rounds weigh more."""
+        return (self.accepted[i] + self.PRIOR_ACCEPT * self.PRIOR_WEIGHT) / (self.tried[i] + self.PRIOR_WEIGHT)
+
+    def expected_tokens(self, k: int) -> float:
+        e, run = 1.0, 1.0
+        for i in range(k):
+            run *= self.alpha(i)
+            e += run
+        return e
+
+    def next_k(self, ctx: StepContext) -> int:
+        cost = ctx.cost
+        max_k = min(ctx.max_k, K_MAX)
+        if max_k <= 0:
+            return 0
+        if not cost.target.known:
+            self.k = min(4, max_k)   # nothing measured yet: the first rounds teach the model
+            return self.k
+        best_k, best_rate = 0, 0.0
+        for k in range(0, max_k + 1):
+            seconds = cost.target(ctx.base_rows + k)
+            if ctx.uses_draft and k > ctx.draft_rounds:
+                seconds += (k - ctx.draft_rounds) * cost.draft(ctx.base_rows)
+            rate = (ctx.other_tokens + self.expected_tokens(k)) / max(seconds, 1e-9)
+            if rate > best_rate * 1.001:     # ties go to the shorter draft
+                best_k, best_rate = k, rate
+        self._probing = False
+        if best_k == 0:
+            self._idle += 1
+            if self._idle >= self._probe_every:   # a short probe so acceptance can recover
+                self._idle, self._probing = 0, True
+                best_k = min(2, max_k)
+        else:
+            self._idle = 0
+        self.k = best_k
+        return best_k
+
+    def update(self, proposed: int, accepted: int) -> None:
+        decay = 0.9
+        for i in range(min(proposed, K_MAX)):
+            self.accepted[i] = decay * self.accepted[i] + (1.0 if i < accepted else 0.0)
+            self.tried[i] = decay * self.tried[i] + 1.0
+        if self._probing:
+            ok = accepted > 0
+            self._probe_every = self.PROBE_FIRST if ok else min(self.PROBE_MAX, self._probe_every * 2)
+
+
+def make_policy(spec_k: str):
+    if spec_k.isdigit():
+        return FixedK(int(spec_k))
+    return {"adaptive:acceptance": AcceptanceK, "adaptive:length": LengthK,
+            "adaptive:cost": CostK}[spec_k]()
