@@ -186,6 +186,8 @@ class Engine:
                 cb = (lambda done, total, name=cfg.model: self._progress(name, done, total)) \
                     if self._progress else None
                 paths[cfg.model] = str(resolve_model(cfg.model, progress=cb))
+            if cfg.draft_model and cfg.draft_model not in paths:   # assembled here, once
+                paths[cfg.draft_model] = str(resolve_model(cfg.draft_model))
         check_memory(self.config.workers, paths)
         self.tokenizer = Tokenizer.from_gguf(paths[self.config.workers[0].model])
         ctx = mp.get_context("spawn")

@@ -40,10 +40,19 @@ class ModelRunner:
         self.model = Decoder.from_gguf(gf, self.policy)
         with get_tracer().scope("selfcheck", model=cfg.model):
             check_linears(self.model, cfg.weights)   # refuses a layout this CPU computes wrongly
+        self.draft = None   # speculative decoding's draft model, on this worker (engine/spec/draft.py)
+        if cfg.draft_model:
+            from engine.models.catalog import resolve_model
+            from engine.spec.draft import DraftModel
+            with get_tracer().scope("load draft", model=cfg.draft_model):
+                self.draft = DraftModel(cfg, str(resolve_model(cfg.draft_model)), self.policy,
+                                        self.tokenizer, gf.config.vocab_size)
         self.model_context = gf.config.context_length
         self.kv_dtype = torch.float32
         self.bytes_per_slot = KVStore.bytes_per_slot(
             gf.config.n_layers, gf.config.n_kv_heads, gf.config.head_dim, self.kv_dtype)
+        if self.draft is not None:   # the draft's K/V share the slots (and the memory budget)
+            self.bytes_per_slot += self.draft.bytes_per_slot
         self.kv: KVStore | None = None
         self.spec_tv_budget, self.spec_bonus = cfg.spec_tv_budget, cfg.spec_bonus
         self.info = {"model": cfg.model, "arch": gf.config.arch, "dtype": str(dtype).replace("torch.", ""),
@@ -51,6 +60,8 @@ class ModelRunner:
 
     def allocate_kv(self, num_slots: int) -> None:
         self.kv = self.model.new_kv_store(num_slots, dtype=self.kv_dtype)
+        if self.draft is not None:
+            self.draft.allocate_kv(num_slots)
 
     def start_sequence(self, seq) -> None:
         from engine.models.tokenizer import IncrementalDetokenizer

@@ -155,8 +155,7 @@ class Worker:
     def _step(self, tracer) -> None:
         with tracer.scope("scheduler decision"):
             if self.spec is not None:
-                self.spec.prepare(self.scheduler.running, self.scheduler.waiting,
-                                  self.scheduler.max_batched_tokens)
+                self.spec.prepare(self.scheduler)
             plan = self.scheduler.schedule()
         if not plan.items:
             self._fail_unschedulable()

@@ -286,3 +286,69 @@ def test_real_model_greedy_ngram_equals_target_only(real_model_path):
         spec = engine.generate(prompt, params=SamplingParams(max_tokens=48, speculate="ngram"))
     assert spec.token_ids == plain
     assert spec.metrics.spec["accepted_tokens"] > 0
+
+
+# --- draft model -----------------------------------------------------------------------
+
+def test_vocabulary_check_names_both_models():
+    from types import SimpleNamespace
+
+    from engine.errors import ConfigError
+    from engine.spec.draft import check_vocab
+
+    a = SimpleNamespace(_tokens=["a", "b", "c"], eog_ids=frozenset({2}))
+    b = SimpleNamespace(_tokens=["a", "x", "c"], eog_ids=frozenset({2}))
+    check_vocab(a, SimpleNamespace(_tokens=["a", "b", "c"], eog_ids=frozenset({2})), "big", "small")
+    with pytest.raises(ConfigError, match=r"'small' cannot draft for 'big'.*first difference at id 1"):
+        check_vocab(a, b, "big", "small")
+
+
+def test_draft_model_greedy_is_token_identical_and_self_drafting_accepts_everything(tiny_model_path):
+    target = tiny_model_path("qwen2")
+    other = tiny_model_path("qwen2", n_layers=1, seed=5)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    with start(target, deterministic=True) as engine:
+        plain = [engine.generate(p, params=params).token_ids for p in REPETITIVE]
+    for draft, spec_k in ((target, "4"), (other, "3"), (other, "adaptive:length")):
+        with start(target, deterministic=True, draft_model=str(draft), speculate="draft", spec_k=spec_k,
+                   max_batched_tokens=64) as engine:
+            results = [h.result(60) for h in [engine.submit(p, params=params) for p in REPETITIVE]]
+            assert [r.token_ids for r in results] == plain
+            if draft is target:   # the target drafting for itself: drafts are its argmax
+                rates = [r.metrics.spec["acceptance_rate"] for r in results]
+                assert min(rates) > 0.8, rates   # only kernel-order near-ties can differ
+            assert pages_back(engine)
+
+
+def test_sampled_draft_model_requests_finish_and_return_pages(tiny_model_path):
+    target = tiny_model_path("qwen2")
+    draft = tiny_model_path("qwen2", n_layers=1, seed=5)
+    with start(target, draft_model=str(draft), speculate="draft", spec_k="3", spec_tv_budget=0.5) as engine:
+        handles = [engine.submit(p, params=SamplingParams(max_tokens=25, temperature=0.9, top_k=20,
+                                                         repetition_penalty=1.2, seed=i, ignore_eos=True))
+                   for i, p in enumerate(REPETITIVE)]
+        results = [h.result(60) for h in handles]
+        assert all(len(r.token_ids) == 25 for r in results)
+        assert sum(r.metrics.spec["drafts"] for r in results) > 0
+        assert pages_back(engine)
+
+
+def test_real_pair_greedy_draft_equals_target_only():
+    """Qwen2.5-Coder-0.5B drafting for the 1.5B, deterministic greedy: identical tokens."""
+    from tests.conftest import resolve_real_model
+
+    target = resolve_real_model("qwen2.5-coder-1.5b")
+    resolve_real_model("qwen2.5-coder-0.5b")
+    prompt = "def quicksort(items):\n    \"\"\"Sort a list of numbers.\"\"\"\n"
+    with start(target, deterministic=True, draft_model="qwen2.5-coder-0.5b", spec_k="4") as engine:
+        plain = engine.generate(prompt, params=SamplingParams(max_tokens=32)).token_ids
+        spec = engine.generate(prompt, params=SamplingParams(max_tokens=32, speculate="draft"))
+    assert spec.token_ids == plain
+    assert spec.metrics.spec["accepted_tokens"] > 0
+
+
+def test_an_incompatible_draft_is_refused_at_start_naming_both(tiny_model_path):
+    target = tiny_model_path("qwen2")
+    draft = tiny_model_path("qwen2", metadata={"tokenizer.ggml.eos_token_id": 5})
+    with pytest.raises(Exception, match="cannot draft for"):
+        start(target, draft_model=str(draft), speculate="draft")

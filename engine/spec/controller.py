@@ -29,6 +29,14 @@ class SeqSpec:
     policy: object
     stats: SpecStats = field(default_factory=SpecStats)
     draft_probs: object = None      # q of this round's drafts (draft model, sampled requests)
+    _draft_gen: object = None
+
+    def draft_generator(self, seed: int):
+        """The draft's own random stream (seeded from the request's seed: replayable)."""
+        if self._draft_gen is None:
+            import torch
+            self._draft_gen = torch.Generator().manual_seed((seed ^ 0x5BD1E995) & (2**63 - 1))
+        return self._draft_gen
 
 
 class SpecController:
@@ -52,19 +60,20 @@ class SpecController:
         seq.spec = None if mode == "off" else SeqSpec(mode, make_policy(self.cfg.spec_k))
 
     # --- before scheduling --------------------------------------------------------------
-    def prepare(self, running: list[Sequence], waiting: list[Sequence], budget: int) -> None:
+    def prepare(self, scheduler) -> None:
+        running = scheduler.running
         decoding = [s for s in running if s.state == SeqState.DECODE and s.num_pending == 1]
         spec = [s for s in decoding if s.spec is not None]
         for s in running:
             s.spec_want, s.draft_ids = 0, []
         if not spec:
             return
-        prefill = sum(s.num_pending for s in running if s.state != SeqState.DECODE)
-        prefill += sum(s.num_pending for s in waiting)
-        rows = len(decoding) + min(prefill, max(0, budget - len(decoding)))
+        budget = scheduler.max_batched_tokens
+        rows = len(decoding) + _prefill_rows(scheduler, budget - len(decoding))
         other = float(len(decoding) - 1)
         draft_rounds = 0
         for seq in sorted(spec, key=lambda s: s.arrival):
+            # drafts take only what this step's prefill chunks leave of the budget
             max_k = min(seq.remaining_decode - 1, self.cfg.max_context - seq.num_tokens,
                         max(0, budget - rows))
             ctx = StepContext(self.cost, rows, other, draft_rounds, seq.spec.mode == "draft", max_k)
@@ -125,3 +134,19 @@ class SpecController:
         seq.spec_want = 0
         if seq.spec is not None:
             seq.spec.draft_probs = None
+
+
+def _prefill_rows(scheduler, budget: int) -> int:
+    """Prompt rows the scheduler will put in this step (its rules, approximately)."""
+    chunk = scheduler.prefill_chunk
+    rows = 0
+    for s in scheduler.running:
+        if s.state != SeqState.DECODE or s.num_pending > 1:
+            rows += min(s.num_pending, chunk or s.num_pending)
+    slots = scheduler.max_active - len(scheduler.running)
+    for s in list(scheduler.waiting)[:max(0, slots)]:
+        n = min(s.num_pending, chunk or s.num_pending)
+        if chunk and n > budget - rows:
+            break   # a fixed chunk that does not fit waits (scheduler._chunk)
+        rows += n
+    return min(rows, max(0, budget))
