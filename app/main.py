@@ -32,7 +32,7 @@ from app.screens.prompt import PromptDialog
 from app.settings import load_settings, save_settings
 from app.widgets.backend import BackendPanel
 from app.widgets.event_log import EventLog
-from app.widgets.fmt import describe_error
+from app.widgets.fmt import describe_error, fmt_rate, fmt_uptime
 from app.widgets.line import Line
 from app.widgets.panel import Panel
 from app.widgets.requests import RequestsTable
@@ -52,7 +52,7 @@ SHUTDOWN_TIMEOUT_S = 2.0     # per worker join before the engine terminates it
 THEME_CYCLE = tuple(t.name for t in THEMES)
 # Dashboard keys. The footer, the help screen and the command palette are generated from them.
 ACTIONS = (
-    Binding("b", "burst", "Burst", tooltip="Fire a burst of requests from a sample prompt file"),
+    Binding("b", "burst", "Burst", tooltip="Fire a burst of requests from a burst file (a sample or your own)"),
     Binding("n", "prompt", "Prompt", tooltip="Submit one prompt you type"),
     Binding("p", "cycle_scheduler", "Sched", tooltip="Cycle the scheduler policy (fcfs, spf)"),
     Binding("r", "cycle_router", "Router", tooltip="Cycle the router policy (round-robin, least-loaded, cost)"),
@@ -83,15 +83,27 @@ def build_parser() -> OneLineParser:
     p = OneLineParser(prog="tokentop", description="htop for an LLM inference engine: the dashboard. "
                       "Subcommands generate, bench and models run without it.")
     add_engine_flags(p)
+    p.add_argument("--burst-file", metavar="FILE", default=None,
+                   help="fire this burst file (JSONL, see sample_prompts/README.md) once the "
+                        "workers have started: each line once, with its own sampling settings")
     return p
+
+
+def startup_burst(path: str) -> BurstSpec:
+    """--burst-file: checked now (a bad file is a one-line error before anything loads);
+    fired once every worker has started."""
+    items = load_burst(path)
+    return BurstSpec(path=Path(path), count=len(items), interval_ms=int(DEFAULTS["interval"]),
+                     max_tokens=None, temperature=None)
 
 
 def run_dashboard(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     try:
+        burst = startup_burst(args.burst_file) if args.burst_file else None
         config = engine_config_from(args, default_mode="process")
         log = Path(platformdirs.user_log_dir("tokentop")) / "workers.log"
-        app = TokentopApp(replace(config, worker_log=str(log)))
+        app = TokentopApp(replace(config, worker_log=str(log)), startup_burst=burst)
     except (TokentopError, OSError) as exc:
         print(f"tokentop: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -106,10 +118,12 @@ class TokentopApp(App[int]):
     BINDINGS = list(ACTIONS)
 
     def __init__(self, config: EngineConfig, *, settings_path: Path | None = None,
-                 live: bool = True) -> None:
+                 live: bool = True, startup_burst: BurstSpec | None = None) -> None:
         """live=False: the engine is not started and nothing refreshes by itself; the caller
-        feeds show_snapshot() (snapshot tests, replays)."""
+        feeds show_snapshot() (snapshot tests, replays). startup_burst is fired once the
+        engine is ready (--burst-file)."""
         super().__init__()
+        self.startup_burst = startup_burst
         self.config = config
         self.settings_path = settings_path
         self.settings = load_settings(settings_path)
@@ -205,6 +219,9 @@ class TokentopApp(App[int]):
             self.notify(text, severity=severity, timeout=8 if severity == "error" else 4)
         try:
             self._finish_bursts()
+            if self.startup_burst is not None and self._all_workers_up():
+                spec, self.startup_burst = self.startup_burst, None
+                self.fire_burst(spec)
             self.show_snapshot(self.engine.snapshot())
         except Exception as exc:  # keep the dashboard up; say it once, not five times a second
             if describe_error(exc) != self._refresh_error:
@@ -224,24 +241,40 @@ class TokentopApp(App[int]):
                 panel.show_assembly(done, total)
             elif view is not None:
                 panel.show_view(view)
-        self._requests.show_requests(snap.requests)
+        names = {w.index: w.name for w in snap.workers}
+        self._requests.show_requests(snap.requests, names)
         self._routing.show_decisions(snap.routing)
-        self._streams.show_streams(snap.requests)
+        self._streams.show_streams(snap.requests, names)
         self._log.show_lines(snap.log)
         self._show_status()
 
+    def _all_workers_up(self) -> bool:
+        """Every worker has finished starting (ready, or failed), and one is ready."""
+        snap = self.last_snapshot
+        return (self.engine.ready and snap is not None and len(snap.workers) == len(self.config.workers)
+                and all(w.state not in ("starting", "loading") for w in snap.workers))
+
     def _show_status(self) -> None:
+        """The header. On a narrow terminal the fields drop out by priority (the higher the
+        number, the sooner); the name and burst progress always stay."""
         snap = self.last_snapshot
         workers = snap.workers if snap else ()
         ready = sum(w.state == "ready" for w in workers)
         active = sum(r.state in ("queued", "prefill", "decode") for r in snap.requests) if snap else 0
         tracing = "[b $success]on[/]" if self.engine.tracing else "off"
-        parts = ["[b $accent]tokentop[/]", f"router [b]{self.router_policy}[/]",
-                 f"sched [b]{self.scheduler_policy}[/]", f"trace {tracing}",
-                 f"{ready}/{len(self.config.workers)} ready", f"{active} active"]
+        parts = [(0, "[b $accent]tokentop[/]")]
         for run in self.bursts:
-            parts.append(f"burst {run.name} {run.submitted}/{run.spec.count}")
-        self._status.set(" " + " · ".join(parts))
+            parts.append((0, f"burst {run.name} {run.submitted}/{run.spec.count}"))
+        parts += [(1, f"{ready}/{len(self.config.workers)} ready"), (1, f"{active} active")]
+        if snap is not None:
+            live = [w for w in workers if w.state == "ready"]
+            parts.append((2, f"decode {fmt_rate(sum(w.decode_tps for w in live))} tok/s"))
+            parts.append((5, f"prefill {fmt_rate(sum(w.prefill_tps for w in live))} tok/s"))
+        parts += [(3, f"router [b]{self.router_policy}[/]"), (3, f"sched [b]{self.scheduler_policy}[/]"),
+                  (3, f"trace {tracing}")]
+        if snap is not None and snap.uptime:
+            parts.append((4, f"up {fmt_uptime(snap.uptime)}"))
+        self._status.set_parts(parts, prefix=" ")
 
     def _finish_bursts(self) -> None:
         for run in [r for r in self.bursts if r.done]:
@@ -286,11 +319,12 @@ class TokentopApp(App[int]):
             return
         items = load_burst(spec.path)
         self.burst_count += 1
-        self.prompt_params = replace(self.prompt_params, max_tokens=spec.max_tokens,
-                                     temperature=spec.temperature)
+        if spec.max_tokens is not None and spec.temperature is not None:
+            self.prompt_params = replace(self.prompt_params, max_tokens=spec.max_tokens,
+                                         temperature=spec.temperature)
         name = f"{spec.path.stem}#{self.burst_count}"
         self.bursts.append(BurstRun(self.engine, spec, items, name).start())
-        self.notify(f"burst {name}: {spec.count} requests, one every {spec.interval_ms} ms")
+        self.notify(f"burst {name}: {spec.count} requests from {spec.path}, one every {spec.interval_ms} ms")
         self._show_status()
 
     def action_prompt(self) -> None:
@@ -360,7 +394,7 @@ class TokentopApp(App[int]):
 
     def _export_trace(self) -> None:
         try:
-            path = self.engine.export_trace(self.config.trace_dir)
+            path = Path(self.engine.export_trace(self.config.trace_dir)).resolve()
         except Exception as exc:  # reported in the UI, whatever it is
             self._notices.put(("error", f"trace export failed: {describe_error(exc)}"))
             return

@@ -11,7 +11,7 @@ import sys
 from dataclasses import replace
 
 from engine.config import EngineConfig, SamplingParams, WorkerConfig
-from engine.errors import TokentopError
+from engine.errors import ConfigError, TokentopError
 
 EXIT_USAGE = 2
 
@@ -32,7 +32,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=0, help="CPU threads per worker (0 = all)")
     g.add_argument("--max-active", type=int, default=8, help="max running requests per worker")
     g.add_argument("--max-batched-tokens", type=int, default=512, help="token budget per step")
-    g.add_argument("--max-context", type=int, default=4096, help="max prompt + output tokens per request")
+    g.add_argument("--max-context", type=int, default=None,
+                   help="max prompt + output tokens per request (default: the model's, at most 4096)")
     g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     g.add_argument("--kv-cache-memory", default="256MiB", help="KV memory per worker, e.g. 256MiB")
     g.add_argument("--kv-cache", choices=["paged", "contiguous"], default="paged")
@@ -66,9 +67,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
 def engine_config_from(args: argparse.Namespace, default_mode: str = "process") -> EngineConfig:
     from engine.devices import parse_devices, parse_size
 
+    if args.max_context is not None and args.max_context < 2:   # 0 means "the model's" only inside
+        raise ConfigError(f"--max-context must be at least 2 tokens (a prompt token and an output "
+                          f"token), got {args.max_context}; e.g. --max-context 4096")
     base = WorkerConfig(
         model=args.model, threads=args.threads, max_active=args.max_active,
-        max_batched_tokens=args.max_batched_tokens, max_context=args.max_context,
+        max_batched_tokens=args.max_batched_tokens, max_context=args.max_context or 0,
         page_size=args.page_size, kv_cache_memory=parse_size(args.kv_cache_memory),
         kv_cache=args.kv_cache, policy=args.policy, deterministic=args.deterministic,
         activation_dtype=args.activation_dtype, weights=args.weights, recalibrate=args.recalibrate,
@@ -78,6 +82,9 @@ def engine_config_from(args: argparse.Namespace, default_mode: str = "process") 
         # a speed profile only matters when a router has a choice to make
         calibrate=len(args.device or ["cpu"]) > 1 or args.recalibrate)
     workers = parse_devices(args.device or ["cpu"], base)
+    if args.trace_dir:
+        from engine.trace import check_trace_dir
+        check_trace_dir(args.trace_dir)
     return EngineConfig(workers=workers, router_policy=args.router_policy, trace_dir=args.trace_dir,
                         routing_log=args.routing_log, worker_mode=args.worker_mode or default_mode)
 
@@ -178,6 +185,8 @@ def cmd_generate(args) -> int:
         engine.start()
         kw = {"messages": [{"role": "user", "content": prompt}]} if args.chat else {"prompt": prompt}
         handle = engine.submit(params=params, **kw)
+        if handle.notice:
+            print(f"tokentop: note: {handle.notice}", file=sys.stderr)
         if not args.json:
             for delta in handle:
                 sys.stdout.write(delta.text)

@@ -55,6 +55,7 @@ class SamplingParams:
 SPEC_MODES = ("off", "ngram", "draft")
 SPEC_K_POLICIES = ("adaptive:cost", "adaptive:acceptance", "adaptive:length")
 KV_MODES = ("paged", "contiguous")
+DEFAULT_MAX_CONTEXT = 4096   # when --max-context is not given (and the model allows that much)
 SCHED_POLICIES = ("fcfs", "spf")
 
 
@@ -67,7 +68,7 @@ class WorkerConfig:
     threads: int = 0                      # 0 = all cores torch sees
     max_active: int = 8
     max_batched_tokens: int = 512
-    max_context: int = 4096               # per sequence, prompt + output (capped by the model's)
+    max_context: int = 0                  # per sequence, prompt + output; 0 = the model's, at most 4096
     page_size: int = 16
     kv_cache_memory: int = 256 * 2**20    # bytes for K and V pages together
     kv_cache: str = "paged"
@@ -97,6 +98,11 @@ class WorkerConfig:
         return self.device.startswith("sim:")
 
     def validate(self) -> "WorkerConfig":
+        if self.threads < 0:
+            raise ConfigError(f"--threads must be 0 (all cores) or a positive count, got {self.threads}")
+        if self.max_context == 1 or self.max_context < 0:
+            raise ConfigError(f"--max-context must be at least 2 tokens (a prompt token and an output "
+                              f"token), got {self.max_context}; e.g. --max-context 4096")
         if self.max_active < 1:
             raise ConfigError(f"--max-active must be >= 1, got {self.max_active}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -109,6 +115,7 @@ class WorkerConfig:
             raise ConfigError(f"--policy must be one of {', '.join(SCHED_POLICIES)}, got {self.policy!r}")
         if self.kv_cache_memory <= 0:
             raise ConfigError("--kv-cache-memory must be positive, e.g. 256MiB")
+        # what the model needs per page is checked once its header is read (devices.check_model_limits)
         if self.speculate not in SPEC_MODES:
             raise ConfigError(f"--speculate must be one of {', '.join(SPEC_MODES)}, got {self.speculate!r}")
         if self.speculate == "draft" and not self.draft_model:

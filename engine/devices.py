@@ -102,8 +102,50 @@ def parse_size(text: str) -> int:
         if s and s[-1] in units:
             return int(float(s[:-1]) * units[s[-1]])
         return int(float(s))
-    except ValueError:
+    except (ValueError, OverflowError):
         raise ConfigError(f"cannot read size {text!r}; write e.g. 256MiB or 2GiB") from None
+
+
+def format_size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" or n == int(n) else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""
+
+
+# The page table, refcounts and the dashboard's 5 Hz page-state picture cost per page: past
+# 4M pages (64M tokens at 16 per page) no device has the memory and the bookkeeping would swamp it.
+MAX_KV_PAGES = 1 << 22
+
+
+def check_model_limits(workers, model_paths: dict[str, str]) -> None:
+    """Flags that depend on the model, checked as soon as its header is read (before any
+    weights load): --max-context against its trained context, --kv-cache-memory against the
+    size of one KV page (K and V in fp32, as the workers store them)."""
+    import torch
+
+    from engine.models.batch import KVStore
+    from engine.models.gguf import load_gguf
+
+    headers = {}
+    for w in workers:
+        if w.model not in headers:
+            headers[w.model] = load_gguf(model_paths[w.model]).config
+        c = headers[w.model]
+        if w.max_context > c.context_length:
+            raise ConfigError(f"--max-context {w.max_context} is more than {w.model} was trained for "
+                              f"({c.context_length} tokens); use --max-context {c.context_length} or less")
+        page = KVStore.bytes_per_slot(c.n_layers, c.n_kv_heads, c.head_dim, torch.float32) * w.page_size
+        pages = w.kv_cache_memory // page
+        if pages < 1:
+            raise ConfigError(f"--kv-cache-memory {format_size(w.kv_cache_memory)} is less than one KV page "
+                              f"of {w.model} ({w.page_size} tokens need {format_size(page)}); "
+                              "use e.g. --kv-cache-memory 256MiB")
+        if pages > MAX_KV_PAGES:
+            raise ConfigError(f"--kv-cache-memory {format_size(w.kv_cache_memory)} would be {pages:,} KV pages "
+                              f"of {w.model}; a worker manages at most {MAX_KV_PAGES:,} "
+                              f"({format_size(MAX_KV_PAGES * page)}); use e.g. --kv-cache-memory 256MiB")
 
 
 # Resident memory of a CPU worker per byte of GGUF file, measured with `tokentop bench single`

@@ -134,6 +134,8 @@ class WorkerStats:
     prefill_tokens_total: int = 0
     decode_tokens_total: int = 0
     spec: dict | None = None       # the worker's speculative decoding totals
+    preemptions_total: int = 0
+    recomputed_tokens_total: int = 0   # prefill tokens spent recomputing preempted sequences
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,16 @@
 Every step mixes the decode tokens of running sequences with chunks of prompts, under a
 token budget (max_batched_tokens) and at most max_active sequences. When pages run out a
 running sequence is preempted by recompute: its pages are freed and it goes back to the
-front of the queue, to be prefilled again (prompt + output so far). That can never
-deadlock: the oldest running sequence is never preempted for a younger one.
+front of the queue, to be prefilled again (prompt + output so far).
+
+Progress is guaranteed in two ways:
+- no deadlock: the oldest running sequence is never preempted for a younger one;
+- no thrash (paged mode): a waiting sequence, new or preempted, is admitted only when the
+  free pages cover its whole current length plus `decode_headroom` tokens of growth for it
+  and for every running sequence, and never in a step that preempted. So after any
+  admission, no sequence is preempted before some running sequence has decoded
+  `decode_headroom` more tokens: a preempted sequence cannot be re-admitted only to be
+  evicted again at the next page boundary.
 """
 from __future__ import annotations
 
@@ -16,6 +24,7 @@ from engine.kv.pages import BlockManager
 from engine.sequence import Sequence, SeqState
 
 POLICIES = ("fcfs", "spf")
+DECODE_HEADROOM = 128   # tokens of growth reserved per sequence when admitting (paged mode)
 
 
 @dataclass
@@ -46,7 +55,8 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, *, max_active: int, max_batched_tokens: int,
-                 max_context: int, policy: str = "fcfs", prefill_chunk: int = 0):
+                 max_context: int, policy: str = "fcfs", prefill_chunk: int = 0,
+                 decode_headroom: int = DECODE_HEADROOM):
         self.blocks = blocks
         self.max_active = max_active
         self.max_batched_tokens = max_batched_tokens
@@ -55,8 +65,11 @@ class Scheduler:
         # deterministic mode fixes the chunk size so a prompt's chunks never depend on what
         # else is in the batch (0 = whatever the budget leaves)
         self.prefill_chunk = prefill_chunk
+        self.decode_headroom = decode_headroom
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.preemptions = 0            # totals since start, for stats and benchmarks
+        self.recomputed_tokens = 0      # tokens whose KV a preemption threw away (computed again)
 
     # --- queue management -------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -113,12 +126,13 @@ class Scheduler:
             items.append(ScheduledSeq(seq, n + k, n == seq.num_pending, k))
             budget -= n + k
 
-        # 2. admit waiting sequences while there is room
+        # 2. admit waiting sequences while there is room; none in a step that preempted
+        #    (the victim would take back the pages it just gave up)
         for seq in self._admission_order():
-            if budget <= 0 or len(self.running) >= self.max_active:
+            if budget <= 0 or len(self.running) >= self.max_active or preempted:
                 break
             n = self._chunk(seq, budget)
-            if n == 0 or not self._fits(seq, n):
+            if n == 0 or not self._fits(seq, n) or not self._room_to_admit(seq):
                 break   # keep order: don't let later requests overtake on memory
             self.waiting.remove(seq)
             self.blocks.grow(seq, seq.num_computed + n)
@@ -147,6 +161,22 @@ class Scheduler:
     def _fits(self, seq: Sequence, n: int) -> bool:
         return n > 0 and self.blocks.can_grow(seq, seq.num_computed + n)
 
+    def _room_to_admit(self, seq: Sequence) -> bool:
+        """Paged mode: free pages cover seq's whole current length plus the decode headroom of
+        seq and of every running sequence. A lone sequence only needs its current length."""
+        if self.blocks.mode != "paged":
+            return True   # a contiguous region already covers the whole context
+        if not self.running:
+            return self.blocks.pages_needed(seq, seq.num_tokens) <= self.blocks.pool.num_free
+        need = sum(self._reserve(s) for s in (*self.running, seq))
+        return need <= self.blocks.pool.num_free
+
+    def _reserve(self, seq: Sequence) -> int:
+        """Pages seq still lacks for its current length plus decode headroom (capped at its limit)."""
+        limit = min(len(seq.prompt_ids) + seq.params.max_tokens, self.max_context)
+        upto = max(seq.num_tokens, min(seq.num_tokens + self.decode_headroom, limit))
+        return self.blocks.pages_needed(seq, upto)
+
     def _admission_order(self) -> list[Sequence]:
         if self.policy == "spf":
             return sorted(self.waiting, key=lambda s: (s.num_pending, s.arrival))
@@ -157,6 +187,8 @@ class Scheduler:
         return max(others, key=lambda s: s.arrival) if others else None
 
     def _preempt(self, seq: Sequence) -> None:
+        self.preemptions += 1
+        self.recomputed_tokens += seq.num_computed - seq.num_cached
         self.running.remove(seq)
         self.blocks.free(seq)
         seq.num_computed = 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.config import SamplingParams
 from engine.router import RouteDecision
 
 
@@ -27,6 +28,10 @@ class RequestView:
     error: str | None
     burst: str | None
     age: float               # seconds since submission
+    finish_reason: str | None = None   # stop | length | abort | error, once it has ended
+    prompt: str = ""                   # the text as submitted (a chat rendered by its template)
+    params: SamplingParams | None = None
+    notice: str | None = None   # how the request was taken, said once (e.g. max_tokens lowered)
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,11 @@ class WorkerView:
     profile_prefill_tps: float
     profile_decode_tps: float
     max_active: int
+    kv_bytes: int = 0                  # memory of the whole KV page pool
+    cpu_percent: float | None = None   # 100 = one core; None where it cannot be measured
+    rss_bytes: int | None = None       # the worker process's resident memory (process mode)
+    preemptions: int = 0          # since the worker started
+    recomputed_tokens: int = 0    # tokens whose KV preemptions threw away, computed again
 
 
 @dataclass(frozen=True)
@@ -73,3 +83,4 @@ class EngineSnapshot:
     router_policy: str
     log: tuple[LogLine, ...]
     tracing: bool
+    uptime: float = 0.0                # seconds since the engine started

@@ -12,8 +12,8 @@ from collections import deque
 from contextlib import nullcontext
 
 from engine import messages as msg
-from engine.config import WorkerConfig
-from engine.errors import TokentopError
+from engine.config import DEFAULT_MAX_CONTEXT, WorkerConfig
+from engine.errors import ConfigError, TokentopError
 from engine.kv.pages import BlockManager, PagePool
 from engine.profile import worker_profile
 from engine.scheduler import Scheduler
@@ -37,11 +37,18 @@ class Worker:
             from engine.runner import ModelRunner
             self.runner = ModelRunner(cfg, model_path)
         self.tokenizer = self.runner.tokenizer
-        self.max_context = min(cfg.max_context, self.runner.model_context)
-        num_pages = max(1, cfg.kv_cache_memory // (self.runner.bytes_per_slot * cfg.page_size))
+        self.max_context = min(cfg.max_context or DEFAULT_MAX_CONTEXT, self.runner.model_context)
+        num_pages = cfg.kv_cache_memory // (self.runner.bytes_per_slot * cfg.page_size)
+        if num_pages < 1:   # also refused at start-up, from the model's header
+            raise ConfigError(f"--kv-cache-memory {cfg.kv_cache_memory} bytes is less than one KV page; "
+                              "use e.g. --kv-cache-memory 256MiB")
         region_pages = -(-self.max_context // cfg.page_size)
+        capped_by_kv = False
         if cfg.kv_cache == "contiguous":
             num_pages = max(num_pages, region_pages)
+        elif num_pages * cfg.page_size < self.max_context:
+            # no sequence can outgrow the pool: its size is the real context limit
+            self.max_context, capped_by_kv = num_pages * cfg.page_size, True
         self.runner.allocate_kv(num_pages * cfg.page_size)
         self.pool = PagePool(num_pages, cfg.page_size)
         self.blocks = BlockManager(self.pool, cfg.kv_cache, region_pages)
@@ -68,7 +75,8 @@ class Worker:
         self.stopping = False
         emit(msg.WorkerReady(index, {
             **self.runner.info, "pages": num_pages, "page_size": cfg.page_size,
-            "max_context": self.max_context, "kv_bytes": num_pages * cfg.page_size * self.runner.bytes_per_slot,
+            "max_context": self.max_context, "context_capped_by_kv": capped_by_kv,
+            "kv_bytes": num_pages * cfg.page_size * self.runner.bytes_per_slot,
             "device": cfg.device, "simulated": cfg.simulated, "name": cfg.name or cfg.device,
             "max_active": cfg.max_active, "policy": cfg.policy, "kv_cache": cfg.kv_cache,
             "profile_prefill_tps": profile.get("prefill_tps", 0.0),
@@ -292,9 +300,9 @@ class Worker:
             return
         seq = self.scheduler.waiting[0]
         finished: list[msg.Finished] = []
-        self._finish(seq, "error", f"request needs more KV pages than this worker has "
-                     f"({self.pool.num_pages} pages of {self.cfg.page_size}); raise --kv-cache-memory "
-                     "or lower max_tokens", finished)
+        pages = f"{self.pool.num_pages} page{'s' if self.pool.num_pages != 1 else ''}"
+        self._finish(seq, "error", f"the request needs more KV pages than this worker has ({pages} of "
+                     f"{self.cfg.page_size} tokens); raise --kv-cache-memory or lower max_tokens", finished)
         self.emit(msg.StepEvents(self.index, (), tuple(finished)))
 
     # --- stats ------------------------------------------------------------------------
@@ -331,6 +339,8 @@ class Worker:
             page_states=self.pool.states(), prefill_tps=prefill_tps, decode_tps=decode_tps,
             steps=self.steps, tokens_in_last_step=self.last_step_tokens, policy=self.scheduler.policy,
             seqs=seqs, prefill_tokens_total=self.prefill_total, decode_tokens_total=self.decode_total,
+            preemptions_total=self.scheduler.preemptions,
+            recomputed_tokens_total=self.scheduler.recomputed_tokens,
             spec=self.spec.stats.as_dict() if self.spec is not None else None))
 
 

@@ -12,6 +12,7 @@ from textual.containers import VerticalScroll
 from textual.content import Content
 from textual.widgets import Static
 
+from app.widgets.fmt import short_worker
 from app.widgets.requests import request_number
 from engine.snapshot import RequestView
 
@@ -42,9 +43,10 @@ def stream_lines(label: str, text: str, width: int, max_lines: int = TAIL_LINES)
     return [plain[i:i + width] for i in range(0, len(plain), width)] or [label]
 
 
-def stream_content(r: RequestView, width: int) -> tuple[Content, int]:
+def stream_content(r: RequestView, width: int, names: dict[int, str] | None = None) -> tuple[Content, int]:
     """The stream's rendering and its height in lines."""
-    label = f" {r.id} w{r.worker if r.worker is not None else '-'} "
+    worker = "-" if r.worker is None else short_worker((names or {}).get(r.worker, f"w{r.worker}"))
+    label = f" {r.id} {worker} "
     body = r.text_tail or f"({r.state})"
     if r.state == "error":
         body += f"  {r.error or 'error'}"
@@ -65,11 +67,17 @@ class StreamsPanel(VerticalScroll):
         super().__init__(**kwargs)
         self._shown: dict[str, tuple[Static, tuple]] = {}   # request id -> (widget, what it shows)
         self._empty = Static("[$text-muted]no active requests[/]")
+        self._last: tuple[tuple[RequestView, ...], dict[int, str] | None] = ((), None)
 
     def compose(self):
         yield self._empty
 
-    def show_streams(self, requests: tuple[RequestView, ...]) -> None:
+    def on_resize(self) -> None:
+        # Streams are wrapped here to the panel's width: wrap them again at the new one.
+        self.call_after_refresh(self.show_streams, *self._last)
+
+    def show_streams(self, requests: tuple[RequestView, ...], names: dict[int, str] | None = None) -> None:
+        self._last = (requests, names)
         wanted = streams_to_show(requests)
         width = max(20, self.scrollable_content_region.width)
         following = self.scroll_y >= self.max_scroll_y   # at the bottom: keep the newest in view
@@ -77,7 +85,7 @@ class StreamsPanel(VerticalScroll):
         for rid in [rid for rid in self._shown if rid not in keep]:
             self._shown.pop(rid)[0].remove()
         for r in wanted:
-            content, height = stream_content(r, width)
+            content, height = stream_content(r, width, names)
             key = (r.state, content.plain)    # Content compares its text only, not its styles
             widget, shown = self._shown.get(r.id, (None, None))
             if widget is None:

@@ -2,7 +2,9 @@
 
 single    prefill tok/s (500-token prompt) and one-stream decode tok/s (128 tokens), peak RSS,
           per model, as ratios to llama.cpp's figures measured on this machine (models.md)
-batching  N concurrent requests vs the same requests one after another; paged vs contiguous
+batching  N concurrent requests vs the same requests one after another; paged vs contiguous;
+          memory pressure: 8 x 1000 tokens on a simulated worker with 48 MiB vs 1 GiB of KV
+          (preemptions and recomputed tokens)
 """
 from __future__ import annotations
 
@@ -190,13 +192,49 @@ def bench_batching(args) -> dict:
     finally:
         stop_engine(paged)
         stop_engine(contiguous)
+    pressure = [_memory_pressure(args, kv_memory) for kv_memory in ("48MiB", "1GiB")]
     return {
         "output_tokens": out_tokens, "runs": runs, "model": args.model, "batching": table,
         "aggregate_n8_over_n1": round(eight / one, 3), "paged_vs_contiguous": kv,
+        "memory_pressure": pressure,
         "goals": {"batched_ge_sequential_all_n": all(t["ratio"] >= 1.0 for t in table),
                   "n8_at_least_3x_one_stream": eight / one >= 3.0,
                   "paged_ge_95pct_contiguous": all(k["paged_over_contiguous"] >= 0.95 for k in kv)},
     }
+
+
+PRESSURE_DEVICE = "sim:fast:prefill=25000,decode=4000"
+
+
+def _memory_pressure(args, kv_memory: str, n: int = 8, out_tokens: int = 1000) -> dict:
+    """n requests x out_tokens at once on a simulated worker (the model's KV geometry, no
+    forward pass) with kv_memory of KV: what preemption costs when the pool is too small."""
+    from engine.devices import parse_devices, parse_size
+
+    worker = parse_devices([PRESSURE_DEVICE], base_worker(args, max_active=8,
+                                                          kv_cache_memory=parse_size(kv_memory)))
+    engine = start_engine(worker)
+    try:
+        params = SamplingParams(max_tokens=out_tokens, ignore_eos=True)
+        prompts = [prompt_of(engine, 24, f"pressure request {i}: ") for i in range(n)]
+        t0 = time.perf_counter()
+        results = [h.result() for h in [engine.submit(prompt_ids=p, params=params) for p in prompts]]
+        wall = time.perf_counter() - t0
+        assert all(r.finish_reason == "length" for r in results), [r.error for r in results]
+        deadline = time.monotonic() + 5   # the worker's totals arrive with its next stats (5 Hz)
+        preemptions = [r.metrics.preemptions for r in results]
+        while time.monotonic() < deadline:
+            w = engine.snapshot().workers[0]
+            if w.preemptions == sum(preemptions):
+                break
+            time.sleep(0.05)
+        return {"device": PRESSURE_DEVICE, "simulated": True, "kv_cache_memory": kv_memory,
+                "kv_pages": w.pages_total, "page_size": w.page_size, "requests": n,
+                "output_tokens": out_tokens, "wall_s": round(wall, 2),
+                "preemptions_per_request": preemptions, "recomputed_tokens": w.recomputed_tokens,
+                "useful_tokens": sum(len(r.prompt_token_ids) + len(r.token_ids) for r in results)}
+    finally:
+        stop_engine(engine)
 
 
 # --- routing -----------------------------------------------------------------------------

@@ -74,7 +74,7 @@ class SpecController:
         draft_rounds = 0
         for seq in sorted(spec, key=lambda s: s.arrival):
             # drafts take only what this step's prefill chunks leave of the budget
-            max_k = min(seq.remaining_decode - 1, self.cfg.max_context - seq.num_tokens,
+            max_k = min(seq.remaining_decode - 1, scheduler.max_context - seq.num_tokens,
                         max(0, budget - rows))
             ctx = StepContext(self.cost, rows, other, draft_rounds, seq.spec.mode == "draft", max_k)
             k = max(0, min(seq.spec.policy.next_k(ctx), max_k))
