@@ -110,7 +110,7 @@ def build_parser() -> OneLineParser:
     add_engine_flags(g)
 
     b = sub.add_parser("bench", help="benchmarks (JSON out)")
-    b.add_argument("scenario", choices=["single", "batching", "routing", "dashboard", "trace"])
+    b.add_argument("scenario", choices=["single", "batching", "routing", "dashboard", "trace", "spec"])
     b.add_argument("--models", default="qwen2.5-coder-0.5b", help="comma-separated (bench single)")
     b.add_argument("--runs", type=int, default=3)
     b.add_argument("--quick", action="store_true", help="fewer/shorter runs (smoke test)")

@@ -22,6 +22,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int = 0                 # top-n logprobs per generated token, 0 = off
     speculate: str = ""               # "" = the worker's default, or off | ngram | draft
+    spec_k: str = ""                  # "" = the worker's --spec-k, or N | adaptive:POLICY
+    spec_tv_budget: float | None = None   # None = the worker's --spec-tv-budget
 
     def validate(self) -> "SamplingParams":
         def bad(msg: str) -> None:
@@ -45,6 +47,11 @@ class SamplingParams:
             bad("stop strings must be non-empty strings")
         if self.speculate not in ("",) + SPEC_MODES:
             bad(f"speculate must be one of {', '.join(SPEC_MODES)}, got {self.speculate!r}")
+        if self.spec_k and self.spec_k not in SPEC_K_POLICIES and not (
+                self.spec_k.isdigit() and 0 <= int(self.spec_k) <= 16):
+            bad(f"spec_k must be a number 0-16 or one of {', '.join(SPEC_K_POLICIES)}, got {self.spec_k!r}")
+        if self.spec_tv_budget is not None and not 0.0 <= self.spec_tv_budget <= 1.0:
+            bad(f"spec_tv_budget must be in [0, 1] (0 = lossless), got {self.spec_tv_budget}")
         return self
 
     @property

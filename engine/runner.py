@@ -54,7 +54,7 @@ class ModelRunner:
         if self.draft is not None:   # the draft's K/V share the slots (and the memory budget)
             self.bytes_per_slot += self.draft.bytes_per_slot
         self.kv: KVStore | None = None
-        self.spec_tv_budget, self.spec_bonus = cfg.spec_tv_budget, cfg.spec_bonus
+        self.spec_bonus = cfg.spec_bonus
         self.info = {"model": cfg.model, "arch": gf.config.arch, "dtype": str(dtype).replace("torch.", ""),
                      "weights": cfg.weights, "simulated": False, "layers": gf.config.n_layers}
 
@@ -104,7 +104,7 @@ class ModelRunner:
                     try:
                         sampled[seq.id] = verify(
                             logits[first:first + n], seq.draft_ids[:n - 1], seq.sampler,
-                            draft_probs=seq.spec.draft_probs, tv_budget=self.spec_tv_budget,
+                            draft_probs=seq.spec.draft_probs, tv_budget=seq.spec.tv_budget,
                             bonus=self.spec_bonus)
                     except SamplingError as exc:
                         errors[seq.id] = str(exc)

@@ -60,7 +60,10 @@ class Worker:
         self.spec = None
         if not cfg.simulated:
             from engine.spec.controller import SpecController
-            self.spec = SpecController(cfg, getattr(self.runner, "draft", None))
+            self.spec = SpecController(cfg, self.runner, self.blocks)
+            if cfg.speculate != "off" or self.spec.draft is not None:
+                emit(msg.WorkerLoading(index, "measuring verify and draft step costs"))
+                self.spec.calibrate()   # else on the first speculating request
         profile = {}
         if cfg.calibrate or cfg.simulated:
             emit(msg.WorkerLoading(index, "measuring prefill / decode speed (first use only)"))

@@ -169,18 +169,18 @@ def test_cost_policy_turns_itself_off_when_drafts_fail_or_rows_are_expensive():
     good = CostK()
     for _ in range(20):
         good.update(4, 4)
-    assert good.next_k(StepContext(cost, 1, 0.0, 0, False, 8)) >= 4
+    assert good.next_k(StepContext(cost, 1, 0.0, 0, 0, False, 8)) >= 4
     bad = CostK()
     for _ in range(20):
         bad.update(4, 0)
-    assert bad.next_k(StepContext(cost, 1, 0.0, 0, False, 8)) == 0
+    assert bad.next_k(StepContext(cost, 1, 0.0, 0, 0, False, 8)) == 0
     busy = CostModel()
     for rows in (8, 16, 24, 8, 16, 24):
         busy.add_target(rows, 0.004 * rows)            # every row costs as much as a decode
     half = CostK()
     for _ in range(20):
         half.update(4, 2)
-    assert half.next_k(StepContext(busy, 16, 15.0, 0, False, 8)) == 0
+    assert half.next_k(StepContext(busy, 16, 15.0, 0, 0, False, 8)) == 0
 
 
 # --- rollback --------------------------------------------------------------------------

@@ -424,3 +424,6 @@ def bench_dashboard(args) -> dict:
             "dashboard_over_headless": round(median(b) / median(a), 3),
             "headless_runs": a, "dashboard_runs": b,
             "goals": {"dashboard_costs_le_5pct": median(b) / median(a) >= 0.95}}
+
+
+from engine.bench.spec import bench_spec  # noqa: E402,F401  (tokentop bench spec)

@@ -27,6 +27,7 @@ class SeqSpec:
     """A request's speculation state."""
     mode: str                       # ngram | draft
     policy: object
+    tv_budget: float = 0.0          # mentored decoding's D (0 = lossless)
     stats: SpecStats = field(default_factory=SpecStats)
     draft_probs: object = None      # q of this round's drafts (draft model, sampled requests)
     _draft_gen: object = None
@@ -39,14 +40,18 @@ class SeqSpec:
         return self._draft_gen
 
 
+CALIBRATE_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16)
+CALIBRATE_PROMPT = 32
+
+
 class SpecController:
-    def __init__(self, cfg: WorkerConfig, draft=None):
+    def __init__(self, cfg: WorkerConfig, runner, blocks):
         self.cfg = cfg
-        self.draft = draft                   # engine.spec.draft.DraftModel or None
+        self.runner, self.blocks = runner, blocks
+        self.draft = getattr(runner, "draft", None)   # engine.spec.draft.DraftModel or None
+        self.calibrated = False
         self.stats = SpecStats()             # the worker's totals
         self.cost = CostModel()
-        self.bonus = cfg.spec_bonus
-        self.tv_budget = cfg.spec_tv_budget
 
     @property
     def modes(self) -> tuple[str, ...]:
@@ -57,7 +62,9 @@ class SpecController:
         if mode == "draft" and self.draft is None:
             raise InvalidRequest("speculate=draft needs a worker started with --draft-model; "
                                  "use speculate=ngram or off")
-        seq.spec = None if mode == "off" else SeqSpec(mode, make_policy(self.cfg.spec_k))
+        p = seq.params
+        tv = self.cfg.spec_tv_budget if p.spec_tv_budget is None else p.spec_tv_budget
+        seq.spec = None if mode == "off" else SeqSpec(mode, make_policy(p.spec_k or self.cfg.spec_k), tv)
 
     # --- before scheduling --------------------------------------------------------------
     def prepare(self, scheduler) -> None:
@@ -68,15 +75,18 @@ class SpecController:
             s.spec_want, s.draft_ids = 0, []
         if not spec:
             return
+        if not self.calibrated:
+            self.calibrate()
         budget = scheduler.max_batched_tokens
         rows = len(decoding) + _prefill_rows(scheduler, budget - len(decoding))
         other = float(len(decoding) - 1)
+        n_draft = sum(s.spec.mode == "draft" for s in spec)
         draft_rounds = 0
         for seq in sorted(spec, key=lambda s: s.arrival):
             # drafts take only what this step's prefill chunks leave of the budget
             max_k = min(seq.remaining_decode - 1, scheduler.max_context - seq.num_tokens,
                         max(0, budget - rows))
-            ctx = StepContext(self.cost, rows, other, draft_rounds, seq.spec.mode == "draft", max_k)
+            ctx = StepContext(self.cost, rows, other, draft_rounds, n_draft, seq.spec.mode == "draft", max_k)
             k = max(0, min(seq.spec.policy.next_k(ctx), max_k))
             seq.spec.stats.k = k
             if k and seq.spec.mode == "ngram":
@@ -91,6 +101,48 @@ class SpecController:
                 if seq.spec.mode == "draft":
                     draft_rounds = max(draft_rounds, k)
 
+    def calibrate(self) -> None:
+        """Measure a verify step by rows, and a draft step, on a scratch sequence (about a
+        second on the 1.5B); skipped while the pool is too full, the steps then teach it."""
+        from engine.config import SamplingParams
+        from engine.scheduler import ScheduledSeq, StepPlan
+        from engine.spec.policy import FixedK
+
+        runner, blocks = self.runner, self.blocks
+        n, k_max = CALIBRATE_PROMPT, max(CALIBRATE_ROWS) - 1
+        pages = 2 * (-(-(n + k_max + 1) // blocks.page_size))
+        if blocks.mode != "paged" or blocks.pool.num_free < pages:
+            return
+        prompt = (runner.tokenizer.encode("calibration " * n, add_special=False) * 2)[:n]
+        seq = Sequence("spec-calibration", prompt, SamplingParams(max_tokens=k_max + 2))
+        runner.start_sequence(seq)
+        seq.spec = SeqSpec("ngram", FixedK(0))
+        try:
+            with get_tracer().scope("spec calibration"):
+                blocks.grow(seq, n)
+                runner.execute(StepPlan([ScheduledSeq(seq, n, True)], []), blocks)
+                seq.num_computed, seq.output_ids = n, [prompt[-1]]
+                for _ in range(2):
+                    for rows in CALIBRATE_ROWS:
+                        seq.draft_ids = prompt[:rows - 1]
+                        blocks.grow(seq, n + rows)
+                        t0 = time.perf_counter()
+                        runner.execute(StepPlan([ScheduledSeq(seq, rows, True, rows - 1)], []), blocks)
+                        seconds = time.perf_counter() - t0
+                        old = self.cost.target.table.get(rows)
+                        self.cost.target.table[rows] = seconds if old is None else min(old, seconds)
+                if self.draft is not None:
+                    for _ in range(2):
+                        _, timings = self.draft.propose([(seq, 4)], blocks)
+                        for r, seconds in timings:
+                            old = self.cost.draft.table.get(r)
+                            self.cost.draft.table[r] = seconds if old is None else min(old, seconds)
+                        blocks.truncate_draft(seq, seq.num_computed)
+        finally:
+            blocks.free(seq)
+            runner.end_sequence(seq)
+        self.calibrated = True
+
     # --- after scheduling ---------------------------------------------------------------
     def propose(self, plan, blocks) -> None:
         """Draft-model proposals for the scheduled requests; a request the draft could not
@@ -98,10 +150,9 @@ class SpecController:
         items = [i for i in plan.items if i.draft and i.seq.spec is not None and i.seq.spec.mode == "draft"]
         if not items or self.draft is None:
             return
-        t0 = time.perf_counter()
-        got, steps, rows = self.draft.propose([(i.seq, i.draft) for i in items], blocks)
-        if steps:
-            self.cost.add_draft(rows / steps, (time.perf_counter() - t0) / steps)
+        got, timings = self.draft.propose([(i.seq, i.draft) for i in items], blocks)
+        for rows, seconds in timings:
+            self.cost.add_draft(rows, seconds)
         for item in items:
             drafts, q = got.get(item.seq.id, ([], None))
             drafts = drafts[:item.draft]

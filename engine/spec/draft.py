@@ -16,6 +16,8 @@ from a generator of their own so the target's random stream is untouched.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from engine.errors import ConfigError
@@ -62,8 +64,10 @@ class DraftModel:
         self.kv = self.model.new_kv_store(num_slots, dtype=self.kv_dtype)
 
     @torch.inference_mode()
-    def propose(self, requests: list, blocks) -> tuple[dict, int, int]:
-        """requests: [(seq, k)]. Returns ({seq id: (drafts, q [k, V] or None)}, steps, rows)."""
+    def propose(self, requests: list, blocks) -> tuple[dict, list]:
+        """requests: [(seq, k)]. Returns ({seq id: (drafts, q [k, V] or None)}, timings), with
+        timings [(rows, seconds)] of the decode steps after the catch-up: what one more
+        draft token costs."""
         tracer = get_tracer()
         live = []
         for seq, k in requests:
@@ -71,17 +75,16 @@ class DraftModel:
             if blocks.grow_draft(seq, seq.num_tokens + k - 1):
                 live.append([seq, k, [], []])
         out = {}
-        steps = rows = 0
+        timings = []
         if not live:
-            return out, 0, 0
+            return out, timings
         saved = {id(r[0]): dict(r[0].sampler.generated_counts) for r in live}
         try:
             step = 0
             while live:
+                t0 = time.perf_counter()
                 with tracer.scope("draft step", step=step, requests=len(live)):
                     logits = self._forward(live, blocks, first=step == 0)
-                steps += 1
-                rows += len(live)
                 for row, r in enumerate(live):
                     seq = r[0]
                     tok, q = self._draw(logits[row], seq)
@@ -95,6 +98,8 @@ class DraftModel:
                         out[r[0].id] = (r[2], torch.stack(r[3]) if r[3] else None)
                     else:
                         still.append(r)
+                if step:
+                    timings.append((len(live), time.perf_counter() - t0))
                 live = still
                 step += 1
         finally:
@@ -102,7 +107,7 @@ class DraftModel:
                 if id(seq) in saved:
                     seq.sampler.generated_counts = saved[id(seq)]
                     seq.sampler._penalty_index = None
-        return out, steps, rows
+        return out, timings
 
     def _forward(self, live: list, blocks, first: bool) -> torch.Tensor:
         token_ids, positions, write_slots, seqs, logits_rows = [], [], [], [], []

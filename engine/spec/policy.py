@@ -61,45 +61,49 @@ class LengthK:
         self.k = max(K_MIN, min(K_MAX, round(self.ema) + 1))
 
 
-class LinearFit:
-    """seconds ~ a + b * rows, least squares with exponential forgetting."""
+class RowCost:
+    """Seconds of a step by its exact row count: measured at start-up (calibrate), then kept
+    current by the steps the worker runs (EMA). Kernels change at row thresholds (this CPU's
+    int4 kernel costs about the same for 1-4 rows and 50% more from 5), so no straight line
+    would do; unseen counts are interpolated, or extrapolated from the last two."""
 
-    def __init__(self, decay: float = 0.97):
-        self.decay = decay
-        self.s = self.sx = self.sy = self.sxx = self.sxy = 0.0
+    ALPHA = 0.2
 
-    def add(self, x: float, y: float) -> None:
-        d = self.decay
-        self.s, self.sx, self.sy = d * self.s + 1, d * self.sx + x, d * self.sy + y
-        self.sxx, self.sxy = d * self.sxx + x * x, d * self.sxy + x * y
+    def __init__(self):
+        self.table: dict[int, float] = {}
 
     @property
     def known(self) -> bool:
-        return self.s > 0
+        return bool(self.table)
 
-    def coef(self) -> tuple[float, float]:
-        """(a, b); with one distinct row count seen, b is a guess of 5% of a per row."""
-        if not self.s:
-            return 0.0, 0.0
-        mx, my = self.sx / self.s, self.sy / self.s
-        var = self.sxx / self.s - mx * mx
-        if var < 0.25:
-            b = 0.05 * my / max(mx, 1.0)
-        else:
-            b = max(0.0, (self.sxy / self.s - mx * my) / var)
-        return max(0.0, my - b * mx), b
+    def add(self, rows: int, seconds: float) -> None:
+        old = self.table.get(rows)
+        self.table[rows] = seconds if old is None else (1 - self.ALPHA) * old + self.ALPHA * seconds
 
-    def __call__(self, x: float) -> float:
-        a, b = self.coef()
-        return a + b * x
+    def __call__(self, rows: float) -> float:
+        if not self.table:
+            return 0.0
+        if rows in self.table:
+            return self.table[rows]
+        xs = sorted(self.table)
+        if len(xs) == 1:
+            return self.table[xs[0]] * (1 + 0.05 * (rows - xs[0]))
+        lo = max((x for x in xs if x < rows), default=None)
+        hi = min((x for x in xs if x > rows), default=None)
+        if lo is None:
+            lo, hi = xs[0], xs[1]
+        elif hi is None:
+            lo, hi = xs[-2], xs[-1]
+        slope = (self.table[hi] - self.table[lo]) / (hi - lo)
+        return max(0.0, self.table[lo] + slope * (rows - lo))
 
 
 class CostModel:
     """A worker's measured costs: a target step by its rows, a draft step by its rows."""
 
     def __init__(self):
-        self.target = LinearFit()
-        self.draft = LinearFit()
+        self.target = RowCost()
+        self.draft = RowCost()
 
     def add_target(self, rows: int, seconds: float) -> None:
         self.target.add(rows, seconds)
@@ -115,8 +119,10 @@ class StepContext:
     base_rows: int          # rows of the step without this request's drafts
     other_tokens: float     # tokens the step emits for everyone else
     draft_rounds: int       # draft-model steps already planned by others (0 for n-gram)
+    draft_rows: int         # requests drafting with the model in this step (rows of a draft step)
     uses_draft: bool        # the request drafts with a model (each k costs a draft step)
     max_k: int
+
 
 
 class CostK:
@@ -156,7 +162,7 @@ class CostK:
         for k in range(0, max_k + 1):
             seconds = cost.target(ctx.base_rows + k)
             if ctx.uses_draft and k > ctx.draft_rounds:
-                seconds += (k - ctx.draft_rounds) * cost.draft(ctx.base_rows)
+                seconds += (k - ctx.draft_rounds) * cost.draft(ctx.draft_rows)
             rate = (ctx.other_tokens + self.expected_tokens(k)) / max(seconds, 1e-9)
             if rate > best_rate * 1.001:     # ties go to the shorter draft
                 best_k, best_rate = k, rate
