@@ -73,6 +73,8 @@ class _Record:
     last_token_at: float | None = None
     finished_at: float | None = None
     notice: str | None = None      # said once about how the request was taken (max_tokens lowered)
+    spec: dict | None = None       # speculative decoding counters, as the worker last sent them
+    drafted: list = field(default_factory=list)   # [start, end) of text from accepted drafts
 
 
 class RequestHandle:
@@ -156,6 +158,8 @@ class _WorkerSlot:
     prefill_hist: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
     decode_hist: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
     profile: tuple[float, float] = (0.0, 0.0)
+    spec_hist: deque = field(default_factory=lambda: deque(maxlen=HISTORY))   # acceptance per report
+    spec_seen: tuple[int, int] = (0, 0)      # (draft tokens, accepted) at the last report
 
 
 class Engine:
@@ -169,6 +173,7 @@ class Engine:
         self._progress = progress
         self._lock = threading.RLock()
         self._ids = itertools.count(1)
+        self.spec_mode = ""   # speculation of new requests that do not choose: "" = the workers' default
         self._records: dict[str, _Record] = {}
         self._handles: dict[str, RequestHandle] = {}
         self._finished: deque[str] = deque()
@@ -294,6 +299,8 @@ class Engine:
         A special token spelled in a plain prompt is plain text unless parse_special (trusted
         prompts only); in chat messages it is always plain text."""
         params = (params or SamplingParams()).validate()
+        if not params.speculate and self.spec_mode:   # the dashboard's choice for new requests
+            params = replace(params, speculate=self.spec_mode)
         ids = self.encode(prompt, messages, prompt_ids, parse_special=parse_special)
         now = time.monotonic()
         with self._lock:
@@ -406,6 +413,21 @@ class Engine:
                 w.commands.put(msg.SetPolicy(policy))
         self._log_line("info", f"scheduler policy -> {policy}")
 
+    def set_spec_mode(self, mode: str) -> None:
+        """Speculative decoding of new requests: off, ngram, draft ("" = the workers' default)."""
+        from engine.config import SPEC_MODES
+
+        if mode and mode not in SPEC_MODES:
+            raise ConfigError(f"speculation mode must be one of {', '.join(SPEC_MODES)}, got {mode!r}")
+        self.spec_mode = mode
+
+    def spec_modes(self) -> tuple[str, ...]:
+        """Modes every ready worker can serve (draft only where all have a draft model)."""
+        with self._lock:
+            sets = [set(w.info.get("spec_modes", ("off",))) for w in self._workers if w.state == "ready"]
+        common = set.intersection(*sets) if sets else {"off"}
+        return tuple(m for m in ("off", "ngram", "draft") if m in common)
+
     def set_router_policy(self, policy: str) -> None:
         with self._lock:
             self.router.set_policy(policy)
@@ -482,6 +504,14 @@ class Engine:
                     rec.last_token_at = time.monotonic()
                     if rec.first_token_at is None:
                         rec.first_token_at = rec.last_token_at
+                if d.drafted and d.text:
+                    start = len(rec.text)
+                    if rec.drafted and rec.drafted[-1][1] == start:
+                        rec.drafted[-1][1] += len(d.text)
+                    else:
+                        rec.drafted.append([start, start + len(d.text)])
+                    while rec.drafted and rec.drafted[0][1] < start - TEXT_TAIL:
+                        rec.drafted.pop(0)
                 rec.text += d.text
                 rec.state = "decode"
                 deliveries.append((rec.id, d))
@@ -490,6 +520,8 @@ class Engine:
                 if rec is None:
                     continue
                 rec.finish_reason, rec.error, rec.metrics = f.reason, f.error, f.metrics
+                if f.metrics is not None and f.metrics.spec is not None:
+                    rec.spec = f.metrics.spec
                 rec.state = {"error": "error", "abort": "aborted"}.get(f.reason, "finished")
                 rec.finished_at = time.monotonic()
                 self._finished.append(rec.id)
@@ -513,11 +545,17 @@ class Engine:
             w.stats = s
             w.prefill_hist.append(s.prefill_tps)
             w.decode_hist.append(s.decode_tps)
+            if s.spec is not None:
+                drafted, accepted = s.spec["draft_tokens"], s.spec["accepted_tokens"]
+                if drafted > w.spec_seen[0]:
+                    w.spec_hist.append((accepted - w.spec_seen[1]) / (drafted - w.spec_seen[0]))
+                w.spec_seen = (drafted, accepted)
             for v in s.seqs:
                 rec = self._records.get(v.request_id)
                 if rec is None or rec.finish_reason is not None:
                     continue
                 rec.computed, rec.cached = v.computed_tokens, v.cached_tokens
+                rec.spec = v.spec
                 rec.state = {"waiting": "queued"}.get(v.state, v.state)
                 if rec.state != "queued" and rec.prefill_at is None:
                     rec.prefill_at = time.monotonic()
@@ -602,7 +640,9 @@ class Engine:
             steps=s.steps if s else 0, profile_prefill_tps=pre, profile_decode_tps=dec,
             max_active=w.cfg.max_active, preemptions=s.preemptions_total if s else 0,
             recomputed_tokens=s.recomputed_tokens_total if s else 0, kv_bytes=info.get("kv_bytes", 0),
-            cpu_percent=cpu, rss_bytes=rss)
+            cpu_percent=cpu, rss_bytes=rss, spec=s.spec if s else None,
+            spec_history=tuple(w.spec_hist), spec_modes=tuple(info.get("spec_modes", ("off",))),
+            draft_model=info.get("draft_model", ""))
 
     def _worker_usage(self, w: _WorkerSlot) -> tuple[float | None, int | None]:
         if w.state not in ("ready", "loading") or w.process is None:
@@ -622,6 +662,7 @@ class Engine:
             ttft=m.ttft if m and m.ttft is not None else seen[1],
             itl_mean=m.itl_mean if m else seen[2], e2e=m.e2e if m else end - r.arrival,
             text_tail=r.text[-TEXT_TAIL:], error=r.error, burst=r.burst, age=now - r.arrival,
+            spec=r.spec, drafted_spans=_tail_spans(r.drafted, len(r.text)),
             finish_reason=r.finish_reason, prompt=r.prompt_text, params=r.params,
             notice=r.notice)
 
@@ -709,6 +750,12 @@ def _seen_timings(rec: _Record) -> tuple[float | None, float | None, float | Non
     itl = ((rec.last_token_at - rec.first_token_at) / (n - 1)
            if n > 1 and rec.first_token_at is not None and rec.last_token_at is not None else None)
     return queue_time, ttft, itl, None
+
+
+def _tail_spans(spans: list, text_len: int) -> tuple[tuple[int, int], ...]:
+    """Drafted [start, end) ranges, relative to the text tail the snapshot carries."""
+    off = max(0, text_len - TEXT_TAIL)
+    return tuple((max(0, a - off), b - off) for a, b in spans if b > off)
 
 
 def _alive(proc) -> bool:
