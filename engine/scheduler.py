@@ -110,6 +110,8 @@ class Scheduler:
             if k and not self._fits(seq, n + k):
                 k = 0   # drafts never preempt anyone
             while not self._fits(seq, n):
+                if self._drop_draft_pages():
+                    continue   # a draft model's K/V is only a cache: it goes before any request
                 # running sequences are visited oldest first, so a younger victim has not
                 # been scheduled in this step yet: nothing to take back from `items`
                 victim = self._youngest_other(seq)
@@ -132,6 +134,8 @@ class Scheduler:
             if budget <= 0 or len(self.running) >= self.max_active or preempted:
                 break
             n = self._chunk(seq, budget)
+            if n and not (self._fits(seq, n) and self._room_to_admit(seq)):
+                self._drop_draft_pages()
             if n == 0 or not self._fits(seq, n) or not self._room_to_admit(seq):
                 break   # keep order: don't let later requests overtake on memory
             self.waiting.remove(seq)
@@ -157,6 +161,14 @@ class Scheduler:
         if not seq.spec_want or n != 1 or seq.num_pending != 1:
             return 0
         return max(0, min(seq.spec_want, budget - n, self.max_context - seq.num_tokens))
+
+    def _drop_draft_pages(self) -> bool:
+        """Release every running sequence's draft-model pages (speculative decoding; the
+        draft catches up when it drafts again). False when there were none."""
+        holders = [s for s in self.running if s.draft_table]
+        for s in holders:
+            self.blocks.truncate_draft(s, 0)
+        return bool(holders)
 
     def _fits(self, seq: Sequence, n: int) -> bool:
         return n > 0 and self.blocks.can_grow(seq, seq.num_computed + n)

@@ -352,3 +352,101 @@ def test_an_incompatible_draft_is_refused_at_start_naming_both(tiny_model_path):
     draft = tiny_model_path("qwen2", metadata={"tokenizer.ggml.eos_token_id": 5})
     with pytest.raises(Exception, match="cannot draft for"):
         start(target, draft_model=str(draft), speculate="draft")
+
+
+# --- trace -----------------------------------------------------------------------------
+
+def test_trace_has_spec_rounds_with_draft_steps_verify_and_verdicts(tiny_model_path, tmp_path):
+    import json
+
+    from engine.trace import check_nesting
+
+    model = tiny_model_path("qwen2")
+    cfg = WorkerConfig(model=str(model), threads=1, calibrate=False, draft_model=str(model),
+                       speculate="draft", spec_k="3")
+    with Engine(EngineConfig(workers=(cfg,), worker_mode="thread", trace_dir=str(tmp_path))).start() as engine:
+        r = engine.generate("zebra " * 10, params=SamplingParams(max_tokens=12, ignore_eos=True))
+        path = engine.export_trace()
+    events = json.load(open(path))["traceEvents"]
+    assert not check_nesting(events)
+    spans = [e for e in events if e["ph"] == "X"]
+    rounds = [e for e in spans if e["name"] == "spec"]
+    assert rounds
+    rounds += [e for e in spans if e["name"] == "spec calibration"]   # at start-up
+    inside = lambda e, outer: outer["ts"] <= e["ts"] and e["ts"] + e["dur"] <= outer["ts"] + outer["dur"]  # noqa: E731
+    for name in ("draft step", "verify"):
+        found = [e for e in spans if e["name"] == name]
+        assert found and all(any(inside(e, o) for o in rounds) for e in found), name
+    verdicts = [e for e in events if e["ph"] == "i" and e["name"] == "spec verdict"]
+    assert verdicts and all(v["args"]["request"] == r.id for v in verdicts)
+    assert sum(v["args"]["accepted"] for v in verdicts) == r.metrics.spec["accepted_tokens"]
+
+
+# --- randomized stress -----------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_randomized_stress_with_speculation_aborts_preemption_and_stops(tiny_model_path, seed):
+    """Both proposers, tight KV (preemption), aborts and stop strings: every handle finishes
+    exactly once and every page comes back."""
+    from engine.messages import Finished
+
+    rng = random.Random(seed)
+    model = tiny_model_path("qwen2", context_length=1024)
+    draft = tiny_model_path("qwen2", n_layers=1, seed=3, context_length=1024)
+    page_bytes = 2 * 2 * 2 * 16 * 4 * 16 + 2 * 1 * 2 * 16 * 4 * 16   # target + draft, 16-token pages
+    with start(model, draft_model=str(draft), speculate="ngram", spec_k="adaptive:length",
+               kv_cache_memory=24 * page_bytes, max_active=8, max_batched_tokens=96) as engine:
+        # long requests first: together they outgrow the pool (preemption)
+        handles = [engine.submit(REPETITIVE[i % 3], params=SamplingParams(
+            max_tokens=200, ignore_eos=True, speculate=("ngram", "draft")[i % 2])) for i in range(6)]
+        for i in range(24):
+            p = SamplingParams(
+                max_tokens=rng.choice([1, rng.randint(60, 220), rng.randint(60, 220)]), ignore_eos=rng.random() < 0.7,
+                temperature=rng.choice([0.0, 0.0, 0.8]), seed=i, speculate=rng.choice(["ngram", "draft", "off"]),
+                spec_k=rng.choice(["", "2", "5"]), stop=(rng.choice(["ab", "e", "zz"]),) if rng.random() < 0.3 else ())
+            prompt = rng.choice(REPETITIVE) * rng.randint(1, 2)
+            handles.append(engine.submit(prompt, params=p))
+            if rng.random() < 0.25:
+                victim = rng.choice(handles)
+                engine.abort(victim.id)
+            if rng.random() < 0.3:
+                time.sleep(rng.random() * 0.05)
+        finished = {}
+        for h in handles:
+            r = h.result(120)
+            assert r.finish_reason in ("stop", "length", "abort"), (r.finish_reason, r.error)
+            events = list(h)
+            ends = [e for e in events if isinstance(e, Finished)]
+            assert len(ends) <= 1
+            finished[h.id] = r
+            if r.finish_reason == "length":
+                assert len(r.token_ids) == h._record.params.max_tokens
+            for s in h._record.params.stop:
+                assert s not in r.text
+        assert len(finished) == len(handles)
+        assert pages_back(engine, timeout=10)
+        snap = engine.snapshot().workers[0]
+        assert snap.spec["drafts"] > 0
+        assert snap.preemptions > 0, "the pool was meant to be tight enough to preempt"
+
+
+def test_draft_pages_are_given_up_before_any_request_is_preempted():
+    """A lone sequence whose own draft-model pages fill the pool still gets its next page."""
+    from engine.scheduler import Scheduler
+    from engine.sequence import SeqState
+
+    pool = PagePool(4, 16)
+    blocks = BlockManager(pool)
+    sched = Scheduler(blocks, max_active=4, max_batched_tokens=64, max_context=64)
+    seq = Sequence("a", [1] * 32, SamplingParams(max_tokens=30))
+    seq.output_ids = [2]
+    blocks.grow(seq, 32)
+    seq.num_computed = 32
+    assert blocks.grow_draft(seq, 32)
+    seq.draft_computed = 32
+    seq.state = SeqState.DECODE
+    sched.running.append(seq)
+    assert pool.num_free == 0
+    plan = sched.schedule()
+    assert [i.seq for i in plan.items] == [seq] and not plan.preempted
+    assert seq.draft_table == [] and seq.draft_computed == 0 and len(seq.block_table) == 3
