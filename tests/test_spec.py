@@ -222,13 +222,15 @@ REPETITIVE = ["tokens tokens tokens tokens", "abc abc abc abc abc def abc abc", 
               "one two three four one two three four one two", "hello there"]
 
 
-@pytest.mark.parametrize("spec_k", ["4", "adaptive:cost", "adaptive:acceptance"])
-def test_greedy_ngram_speculation_is_token_identical_in_deterministic_mode(tiny_model_path, spec_k):
+@pytest.mark.parametrize("spec_k,bonus", [("4", True), ("4", False), ("adaptive:cost", True),
+                                          ("adaptive:acceptance", True)])
+def test_greedy_ngram_speculation_is_token_identical_in_deterministic_mode(tiny_model_path, spec_k, bonus):
     model = tiny_model_path("qwen2")
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     with start(model, deterministic=True, max_batched_tokens=64) as engine:
         plain = [engine.generate(p, params=params).token_ids for p in REPETITIVE]
-    with start(model, deterministic=True, max_batched_tokens=64, speculate="ngram", spec_k=spec_k) as engine:
+    with start(model, deterministic=True, max_batched_tokens=64, speculate="ngram", spec_k=spec_k,
+               spec_bonus=bonus) as engine:
         handles = [engine.submit(p, params=params) for p in REPETITIVE]
         results = [h.result(60) for h in handles]
         assert [r.token_ids for r in results] == plain
@@ -450,3 +452,21 @@ def test_draft_pages_are_given_up_before_any_request_is_preempted():
     plan = sched.schedule()
     assert [i.seq for i in plan.items] == [seq] and not plan.preempted
     assert seq.draft_table == [] and seq.draft_computed == 0 and len(seq.block_table) == 3
+
+
+def test_cli_flags(tiny_model_path, capsys):
+    import json
+
+    from engine.cli import main
+
+    model = str(tiny_model_path("qwen2"))
+    assert main(["generate", "zebra zebra zebra zebra", "--model", model, "--threads", "1", "--json",
+                 "--max-tokens", "12", "--ignore-eos", "--speculate", "ngram", "--spec-k", "3",
+                 "--ngram-min", "2", "--ngram-max", "3"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["metrics"]["spec"]["mode"] == "ngram" and len(out["token_ids"]) == 12
+    for bad, words in ((["--spec-k", "lots"], "--spec-k"), (["--speculate", "draft"], "--draft-model"),
+                       (["--spec-tv-budget", "2"], "--spec-tv-budget"), (["--ngram-min", "5"], "--ngram-min")):
+        assert main(["generate", "x", "--model", model, *bad]) == 2
+        err = capsys.readouterr().err
+        assert words in err and err.count("\n") == 1, err
