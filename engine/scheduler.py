@@ -134,8 +134,6 @@ class Scheduler:
             if budget <= 0 or len(self.running) >= self.max_active or preempted:
                 break
             n = self._chunk(seq, budget)
-            if n and not (self._fits(seq, n) and self._room_to_admit(seq)):
-                self._drop_draft_pages()
             if n == 0 or not self._fits(seq, n) or not self._room_to_admit(seq):
                 break   # keep order: don't let later requests overtake on memory
             self.waiting.remove(seq)

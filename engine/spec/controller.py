@@ -16,7 +16,7 @@ from engine.config import WorkerConfig
 from engine.errors import InvalidRequest
 from engine.sequence import Sequence, SeqState
 from engine.spec.ngram import propose_ngram
-from engine.spec.policy import CostK, CostModel, StepContext, make_policy
+from engine.spec.policy import CostK, CostModel, PositionAcceptance, StepContext, make_policy
 from engine.spec.stats import SpecStats
 from engine.spec.verify import Verdict
 from engine.trace import get_tracer
@@ -51,6 +51,7 @@ class SpecController:
         self.draft = getattr(runner, "draft", None)   # engine.spec.draft.DraftModel or None
         self.calibrated = False
         self.stats = SpecStats()             # the worker's totals
+        self.recent = {"ngram": PositionAcceptance(), "draft": PositionAcceptance()}
         self.cost = CostModel()
 
     @property
@@ -86,7 +87,10 @@ class SpecController:
             # drafts take only what this step's prefill chunks leave of the budget
             max_k = min(seq.remaining_decode - 1, scheduler.max_context - seq.num_tokens,
                         max(0, budget - rows))
-            ctx = StepContext(self.cost, rows, other, draft_rounds, n_draft, seq.spec.mode == "draft", max_k)
+            mode = seq.spec.mode
+            ctx = StepContext(self.cost, rows, other, draft_rounds, n_draft, mode == "draft", max_k,
+                              prior=self.recent[mode], remaining=seq.remaining_decode,
+                              catchup_tokens=seq.num_tokens - seq.draft_computed if mode == "draft" else 0)
             k = max(0, min(seq.spec.policy.next_k(ctx), max_k))
             seq.spec.stats.k = k
             if k and seq.spec.mode == "ngram":
@@ -133,7 +137,9 @@ class SpecController:
                         self.cost.target.table[rows] = seconds if old is None else min(old, seconds)
                 if self.draft is not None:
                     for _ in range(2):
+                        blocks.truncate_draft(seq, 0)   # the catch-up reads the whole prompt
                         _, timings = self.draft.propose([(seq, 4)], blocks)
+                        self.cost.add_draft_prefill(*self.draft.last_catchup)
                         for r, seconds in timings:
                             old = self.cost.draft.table.get(r)
                             self.cost.draft.table[r] = seconds if old is None else min(old, seconds)
@@ -153,6 +159,7 @@ class SpecController:
         got, timings = self.draft.propose([(i.seq, i.draft) for i in items], blocks)
         for rows, seconds in timings:
             self.cost.add_draft(rows, seconds)
+        self.cost.add_draft_prefill(*self.draft.last_catchup)
         for item in items:
             drafts, q = got.get(item.seq.id, ([], None))
             drafts = drafts[:item.draft]
@@ -177,6 +184,7 @@ class SpecController:
             self.stats.record(verdict.proposed, verdict.accepted, len(verdict.tokens))
             self.stats.k = verdict.proposed
             sp.policy.update(verdict.proposed, verdict.accepted)
+            self.recent[sp.mode].update(verdict.proposed, verdict.accepted)
             get_tracer().instant("spec verdict", request=seq.id, proposed=verdict.proposed,
                                  accepted=verdict.accepted, bonus=verdict.bonus)
         blocks.truncate(seq, seq.num_computed)

@@ -59,6 +59,7 @@ class DraftModel:
         self.bytes_per_slot = KVStore.bytes_per_slot(gf.config.n_layers, gf.config.n_kv_heads,
                                                      gf.config.head_dim, self.kv_dtype)
         self.kv = None
+        self.last_catchup = (0, 0.0)   # (tokens, seconds) of the last round's catch-up step
 
     def allocate_kv(self, num_slots: int) -> None:
         self.kv = self.model.new_kv_store(num_slots, dtype=self.kv_dtype)
@@ -76,6 +77,8 @@ class DraftModel:
                 live.append([seq, k, [], []])
         out = {}
         timings = []
+        catchup = sum(r[0].num_tokens - r[0].draft_computed for r in live)
+        self.last_catchup = (0, 0.0)
         if not live:
             return out, timings
         saved = {id(r[0]): dict(r[0].sampler.generated_counts) for r in live}
@@ -100,6 +103,8 @@ class DraftModel:
                         still.append(r)
                 if step:
                     timings.append((len(live), time.perf_counter() - t0))
+                else:
+                    self.last_catchup = (catchup, time.perf_counter() - t0)
                 live = still
                 step += 1
         finally:

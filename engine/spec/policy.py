@@ -104,6 +104,13 @@ class CostModel:
     def __init__(self):
         self.target = RowCost()
         self.draft = RowCost()
+        self.draft_prefill_token = 0.0   # seconds per token of a draft catch-up chunk
+
+    def add_draft_prefill(self, tokens: int, seconds: float) -> None:
+        if tokens >= 16:   # short chunks cost what a decode step does: not per token
+            per = seconds / tokens
+            old = self.draft_prefill_token
+            self.draft_prefill_token = per if not old else 0.8 * old + 0.2 * per
 
     def add_target(self, rows: int, seconds: float) -> None:
         self.target.add(rows, seconds)
@@ -122,26 +129,57 @@ class StepContext:
     draft_rows: int         # requests drafting with the model in this step (rows of a draft step)
     uses_draft: bool        # the request drafts with a model (each k costs a draft step)
     max_k: int
+    prior: PositionAcceptance | None = None   # the worker's recent acceptance for this proposer
+    catchup_tokens: int = 0  # tokens the draft model must read before it can draft
+    remaining: int = 1       # tokens the request may still emit
 
 
 
-class CostK:
-    """Expected-tokens-per-second chooser (see the module docstring)."""
+class PositionAcceptance:
+    """Decayed counts of drafts tried and accepted at each position (recent rounds weigh more)."""
 
-    PRIOR_ACCEPT, PRIOR_WEIGHT = 0.6, 2.0   # Beta prior on acceptance at each position
-    PROBE_FIRST, PROBE_MAX = 8, 128          # steps at k = 0 before a probe, doubling
+    DECAY = 0.9
 
     def __init__(self):
         self.accepted = [0.0] * K_MAX
         self.tried = [0.0] * K_MAX
+
+    def update(self, proposed: int, accepted: int) -> None:
+        for i in range(min(proposed, K_MAX)):
+            self.accepted[i] = self.DECAY * self.accepted[i] + (1.0 if i < accepted else 0.0)
+            self.tried[i] = self.DECAY * self.tried[i] + 1.0
+
+    def rate(self, i: int, default: float) -> float:
+        return self.accepted[i] / self.tried[i] if self.tried[i] > 0.5 else default
+
+
+class CostK:
+    """Expected-tokens-per-second chooser (see the module docstring).
+
+    A request's acceptance at position i is its own decayed record, shrunk toward the
+    worker's recent record for the same proposer (ctx.prior): a new request starts from what
+    the worker has seen instead of from optimism. A draft model that has fallen behind (its
+    pages released, or never started) must first catch up: that one-off prefill is charged
+    to the rounds the request has left.
+    """
+
+    PRIOR_ACCEPT, PRIOR_WEIGHT = 0.5, 2.0   # Beta prior at each position, without worker data
+    PROBE_FIRST, PROBE_MAX = 8, 128          # steps at k = 0 before a probe, doubling
+    PROBE_MAX_CATCHUP = 16                   # never probe a draft that must re-read more
+    MARGIN = 1.03                            # speculate only for a clear expected gain
+
+    def __init__(self):
+        self.own = PositionAcceptance()
         self.k = 0
         self._idle = 0
         self._probe_every = self.PROBE_FIRST
         self._probing = False
+        self._prior: PositionAcceptance | None = None
 
     def alpha(self, i: int) -> float:
-        """P(draft i+1 accepted | drafts 1..i were), recent rounds weigh more."""
-        return (self.accepted[i] + self.PRIOR_ACCEPT * self.PRIOR_WEIGHT) / (self.tried[i] + self.PRIOR_WEIGHT)
+        """P(draft i+1 accepted | drafts 1..i were)."""
+        p = self._prior.rate(i, self.PRIOR_ACCEPT) if self._prior is not None else self.PRIOR_ACCEPT
+        return (self.own.accepted[i] + p * self.PRIOR_WEIGHT) / (self.own.tried[i] + self.PRIOR_WEIGHT)
 
     def expected_tokens(self, k: int) -> float:
         e, run = 1.0, 1.0
@@ -152,25 +190,31 @@ class CostK:
 
     def next_k(self, ctx: StepContext) -> int:
         cost = ctx.cost
+        self._prior = ctx.prior
         max_k = min(ctx.max_k, K_MAX)
         if max_k <= 0:
             return 0
         if not cost.target.known:
             self.k = min(4, max_k)   # nothing measured yet: the first rounds teach the model
             return self.k
-        best_k, best_rate = 0, 0.0
-        for k in range(0, max_k + 1):
+        base = (ctx.other_tokens + 1) / max(cost.target(ctx.base_rows), 1e-9)
+        best_k, best_rate = 0, base * self.MARGIN
+        for k in range(1, max_k + 1):
+            e = self.expected_tokens(k)
             seconds = cost.target(ctx.base_rows + k)
-            if ctx.uses_draft and k > ctx.draft_rounds:
-                seconds += (k - ctx.draft_rounds) * cost.draft(ctx.draft_rows)
-            rate = (ctx.other_tokens + self.expected_tokens(k)) / max(seconds, 1e-9)
+            if ctx.uses_draft:
+                seconds += max(0, k - ctx.draft_rounds) * cost.draft(ctx.draft_rows)
+                # the catch-up is paid once, over the rounds left (about remaining / e)
+                seconds += ctx.catchup_tokens * cost.draft_prefill_token * e / max(ctx.remaining, 1)
+            rate = (ctx.other_tokens + e) / max(seconds, 1e-9)
             if rate > best_rate * 1.001:     # ties go to the shorter draft
                 best_k, best_rate = k, rate
         self._probing = False
         if best_k == 0:
             self._idle += 1
-            if self._idle >= self._probe_every:   # a short probe so acceptance can recover
-                self._idle, self._probing = 0, True
+            if self._idle >= self._probe_every and (not ctx.uses_draft
+                                                     or ctx.catchup_tokens <= self.PROBE_MAX_CATCHUP):
+                self._idle, self._probing = 0, True   # a short probe so acceptance can recover
                 best_k = min(2, max_k)
         else:
             self._idle = 0
@@ -178,10 +222,7 @@ class CostK:
         return best_k
 
     def update(self, proposed: int, accepted: int) -> None:
-        decay = 0.9
-        for i in range(min(proposed, K_MAX)):
-            self.accepted[i] = decay * self.accepted[i] + (1.0 if i < accepted else 0.0)
-            self.tried[i] = decay * self.tried[i] + 1.0
+        self.own.update(proposed, accepted)
         if self._probing:
             ok = accepted > 0
             self._probe_every = self.PROBE_FIRST if ok else min(self.PROBE_MAX, self._probe_every * 2)
