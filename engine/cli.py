@@ -38,7 +38,13 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", default="256MiB", help="KV memory per worker, e.g. 256MiB")
     g.add_argument("--kv-cache", choices=["paged", "contiguous"], default="paged")
     g.add_argument("--policy", choices=["fcfs", "spf"], default="fcfs", help="scheduler policy")
-    g.add_argument("--router-policy", choices=["round-robin", "least-loaded", "cost"], default="cost")
+    g.add_argument("--router-policy", choices=["round-robin", "least-loaded", "cost", "cache-aware"],
+                   default="cost")
+    g.add_argument("--prefix-cache", choices=["on", "off"], default="on",
+                   help="reuse KV pages of identical prompt prefixes (paged KV only)")
+    g.add_argument("--single-flight", choices=["off", "after-prefill", "at-completion"],
+                   default="after-prefill",
+                   help="a request whose prefix pages another request is computing waits for them")
     g.add_argument("--deterministic", action="store_true",
                    help="batch-invariant greedy output (fixed kernels and prefill chunks)")
     g.add_argument("--activation-dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto")
@@ -79,6 +85,7 @@ def engine_config_from(args: argparse.Namespace, default_mode: str = "process") 
         speculate=args.speculate or ("draft" if args.draft_model else "off"), draft_model=args.draft_model,
         spec_k=args.spec_k, spec_tv_budget=args.spec_tv_budget, spec_bonus=not args.no_spec_bonus,
         ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+        prefix_cache=args.prefix_cache, single_flight=args.single_flight,
         # a speed profile only matters when a router has a choice to make
         calibrate=len(args.device or ["cpu"]) > 1 or args.recalibrate)
     workers = parse_devices(args.device or ["cpu"], base)
@@ -110,13 +117,17 @@ def build_parser() -> OneLineParser:
     add_engine_flags(g)
 
     b = sub.add_parser("bench", help="benchmarks (JSON out)")
-    b.add_argument("scenario", choices=["single", "batching", "routing", "dashboard", "trace", "spec"])
+    b.add_argument("scenario", choices=["single", "batching", "routing", "dashboard", "trace", "prefix", "spec"])
     b.add_argument("--models", default="qwen2.5-coder-0.5b", help="comma-separated (bench single)")
     b.add_argument("--runs", type=int, default=3)
     b.add_argument("--quick", action="store_true", help="fewer/shorter runs (smoke test)")
     b.add_argument("--out", default=None, help="also write the JSON report here")
     b.add_argument("--policies", default="forced-fastest,round-robin,least-loaded,cost",
                    help="bench routing: which policies to compare")
+    b.add_argument("--sizes", default=None, metavar="N,N,...",
+                   help="bench batching: concurrent request counts (1 and 8 always included)")
+    b.add_argument("--no-sequential", action="store_true",
+                   help="bench batching: skip the one-after-another comparison")
     b.add_argument("--llama-cpp", default=None, metavar="PYTHON",
                    help="bench single: a python with llama-cpp-python, to measure llama.cpp side by side")
     add_engine_flags(b)

@@ -24,6 +24,7 @@ class SamplingParams:
     speculate: str = ""               # "" = the worker's default, or off | ngram | draft
     spec_k: str = ""                  # "" = the worker's --spec-k, or N | adaptive:POLICY
     spec_tv_budget: float | None = None   # None = the worker's --spec-tv-budget
+    cache_salt: str | None = None     # requests share cached KV pages only with the same salt
 
     def validate(self) -> "SamplingParams":
         def bad(msg: str) -> None:
@@ -52,6 +53,8 @@ class SamplingParams:
             bad(f"spec_k must be a number 0-16 or one of {', '.join(SPEC_K_POLICIES)}, got {self.spec_k!r}")
         if self.spec_tv_budget is not None and not 0.0 <= self.spec_tv_budget <= 1.0:
             bad(f"spec_tv_budget must be in [0, 1] (0 = lossless), got {self.spec_tv_budget}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            bad("cache_salt must be a non-empty string (or None to share the cache with unsalted requests)")
         return self
 
     @property
@@ -64,6 +67,8 @@ SPEC_K_POLICIES = ("adaptive:cost", "adaptive:acceptance", "adaptive:length")
 KV_MODES = ("paged", "contiguous")
 DEFAULT_MAX_CONTEXT = 4096   # when --max-context is not given (and the model allows that much)
 SCHED_POLICIES = ("fcfs", "spf")
+PREFIX_CACHE = ("on", "off")
+SINGLE_FLIGHT = ("off", "after-prefill", "at-completion")
 
 
 @dataclass(frozen=True)
@@ -94,6 +99,8 @@ class WorkerConfig:
     spec_bonus: bool = True               # emit the target's token after a fully accepted draft
     ngram_min: int = 1                    # prompt lookup: shortest / longest n-gram matched
     ngram_max: int = 4
+    prefix_cache: str = "on"              # on | off (paged KV only)
+    single_flight: str = "after-prefill"  # off | after-prefill | at-completion
     # simulated workers only
     sim_prefill_tps: float = 0.0
     sim_decode_tps: float = 0.0
@@ -120,6 +127,11 @@ class WorkerConfig:
             raise ConfigError(f"--kv-cache must be one of {', '.join(KV_MODES)}, got {self.kv_cache!r}")
         if self.policy not in SCHED_POLICIES:
             raise ConfigError(f"--policy must be one of {', '.join(SCHED_POLICIES)}, got {self.policy!r}")
+        if self.prefix_cache not in PREFIX_CACHE:
+            raise ConfigError(f"--prefix-cache must be on or off, got {self.prefix_cache!r}")
+        if self.single_flight not in SINGLE_FLIGHT:
+            raise ConfigError(f"--single-flight must be one of {', '.join(SINGLE_FLIGHT)}, "
+                              f"got {self.single_flight!r}")
         if self.kv_cache_memory <= 0:
             raise ConfigError("--kv-cache-memory must be positive, e.g. 256MiB")
         # what the model needs per page is checked once its header is read (devices.check_model_limits)

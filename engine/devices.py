@@ -14,6 +14,11 @@ from dataclasses import replace
 from engine.config import WorkerConfig
 from engine.errors import ConfigError
 
+# Activation dtypes found unfaithful on a device type: greedy ids left the fp32 reference at a
+# step that is not a near-tie (tools/gpu_check.py, fidelity section). A worker asking for one
+# is refused at start-up with the reason; 'auto' never picks one. Filled from measured runs only.
+UNFAITHFUL_ACTIVATION_DTYPES: dict[str, dict[str, str]] = {}
+
 # Isolated backend profiles from the seeds (Qwen2.5 0.5B, Apple M2): prefill, decode tok/s
 SIM_PRESETS = {"gpu": (2551.0, 293.0), "cpu": (73.0, 45.0)}
 
@@ -34,10 +39,29 @@ def parse_devices(specs: list[str], base: WorkerConfig) -> tuple[WorkerConfig, .
         else:
             raise ConfigError(f"unknown device {spec!r}; use cpu, cuda, cuda:N or "
                               "sim:NAME[:prefill=R,decode=R] (e.g. --device sim:gpu0)")
+    for w in out:
+        if not w.simulated:
+            check_activation_dtype(w.device, w.activation_dtype)
     names = [w.name for w in out]
     if len(set(names)) != len(names):
         raise ConfigError(f"two workers share a name in {names}; give simulated workers distinct names")
     return tuple(w.validate() for w in out)
+
+
+def check_activation_dtype(device: str, requested: str) -> str:
+    """The activation dtype a worker on `device` uses ('bf16', 'fp16' or 'fp32'), refusing one
+    measured unfaithful there. 'auto' is bf16, or fp32 where bf16 itself was refused."""
+    kind = device.split(":", 1)[0]
+    refused = UNFAITHFUL_ACTIVATION_DTYPES.get(kind, {})
+    if requested == "auto":
+        return next(d for d in ("bf16", "fp32") if d not in refused or d == "fp32")
+    if requested not in ("bf16", "fp16", "fp32"):
+        raise ConfigError(f"--activation-dtype must be auto, bf16, fp16 or fp32, got {requested!r}")
+    if requested in refused:
+        ok = [d for d in ("bf16", "fp32") if d not in refused]
+        raise ConfigError(f"--activation-dtype {requested} is refused on {kind}: {refused[requested]}; "
+                          f"use --activation-dtype {ok[0]} (or auto)")
+    return requested
 
 
 def _claim_cuda(spec: str, claimed: set[int]) -> int:

@@ -29,6 +29,7 @@ from engine.snapshot import EngineSnapshot, LogLine, RequestView, WorkerView
 HISTORY = 60          # samples of tok/s kept per worker for sparklines
 TEXT_TAIL = 2000      # characters of each request's text kept for the dashboard
 KEEP_FINISHED = 200   # finished requests kept in snapshots
+HIT_WINDOW = 150      # WorkerStats samples (~30 s at 5 Hz) behind a worker's prefix hit rate
 UNWRITTEN_TRACE_EVENTS = 2_000_000   # most trace events kept after a failed export
 LOG_GROUP_WINDOW = 5.0   # seconds: the same event again within this is counted on one log line
 
@@ -72,6 +73,8 @@ class _Record:
     first_token_at: float | None = None
     last_token_at: float | None = None
     finished_at: float | None = None
+    leader: str | None = None       # single flight: waiting for this request's pages
+    follow_at: float | None = None  # when the facade first saw it waiting on a leader
     notice: str | None = None      # said once about how the request was taken (max_tokens lowered)
     spec: dict | None = None       # speculative decoding counters, as the worker last sent them
     drafted: list = field(default_factory=list)   # [start, end) of text from accepted drafts
@@ -160,6 +163,8 @@ class _WorkerSlot:
     profile: tuple[float, float] = (0.0, 0.0)
     spec_hist: deque = field(default_factory=lambda: deque(maxlen=HISTORY))   # acceptance per report
     spec_seen: tuple[int, int] = (0, 0)      # (draft tokens, accepted) at the last report
+    cache_keys: set = field(default_factory=set)          # 8-byte prefixes of published pages
+    prefix_hist: deque = field(default_factory=lambda: deque(maxlen=HIT_WINDOW))
 
 
 class Engine:
@@ -294,11 +299,15 @@ class Engine:
     def submit(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                params: SamplingParams | None = None, prompt_ids: list[int] | None = None,
                worker: int | None = None, burst: str | None = None,
-               parse_special: bool = False) -> RequestHandle:
+               parse_special: bool = False, cache_salt: str | None = None) -> RequestHandle:
         """Queue one request. Bad input raises InvalidRequest and queues nothing.
         A special token spelled in a plain prompt is plain text unless parse_special (trusted
-        prompts only); in chat messages it is always plain text."""
-        params = (params or SamplingParams()).validate()
+        prompts only); in chat messages it is always plain text. cache_salt (or
+        params.cache_salt): requests share cached KV pages only with the same salt."""
+        params = params or SamplingParams()
+        if cache_salt is not None:
+            params = replace(params, cache_salt=cache_salt)
+        params = params.validate()
         if not params.speculate and self.spec_mode:   # the dashboard's choice for new requests
             params = replace(params, speculate=self.spec_mode)
         ids = self.encode(prompt, messages, prompt_ids, parse_special=parse_special)
@@ -326,8 +335,10 @@ class Engine:
             rec = _Record(rid, ids, params, now, burst=burst, notice=notice,
                           prompt_text=prompt if isinstance(prompt, str) else self.tokenizer.decode(ids))
             decision = self.router.choose(rid, len(ids), params.max_tokens, self._loads(),
-                                          cached=None, force=worker)
+                                          cached=self._reuse_estimates(ids, params.cache_salt, live),
+                                          force=worker)
             rec.worker = decision.chosen
+            rec.cached_estimate = decision.chosen_reuse
             self._routing.append(decision)
             if self._routing_log:
                 self._routing_log.write(json.dumps(decision.to_json()) + "\n")
@@ -338,9 +349,32 @@ class Engine:
             slot = self._workers[decision.chosen]
         if self._tracer is not None and self._tracer.enabled:
             self._tracer.instant("route", request=rid, chosen=decision.chosen, policy=decision.policy,
-                                 scores={c.worker: round(c.score, 4) for c in decision.candidates})
+                                 reason=decision.reason,
+                                 scores={c.worker: round(c.score, 4) for c in decision.candidates},
+                                 reuse={c.worker: c.cached_tokens for c in decision.candidates})
         slot.commands.put(msg.Submit(rid, tuple(ids), params, now))
         return handle
+
+    def _reuse_estimates(self, ids: list[int], salt: str | None, live: list[_WorkerSlot]) -> dict[int, int]:
+        """Prompt tokens each worker could restore: its published keys vs the prompt's chain."""
+        from engine.kv.prefix_cache import DELTA_KEY_BYTES, chain_keys, extra_key, model_identity
+
+        chains: dict[tuple, list[bytes]] = {}
+        out = {}
+        for w in live:
+            if w.info.get("prefix_cache") != "on" or not w.cache_keys:
+                continue
+            cfg, ps = w.cfg, w.info.get("page_size", w.cfg.page_size)
+            ident = model_identity(cfg.model, cfg.weights, cfg.activation_dtype, cfg.simulated)
+            if (ident, ps) not in chains:
+                chains[ident, ps] = chain_keys(ids, ps, extra_key(ident, salt), (len(ids) - 1) // ps)
+            n = 0
+            for key in chains[ident, ps]:
+                if key[:DELTA_KEY_BYTES] not in w.cache_keys:
+                    break
+                n += 1
+            out[w.index] = n * ps
+        return out
 
     def encode(self, prompt: str | None, messages: list[dict] | None,
                prompt_ids: list[int] | None, parse_special: bool = False) -> list[int]:
@@ -495,6 +529,13 @@ class Engine:
     def _on_step(self, event: msg.StepEvents) -> None:
         deliveries = []
         with self._lock:
+            if event.cache_delta:
+                keys = self._workers[event.worker].cache_keys
+                for added, key in event.cache_delta:
+                    if added:
+                        keys.add(key)
+                    else:
+                        keys.discard(key)
             for d in event.tokens:
                 rec = self._records.get(d.request_id)
                 if rec is None or rec.finish_reason is not None:
@@ -550,11 +591,15 @@ class Engine:
                 if drafted > w.spec_seen[0]:
                     w.spec_hist.append((accepted - w.spec_seen[1]) / (drafted - w.spec_seen[0]))
                 w.spec_seen = (drafted, accepted)
+            if s.prefix:
+                w.prefix_hist.append((s.prefix["prefix_cache_queries"], s.prefix["prefix_cache_hits"]))
             for v in s.seqs:
                 rec = self._records.get(v.request_id)
                 if rec is None or rec.finish_reason is not None:
                     continue
-                rec.computed, rec.cached = v.computed_tokens, v.cached_tokens
+                rec.computed, rec.cached, rec.leader = v.computed_tokens, v.cached_tokens, v.leader
+                if v.leader and rec.follow_at is None:
+                    rec.follow_at = time.monotonic()
                 rec.spec = v.spec
                 rec.state = {"waiting": "queued"}.get(v.state, v.state)
                 if rec.state != "queued" and rec.prefill_at is None:
@@ -640,9 +685,10 @@ class Engine:
             steps=s.steps if s else 0, profile_prefill_tps=pre, profile_decode_tps=dec,
             max_active=w.cfg.max_active, preemptions=s.preemptions_total if s else 0,
             recomputed_tokens=s.recomputed_tokens_total if s else 0, kv_bytes=info.get("kv_bytes", 0),
-            cpu_percent=cpu, rss_bytes=rss, spec=s.spec if s else None,
-            spec_history=tuple(w.spec_hist), spec_modes=tuple(info.get("spec_modes", ("off",))),
-            draft_model=info.get("draft_model", ""))
+            cpu_percent=cpu, rss_bytes=rss, prefix_cache=info.get("prefix_cache") == "on",
+            prefix=dict(s.prefix) if s else {}, hit_rate=_window_rate(w.prefix_hist),
+            spec=s.spec if s else None, spec_history=tuple(w.spec_hist),
+            spec_modes=tuple(info.get("spec_modes", ("off",))), draft_model=info.get("draft_model", ""))
 
     def _worker_usage(self, w: _WorkerSlot) -> tuple[float | None, int | None]:
         if w.state not in ("ready", "loading") or w.process is None:
@@ -664,7 +710,7 @@ class Engine:
             text_tail=r.text[-TEXT_TAIL:], error=r.error, burst=r.burst, age=now - r.arrival,
             spec=r.spec, drafted_spans=_tail_spans(r.drafted, len(r.text)),
             finish_reason=r.finish_reason, prompt=r.prompt_text, params=r.params,
-            notice=r.notice)
+            notice=r.notice, leader=r.leader if r.finish_reason is None else None)
 
     # --- traces -------------------------------------------------------------------------
     def set_tracing(self, enabled: bool) -> None:
@@ -695,6 +741,9 @@ class Engine:
                 if queue_time is not None and ttft is not None:
                     queue_time = min(queue_time, ttft)   # a preempted request is queued again later
                 marks = [("queued", rec.arrival)]
+                follow = m.follow_start if m else (rec.follow_at - rec.arrival if rec.follow_at else None)
+                if follow is not None and (queue_time is None or follow < queue_time):
+                    marks.append(("waiting-on-leader", rec.arrival + follow))   # single flight
                 if queue_time is not None:
                     marks.append(("prefill", rec.arrival + queue_time))
                 if ttft is not None:
@@ -739,6 +788,14 @@ class Engine:
                                 f"{exc.strerror or exc}; its events are kept for the next export") from None
         self._unwritten_trace = []
         return written
+
+
+def _window_rate(hist: deque) -> float | None:
+    """Hit tokens / looked-up tokens over the samples in hist (None: no lookups there)."""
+    if len(hist) < 2:
+        return None
+    (q0, h0), (q1, h1) = hist[0], hist[-1]
+    return (h1 - h0) / (q1 - q0) if q1 > q0 else None
 
 
 def _seen_timings(rec: _Record) -> tuple[float | None, float | None, float | None, None]:

@@ -85,6 +85,8 @@ class RequestMetrics:
     e2e: float                     # arrival -> finished (s)
     preemptions: int = 0
     spec: dict | None = None       # speculative decoding counters (engine/spec/stats.py)
+    follow_start: float | None = None   # arrival -> started waiting on a leader (s)
+    follow_time: float = 0.0            # seconds spent waiting on leaders (single flight)
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,9 @@ class StepEvents:
     tokens: tuple[TokenDelta, ...]
     finished: tuple[Finished, ...]
     preempted: tuple[str, ...] = ()
+    # prefix cache keys (8-byte prefixes) published (True) / evicted (False), in order:
+    # the facade's picture of this worker's cache, for routing estimates
+    cache_delta: tuple[tuple[bool, bytes], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -114,6 +119,7 @@ class SeqView:
     output_tokens: int
     max_tokens: int
     spec: dict | None = None       # mode + speculative decoding counters, None = not speculating
+    leader: str | None = None      # single flight: waiting for this request's pages
 
 
 @dataclass(frozen=True)
@@ -134,6 +140,8 @@ class WorkerStats:
     prefill_tokens_total: int = 0
     decode_tokens_total: int = 0
     spec: dict | None = None       # the worker's speculative decoding totals
+    # prefix cache counters (engine/kv/reuse.py stats(); empty when the cache is off)
+    prefix: dict = field(default_factory=dict)
     preemptions_total: int = 0
     recomputed_tokens_total: int = 0   # prefill tokens spent recomputing preempted sequences
 

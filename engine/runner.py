@@ -4,7 +4,6 @@ from __future__ import annotations
 import torch
 
 from engine.config import WorkerConfig
-from engine.errors import ConfigError
 from engine.kv.pages import BlockManager
 from engine.models.batch import ForwardBatch, KVStore, SeqSlice
 from engine.scheduler import StepPlan
@@ -12,13 +11,12 @@ from engine.trace import get_tracer
 
 
 def pick_activation_dtype(device: str, requested: str) -> torch.dtype:
-    """bf16 on CPU: the int4/dense kernels are fast only with bf16 activations (models.md)."""
+    """bf16 unless asked otherwise (the int4/dense kernels are fast with it, models.md); a dtype
+    measured unfaithful on this device type is refused (engine/devices.py)."""
+    from engine.devices import check_activation_dtype
+
     table = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-    if requested == "auto":
-        return torch.bfloat16
-    if requested not in table:
-        raise ConfigError(f"--activation-dtype must be auto, bf16, fp16 or fp32, got {requested!r}")
-    return table[requested]
+    return table[check_activation_dtype(device, requested)]
 
 
 class ModelRunner:

@@ -70,11 +70,17 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.preemptions = 0            # totals since start, for stats and benchmarks
         self.recomputed_tokens = 0      # tokens whose KV a preemption threw away (computed again)
+        self.reuse = None   # engine/kv/reuse.py PrefixReuse when the prefix cache is on
+
+    def enable_reuse(self, reuse) -> None:
+        self.reuse = reuse
 
     # --- queue management -------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.state = SeqState.WAITING
         self.waiting.append(seq)
+        if self.reuse is not None:
+            self.reuse.arrive(seq)
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out of the queues and free its pages (finish or abort)."""
@@ -83,6 +89,8 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.blocks.free(seq)
+        if self.reuse is not None:
+            self.reuse.finished(seq)
 
     def set_policy(self, policy: str) -> None:
         if policy not in POLICIES:
@@ -133,9 +141,15 @@ class Scheduler:
         for seq in self._admission_order():
             if budget <= 0 or len(self.running) >= self.max_active or preempted:
                 break
+            if self.reuse is not None and not self.reuse.admit(seq):
+                continue   # waits for the leader computing its prefix; others may pass
             n = self._chunk(seq, budget)
             if n == 0 or not self._fits(seq, n) or not self._room_to_admit(seq):
+                if self.reuse is not None:
+                    self.reuse.undo(seq)
                 break   # keep order: don't let later requests overtake on memory
+            if self.reuse is not None:
+                self.reuse.admitted(seq)
             self.waiting.remove(seq)
             self.blocks.grow(seq, seq.num_computed + n)
             seq.state = SeqState.PREFILL
@@ -144,6 +158,8 @@ class Scheduler:
             self.running.append(seq)
             items.append(ScheduledSeq(seq, n, n == seq.num_pending))
             budget -= n
+        if self.reuse is not None:
+            self.reuse.note_waiting(self.waiting)   # show who waits on which leader
         return StepPlan(items, preempted)
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
@@ -206,6 +222,8 @@ class Scheduler:
         seq.state = SeqState.WAITING
         seq.preemptions += 1
         self.waiting.appendleft(seq)
+        if self.reuse is not None:
+            self.reuse.preempted(seq)
 
     # --- after the forward pass -------------------------------------------------------
     def advance(self, plan: StepPlan) -> None:

@@ -27,6 +27,16 @@ class Sequence:
     num_cached: int = 0          # prompt tokens restored from the prefix cache (not computed)
     state: SeqState = SeqState.WAITING
     preemptions: int = 0
+    # prefix cache (engine/kv/prefix_cache.py): the hash chain of this sequence's full pages
+    # (tokens only grow, so keys stay valid), how many leading pages are already published
+    cache_extra: bytes = b""
+    page_keys: list[bytes] = field(default_factory=list)
+    num_published: int = 0
+    publish_limit: int | None = None   # a hash collision stops this chain's publication
+    # single flight (engine/kv/single_flight.py): the request whose pages this one waits for
+    leader: str | None = None
+    follow_since: float | None = None
+    follow_time: float = 0.0
     # timings (time.monotonic, comparable across processes on Linux)
     first_scheduled: float | None = None
     first_token_at: float | None = None

@@ -5,7 +5,7 @@ holds an engine lock while it renders.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.config import SamplingParams
 from engine.router import RouteDecision
@@ -28,6 +28,7 @@ class RequestView:
     error: str | None
     burst: str | None
     age: float               # seconds since submission
+    leader: str | None = None   # single flight: waiting for this request's prefix pages
     finish_reason: str | None = None   # stop | length | abort | error, once it has ended
     prompt: str = ""                   # the text as submitted (a chat rendered by its template)
     params: SamplingParams | None = None
@@ -62,6 +63,11 @@ class WorkerView:
     profile_prefill_tps: float
     profile_decode_tps: float
     max_active: int
+    prefix_cache: bool = False
+    # counters from engine/kv/reuse.py stats(): prefix_cache_queries / prefix_cache_hits
+    # (tokens; vLLM's names), cached_pages, evictions, single_flight_waits, ...
+    prefix: dict = field(default_factory=dict)
+    hit_rate: float | None = None   # hit / looked-up tokens over the last ~30 s
     kv_bytes: int = 0                  # memory of the whole KV page pool
     cpu_percent: float | None = None   # 100 = one core; None where it cannot be measured
     rss_bytes: int | None = None       # the worker process's resident memory (process mode)

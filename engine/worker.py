@@ -64,6 +64,14 @@ class Worker:
             if cfg.speculate != "off" or self.spec.draft is not None:
                 emit(msg.WorkerLoading(index, "measuring verify and draft step costs"))
                 self.spec.calibrate()   # else on the first speculating request
+        self.reuse = None
+        if cfg.prefix_cache == "on" and cfg.kv_cache == "paged":
+            from engine.kv.prefix_cache import model_identity
+            from engine.kv.reuse import PrefixReuse
+            self.reuse = PrefixReuse(
+                self.pool, model_identity(cfg.model, cfg.weights, cfg.activation_dtype, cfg.simulated),
+                cfg.single_flight, align=self.scheduler.prefill_chunk, tracer=get_tracer())
+            self.scheduler.enable_reuse(self.reuse)
         profile = {}
         if cfg.calibrate or cfg.simulated:
             emit(msg.WorkerLoading(index, "measuring prefill / decode speed (first use only)"))
@@ -82,6 +90,7 @@ class Worker:
             "kv_bytes": num_pages * cfg.page_size * self.runner.bytes_per_slot,
             "device": cfg.device, "simulated": cfg.simulated, "name": cfg.name or cfg.device,
             "max_active": cfg.max_active, "policy": cfg.policy, "kv_cache": cfg.kv_cache,
+            "prefix_cache": "on" if self.reuse else "off", "single_flight": cfg.single_flight,
             "profile_prefill_tps": profile.get("prefill_tps", 0.0),
             "profile_decode_tps": profile.get("decode_tps", 0.0),
             "profile_source": profile.get("source", "none"),
@@ -158,7 +167,8 @@ class Worker:
         with tracer.scope("engine step", step=self.steps):
             self._step(tracer)
         if tracer.enabled:
-            tracer.counter("kv pages", used=self.pool.num_used, free=self.pool.num_free)
+            tracer.counter("kv pages", used=self.pool.num_used, cached=self.pool.num_cached,
+                           free=self.pool.num_free - self.pool.num_cached)
             tracer.counter("requests", running=len(self.scheduler.running),
                            waiting=len(self.scheduler.waiting))
             tracer.counter("tokens in step", tokens=self.last_step_tokens)
@@ -185,10 +195,12 @@ class Worker:
             finished = []
             for item in plan.items:
                 self._finish(item.seq, "error", f"model step failed: {reason}", finished)
-            self.emit(msg.StepEvents(self.index, (), tuple(finished)))
+            self.emit(msg.StepEvents(self.index, (), tuple(finished), cache_delta=self._cache_delta()))
             return
         decode = plan.num_decode
         self.scheduler.advance(plan)
+        if self.reuse is not None:
+            self.reuse.publish(plan, errors)
         now = time.monotonic()
         # a verify round emits 1 + accepted tokens (or more with the bonus): count them all
         decode += sum(len(v.tokens) - 1 for v in sampled.values() if not isinstance(v, tuple))
@@ -205,7 +217,10 @@ class Worker:
             elif item.samples:
                 self._append(seq, sampled[seq.id], now, tokens, finished)
         self.emit(msg.StepEvents(self.index, tuple(tokens), tuple(finished),
-                                 tuple(s.id for s in plan.preempted)))
+                                 tuple(s.id for s in plan.preempted), self._cache_delta()))
+
+    def _cache_delta(self) -> tuple:
+        return self.reuse.cache.take_delta() if self.reuse is not None else ()
 
     def _append_spec(self, item, result, now: float, tokens: list, finished: list) -> None:
         """A speculating request: roll back what was rejected, then append the emitted tokens
@@ -294,7 +309,8 @@ class Worker:
             itl_mean=seq.itl_sum / (n_out - 1) if n_out > 1 else None,
             itl_max=seq.itl_max if n_out > 1 else None,
             e2e=(seq.finished_at or time.monotonic()) - seq.arrival, preemptions=seq.preemptions,
-            spec=_spec_dict(seq))
+            follow_start=None if seq.follow_since is None else seq.follow_since - seq.arrival,
+            follow_time=seq.follow_time, spec=_spec_dict(seq))
         return msg.Finished(seq.id, seq.finish_reason or "error", seq.error, m)
 
     def _fail_unschedulable(self) -> None:
@@ -334,7 +350,7 @@ class Worker:
         self._last_stats = now
         prefill_tps, decode_tps = self._rates()
         seqs = tuple(msg.SeqView(s.id, s.state.value, len(s.prompt_ids), s.num_cached, s.num_computed,
-                                 len(s.output_ids), s.params.max_tokens, _spec_dict(s))
+                                 len(s.output_ids), s.params.max_tokens, leader=s.leader, spec=_spec_dict(s))
                      for s in self.seqs.values())
         self.emit(msg.WorkerStats(
             worker=self.index, running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
@@ -344,6 +360,7 @@ class Worker:
             seqs=seqs, prefill_tokens_total=self.prefill_total, decode_tokens_total=self.decode_total,
             preemptions_total=self.scheduler.preemptions,
             recomputed_tokens_total=self.scheduler.recomputed_tokens,
+            prefix=self.reuse.stats() if self.reuse is not None else {},
             spec=self.spec.stats.as_dict() if self.spec is not None else None))
 
 

@@ -108,8 +108,10 @@ async def test_burst_fills_table_grid_streams_and_log(tiny_model, tmp_path):
 
         await wait_for(pilot, lambda: any("burst mixed#1 done: 8 requests (8 ok" in line.text
                                           for line in app.last_snapshot.log), "the burst summary", timeout=30)
-        await wait_for(pilot, lambda: all(set(p._grid._states) == {FREE} for p in app.query(BackendPanel)),
-                       "every KV page free again")
+        # no page in use; the burst's published pages stay cached (reusable), drawn apart
+        await wait_for(pilot, lambda: all(set(p._grid._states) <= {FREE, CACHED} for p in app.query(BackendPanel)),
+                       "every KV page free or cached again")
+        assert any(CACHED in p._grid._states for p in app.query(BackendPanel))
         summary = next(line.text for line in app.last_snapshot.log if "done:" in line.text)
         assert "TTFT mean" in summary and "p95" in summary and "tok/s aggregate" in summary
         assert any("done:" in line.text for line in app._log.lines)
@@ -127,11 +129,12 @@ async def test_policy_keys_reach_the_engine(tiny_model, tmp_path):
         await wait_for(pilot, lambda: all(w.policy == "spf" for w in app.last_snapshot.workers),
                        "workers reporting spf")
         await pilot.press("r")
-        assert app.engine.router.policy == app.router_policy == "round-robin"
+        assert app.engine.router.policy == app.router_policy == "cache-aware"
         await pilot.press("r")
+        assert app.engine.router.policy == app.router_policy == "round-robin"
         await pilot.press("ctrl+p", *"router", "enter")      # the command palette does the same
-        await wait_for(pilot, lambda: app.router_policy == "cost", "router policy cost via the palette")
-        await wait_for(pilot, lambda: app.last_snapshot.router_policy == "cost", "router policy in snapshot")
+        await wait_for(pilot, lambda: app.router_policy == "least-loaded", "router policy via the palette")
+        await wait_for(pilot, lambda: app.last_snapshot.router_policy == "least-loaded", "router policy in snapshot")
         await wait_for(pilot, lambda: sum("policy ->" in l.text for l in app.last_snapshot.log) == 4,
                        "policy changes in the event log")
 
@@ -489,7 +492,9 @@ def test_routing_lines_name_their_figures():
     cost = format_decision(RouteDecision("r5", 0.0, "cost", 0, 100, 64, cands))
     first = cost.splitlines()[1]
     assert "gpu0" in first and first.index("est 610ms") < first.index("prefill 200 tok") < first.index("decode 300 tok")
-    assert "run 2 wait 1" in first and "cached 16 tok" in first and "20k/400 tok/s" in first
+    assert "run 2 wait 1" in first and "reuse ~16 tok" in first and "20k/400 tok/s" in first
+    aware = format_decision(RouteDecision("r5", 0.0, "cache-aware", 0, 100, 64, cands, "longest prefix"))
+    assert "cache-aware (longest prefix)" in aware and "est 610ms" in aware
     rr = format_decision(RouteDecision("r5", 0.0, "round-robin", 1, 100, 64,
                                        tuple(replace(c, score=0.0) for c in cands)))
     assert all("(no score)" in line for line in rr.splitlines()[1:]) and "est" not in rr and " 0 " not in rr
@@ -564,19 +569,23 @@ def fixture_snapshot(dead: bool = False) -> EngineSnapshot:
             pages_total=len(pages), pages_used=sum(p != FREE for p in pages), page_states=pages,
             page_size=16, policy="fcfs", steps=1234, profile_prefill_tps=20000.0,
             profile_decode_tps=400.0, max_active=8, kv_bytes=len(pages) * 16 * 1536,
-            cpu_percent=97.0 + i, rss_bytes=(612 + 40 * i) * 2**20, recomputed_tokens=0 if i else 1200)
+            cpu_percent=97.0 + i, rss_bytes=(612 + 40 * i) * 2**20, recomputed_tokens=0 if i else 1200,
+            prefix_cache=True, hit_rate=0.83 - 0.5 * i,
+            prefix={"prefix_cache_queries": 1000, "prefix_cache_hits": 830, "cached_pages": pages.count(CACHED),
+                    "evictions": 7 * i, "single_flight_waits": 3 - i})
 
     def request(n: int, w: int, state: str, out: int, text: str, ttft=None, itl=None, e2e=0.5,
-                error=None, reason=None) -> RequestView:
+                error=None, reason=None, leader=None) -> RequestView:
         return RequestView(id=f"r{n}", worker=w, state=state, prompt_tokens=100 + n, cached_tokens=16 * (n % 2),
                            output_tokens=out, max_tokens=64, queue_time=0.001, ttft=ttft, itl_mean=itl,
                            e2e=e2e, text_tail=text, error=error, burst="mixed#1", age=10.0 - n,
-                           finish_reason=reason, prompt=f"prompt {n}", params=SamplingParams(max_tokens=64))
+                           finish_reason=reason, prompt=f"prompt {n}", params=SamplingParams(max_tokens=64),
+                           leader=leader)
 
     def decision(n: int, chosen: int, scores: tuple[float, float]) -> RouteDecision:
-        return RouteDecision(f"r{n}", 1000.0 + n, "cost", chosen, 100 + n, 64, tuple(
-            Candidate(i, f"sim:gpu{i}", 2 + i, i, 200 + 50 * i, 300 + 20 * i, 0, 20000.0, 400.0, s)
-            for i, s in enumerate(scores)))
+        return RouteDecision(f"r{n}", 1000.0 + n, "cache-aware", chosen, 100 + n, 64, tuple(
+            Candidate(i, f"sim:gpu{i}", 2 + i, i, 200 + 50 * i, 300 + 20 * i, 96 * (1 - i), 20000.0, 400.0, s)
+            for i, s in enumerate(scores)), "longest prefix")
 
     t0 = 1_700_000_000.0
     return EngineSnapshot(
@@ -593,7 +602,7 @@ def fixture_snapshot(dead: bool = False) -> EngineSnapshot:
                           error="worker 1 (sim:gpu1) died: worker process exited (exit code -9)",
                           reason="error"),
                   request(5, 0, "prefill", 0, ""),
-                  request(6, 0, "queued", 0, "")),
+                  request(6, 0, "queued", 0, "", leader="r5")),
         routing=(decision(5, 0, (0.61, 0.74)), decision(6, 0, (0.83, 0.90))),
         router_policy="cost",
         log=(LogLine(t0, "info", "worker 0 (sim:gpu0) ready: 512 KV pages of 16 tokens"),

@@ -156,7 +156,8 @@ def test_policies_switch_at_run_time(model):
 
 @pytest.mark.parametrize("spec, fragment", [
     ("tpu", "unknown device"),
-    ("cuda", "no CUDA GPU"),
+    pytest.param("cuda", "no CUDA GPU", marks=pytest.mark.skipif(
+        __import__("torch").cuda.is_available(), reason="a GPU is visible")),
     ("sim:x", "missing"),
     ("sim:x:prefill=100", "decode"),
     ("sim:gpu0:prefill=abc,decode=1", "number"),

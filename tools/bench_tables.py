@@ -81,10 +81,50 @@ def dashboard(d):
             f"Goals: {d['goals']}")
 
 
+MODES = ("independent", "incremental", "at-completion", "after-prefill")
+SEEDS_8 = {"independent": "baseline", "incremental": "— (not measured)", "at-completion": "−47.5% / −25.8%",
+           "after-prefill": "−82.9% / −32.4%"}
+
+
+def prefix(d):
+    wc = d["warm_vs_cold"]
+    out = [f"`{d['command']}` ({d['started']}, {d['runs']} run(s), {d['output_tokens']} output tokens; "
+           f"CPU {d['machine']['cpu_model']})\n",
+           "| 1. warm vs cold | restored | cold TTFT s | warm TTFT s | TTFT change (goal warm ≤ 5% of cold) | seeds (M2 GPU) |",
+           "|---|---|---|---|---|---|",
+           f"| ~900-token document | {wc['restored_tokens']} of {wc['prompt_tokens']} | {f(wc['cold_ttft_s'], 3)} | "
+           f"{f(wc['warm_ttft_s'], 3)} | {wc['ttft_change']}% ({'met' if wc['goal_warm_le_5pct_of_cold'] else 'missed'}) "
+           f"| 880 of 904, −96.2% |", ""]
+    for title, rows in (("2. identical requests, 532-token prompt", d["identical"]),
+                        ("3. shared 800-token document, different questions", d["partial_prefix"])):
+        out += [f"| {title} | N | mean TTFT s | TTFT change | slowest s | slowest change | restored per request"
+                + (" | seeds at N=8: TTFT / slowest change |" if title.startswith("2") else " |"),
+                "|---|---|---|---|---|---|---|" + ("---|" if title.startswith("2") else "")]
+        for row in rows:
+            for m in MODES:
+                r = row[m]
+                restored = sorted(set(r["restored_tokens"]))
+                line = (f"| {m} | {row['n']} | {f(r['mean_ttft_s'], 2)} | {r['mean_ttft_change']}% | "
+                        f"{f(r['slowest_s'], 2)} | {r['slowest_change']}% | {restored} |")
+                if title.startswith("2"):
+                    line += f" {SEEDS_8[m] if row['n'] == 8 else ''} |"
+                out.append(line)
+        out.append("")
+    cy, eq = d["cyclic"], d["equality"]
+    out += [f"4. cyclic: {cy['documents']} documents of {cy['document_tokens']} tokens, {cy['cycles']} cycles, "
+            f"{cy['cache_pages']}-page cache: hit rate {cy['hit_rate']:.1%}, {cy['evictions']} evictions, "
+            f"{cy['errors']} errors (seeds: 0 restored).",
+            f"5. greedy tokens cache on vs off (--deterministic): identical served together "
+            f"{eq['identical_together']}, one by one {eq['identical_one_by_one']}; restored "
+            f"{eq['restored_tokens_together']} / {eq['restored_tokens_one_by_one']} tokens."]
+    return "\n".join(out)
+
+
 def main():
     parts = []
     for name, render in (("single-0.5b", single), ("single-1.5b", single), ("batching", batching),
-                         ("routing", routing), ("routing-all-policies", routing), ("trace", trace), ("dashboard", dashboard)):
+                         ("routing", routing), ("routing-all-policies", routing), ("trace", trace), ("dashboard", dashboard),
+                         ("prefix", prefix)):
         d = load(name)
         if d:
             parts.append(f"### {name}\n\n{render(d)}\n")

@@ -43,6 +43,7 @@ class BackendPanel(Vertical):
             yield RateSparkline(classes="decode-spark")
             yield Line("", classes="rate-profile decode-profile")
         yield Line("", classes="kv-caption")
+        yield Line("", classes="kv-caption prefix-caption")
         yield KVGrid()
         yield ProgressBar(total=None, show_eta=False)
 
@@ -57,6 +58,7 @@ class BackendPanel(Vertical):
         self._prefill_profile = self.query_one(".prefill-profile", Line)
         self._decode_profile = self.query_one(".decode-profile", Line)
         self._kv_caption = self.query_one(".kv-caption", Line)
+        self._prefix_caption = self.query_one(".prefix-caption", Line)
         self._grid = self.query_one(KVGrid)
         self._bar = self.query_one(ProgressBar)
 
@@ -116,6 +118,7 @@ class BackendPanel(Vertical):
             if self._grid.per_cell > 1:
                 parts.append((2, f"{self._grid.per_cell} pages per cell"))
             self._kv_caption.set_parts(parts)
+        self._prefix_caption.set_parts(prefix_parts(w))
 
     def _load_parts(self, w: WorkerView) -> list[tuple[int, str]]:
         parts = [(0, f"run {w.running}/{w.max_active} wait {w.waiting}")]
@@ -140,6 +143,7 @@ class BackendPanel(Vertical):
         self._decode_spark.update_samples(())
         self._grid.update_states(b"")
         self._kv_caption.set("KV — (its pages went with it)" if w.state == "dead" else "KV —")
+        self._prefix_caption.set("")
 
     def _identity(self, state: str, message: str, w: WorkerView | None = None) -> str:
         style = STATE_STYLE.get(state, "$text")
@@ -154,3 +158,13 @@ class BackendPanel(Vertical):
             parts.append((2, escape(f"{w.dtype}/{w.weights}")))
         line = getattr(self, "_identity_line", None)
         return fit_parts(parts, line.size.width if line is not None and line.size.width else 10_000, sep=" ")
+
+
+def prefix_parts(w: WorkerView) -> list[tuple[int, str]]:
+    """Prefix cache line: hit rate over the last ~30 s, cached pages, evictions, waits."""
+    if not w.prefix_cache:
+        return [(0, "prefix cache off")] if w.state == "ready" else []
+    p = w.prefix
+    hit = "—" if w.hit_rate is None else f"{100 * w.hit_rate:.0f}%"
+    return [(0, f"prefix hit {hit}"), (1, f"cached {p.get('cached_pages', 0)}"),
+            (2, f"evicted {p.get('evictions', 0)}"), (3, f"waits {p.get('single_flight_waits', 0)}")]

@@ -25,7 +25,7 @@ from engine.snapshot import RequestView
 
 # (header, width). The columns that matter most come first: on a narrow terminal the last
 # ones are cut off (left / right scroll, z zooms the panel).
-COLUMNS = (("id", 5), ("w", 5), ("state", 8), ("out", 9), ("TTFT", 6), ("ITL", 5), ("e2e", 6),
+COLUMNS = (("id", 5), ("w", 5), ("state", 10), ("out", 9), ("TTFT", 6), ("ITL", 5), ("e2e", 6),
            ("end", 24), ("prompt", 6), ("cached", 6), ("spec", 11))
 TABLE_WIDTH = sum(w for _, w in COLUMNS) + len(COLUMNS) - 1
 STATE_COLOUR = {"prefill": "warning", "decode": "success", "error": "error"}
@@ -40,9 +40,15 @@ def end_text(r: RequestView) -> str:
     return {"abort": "aborted"}.get(r.finish_reason, r.finish_reason or "")
 
 
+def state_of(cell: str) -> str:
+    """The state behind a state cell ('follow r5' is a queued request waiting on r5)."""
+    return "queued" if cell.startswith("follow ") else cell
+
+
 def request_cells(r: RequestView, names: dict[int, str] | None = None) -> tuple[str, ...]:
     worker = "-" if r.worker is None else short_worker((names or {}).get(r.worker, str(r.worker)))
-    return (r.id, worker, r.state,
+    state = f"follow {r.leader}" if r.leader else r.state    # single flight: waits on r.leader
+    return (r.id, worker, state,
             f"{r.output_tokens}/{r.max_tokens}", fmt_seconds(r.ttft), fmt_seconds(r.itl_mean),
             fmt_seconds(r.e2e), end_text(r), str(r.prompt_tokens), str(r.cached_tokens), spec_text(r))
 
@@ -102,7 +108,7 @@ class RequestsTable(ScrollView, can_focus=True):
         ids = [rid for rid, _ in rows]
         if self._follow or self._selected not in ids:
             self._follow = True
-            live = [i for i, (_, cells) in enumerate(rows) if cells[2] in LIVE]
+            live = [i for i, (_, cells) in enumerate(rows) if state_of(cells[2]) in LIVE]
             self._cursor = live[0] if live else 0
         else:
             self._cursor = ids.index(self._selected)
@@ -160,7 +166,7 @@ class RequestsTable(ScrollView, can_focus=True):
         rid, cells = self._rows[index]
         if index == self._cursor:
             base += cursor
-        state = cells[2]
+        state = state_of(cells[2])
         colours = self.app.theme_variables
         if state in STATE_COLOUR:
             state_style = Style(color=colours[STATE_COLOUR[state]], bold=state == "error")

@@ -17,6 +17,7 @@ from engine.router import Candidate, RouteDecision
 
 SHOWN = 12
 POLICY_NOTE = {"cost": "least estimated seconds of work wins",
+               "cache-aware": "longest reusable prefix unless load is imbalanced",
                "least-loaded": "fewest requests wins",
                "round-robin": "takes turns, no score",
                "forced": "worker given by the caller, no score"}
@@ -24,7 +25,7 @@ POLICY_NOTE = {"cost": "least estimated seconds of work wins",
 
 def format_score(policy: str, score: float) -> str | None:
     """The figure the policy compared, in words; None when it compares nothing."""
-    if policy == "cost":
+    if policy in ("cost", "cache-aware"):
         return f"est {fmt_seconds(score)}"
     if policy == "least-loaded":
         return f"{score:g} req"
@@ -38,9 +39,9 @@ def format_candidate(c: Candidate, decision: RouteDecision, width: int) -> str:
     head = f"{mark} [bold]{name}[/]" if chosen else f"{mark} {name}"
     score = format_score(decision.policy, c.score)
     parts = [(0, f"{head} [b]{score}[/]" if score else f"{head} [$text-muted](no score)[/]"),
+             (1, f"reuse ~{c.cached_tokens} tok"),     # estimated reusable prefix
              (1, f"run {c.running} wait {c.waiting}"),
              (2, f"prefill {c.prefill_tokens} tok"), (2, f"decode {c.decode_tokens} tok"),
-             (3, f"cached {c.cached_tokens} tok"),
              (4, f"[$text-muted]at {fmt_rate(c.prefill_rate)}/{fmt_rate(c.decode_rate)} tok/s[/]")]
     return " " + fit_parts(parts, width - 1)
 
@@ -48,7 +49,7 @@ def format_candidate(c: Candidate, decision: RouteDecision, width: int) -> str:
 def format_decision(d: RouteDecision, width: int = 10_000) -> str:
     chosen = next((c.name for c in d.candidates if c.worker == d.chosen), f"w{d.chosen}")
     parts = [(0, f"[bold]{d.request_id}[/] → [bold $accent]{escape(short_worker(chosen))}[/]"),
-             (1, f"[$text-muted]{d.policy}[/]"),
+             (1, f"[$text-muted]{d.policy}{' (' + d.reason + ')' if d.reason else ''}[/]"),
              (3, f"[$text-muted]{POLICY_NOTE.get(d.policy, '')}[/]"),
              (2, f"[$text-muted]prompt {d.prompt_tokens} · max {d.max_tokens}[/]")]
     return "\n".join([fit_parts(parts, width), *(format_candidate(c, d, width) for c in d.candidates)])

@@ -57,14 +57,14 @@ def _key_start(seq: SeqSlice, window: int | None) -> int:
     return max(0, first_query - window + 1)
 
 
-def _chunk_mask(ctx: int, n: int, k0: int, window: int | None) -> torch.Tensor:
+def _chunk_mask(ctx: int, n: int, k0: int, window: int | None, device=None) -> torch.Tensor:
     """Additive [n, ctx - k0] mask: query i sits at position ctx - n + i, key j at k0 + j."""
-    q_pos = torch.arange(ctx - n, ctx).unsqueeze(1)
-    k_pos = torch.arange(k0, ctx).unsqueeze(0)
+    q_pos = torch.arange(ctx - n, ctx, device=device).unsqueeze(1)
+    k_pos = torch.arange(k0, ctx, device=device).unsqueeze(0)
     hidden = k_pos > q_pos
     if window is not None:
         hidden |= k_pos <= q_pos - window
-    return torch.zeros(hidden.shape).masked_fill_(hidden, NEG_INF)
+    return torch.zeros(hidden.shape, device=device).masked_fill_(hidden, NEG_INF)
 
 
 def _single(seq: SeqSlice, window: int | None) -> SingleSeq:
@@ -165,7 +165,7 @@ def attend(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, plan: 
                 return o
             out[s.rows] = o
             continue
-        mask = _chunk_mask(s.num_keys, n, 0, None) if s.causal else s.mask
+        mask = _chunk_mask(s.num_keys, n, 0, None, q.device) if s.causal else s.mask
         # [n, KV*G, hd] -> [KV, G*n, hd]: each KV head serves its G query heads in one bmm
         qg = qs.view(n, KV, G, hd).permute(1, 2, 0, 3).reshape(KV, G * n, hd)
         scores = torch.bmm(qg, k.permute(1, 2, 0))                      # [KV, G*n, Lk]
