@@ -1,4 +1,5 @@
 """Speculative decoding: proposers, acceptance (exact in distribution), rollback, engine."""
+import os
 import random
 import time
 
@@ -14,6 +15,9 @@ from engine.sequence import Sequence
 from engine.spec.ngram import propose_ngram
 from engine.spec.policy import AcceptanceK, CostK, CostModel, LengthK, StepContext
 from engine.spec.verify import verify
+
+# TOKENTOP_TEST_DEVICE=cuda runs the engine tests and the acceptance arithmetic on a GPU
+DEVICE = os.environ.get("TOKENTOP_TEST_DEVICE", "cpu")
 
 # chi-square critical values at p = 0.001 by degrees of freedom: a correct sampler fails
 # one of these seeded tests with probability 1e-3 at most, a biased one almost surely
@@ -69,8 +73,8 @@ def _generate(n_rounds: int, k: int, q_dists, *, tv: float = 0.0, bonus: bool = 
             rows = [P[min(t + j, len(P) - 1)] for j in range(kk + 1)]
             qs = [q_dists[min(t + j, len(P) - 1)] for j in range(kk)]
             drafts = [int(rng.choice(6, p=q)) for q in qs]
-            draft_probs = None if point_mass else torch.tensor(np.stack(qs)).float()
-            v = verify(torch.stack([_logits(r) for r in rows]), drafts, sampler,
+            draft_probs = None if point_mass else torch.tensor(np.stack(qs)).float().to(DEVICE)
+            v = verify(torch.stack([_logits(r) for r in rows]).to(DEVICE), drafts, sampler,
                        draft_probs=draft_probs, tv_budget=tv, bonus=bonus)
             assert 1 <= len(v.tokens) <= kk + 1
             assert v.tokens[:v.accepted] == drafts[:v.accepted]
@@ -204,7 +208,7 @@ def test_truncate_releases_whole_pages_of_both_tables():
 # --- in the engine ---------------------------------------------------------------------
 
 def start(model, **worker):
-    cfg = WorkerConfig(**{"model": str(model), "threads": 1, "calibrate": False, **worker})
+    cfg = WorkerConfig(**{"model": str(model), "threads": 1, "calibrate": False, "device": DEVICE, **worker})
     return Engine(EngineConfig(workers=(cfg,), worker_mode="thread")).start(timeout=300)
 
 
@@ -364,7 +368,7 @@ def test_trace_has_spec_rounds_with_draft_steps_verify_and_verdicts(tiny_model_p
     from engine.trace import check_nesting
 
     model = tiny_model_path("qwen2")
-    cfg = WorkerConfig(model=str(model), threads=1, calibrate=False, draft_model=str(model),
+    cfg = WorkerConfig(model=str(model), threads=1, calibrate=False, draft_model=str(model), device=DEVICE,
                        speculate="draft", spec_k="3")
     with Engine(EngineConfig(workers=(cfg,), worker_mode="thread", trace_dir=str(tmp_path))).start() as engine:
         r = engine.generate("zebra " * 10, params=SamplingParams(max_tokens=12, ignore_eos=True))

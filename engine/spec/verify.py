@@ -54,7 +54,7 @@ def verify(logits: Tensor, drafts: list[int], sampler: RequestSampler, *,
 
 def _logprob_rows(logits: Tensor, tokens: list[int], sampler: RequestSampler) -> tuple[list[float], list]:
     lp = torch.log_softmax(logits[:len(tokens)].float(), dim=-1)
-    chosen = lp.gather(-1, torch.tensor(tokens).unsqueeze(-1)).squeeze(-1).tolist()
+    chosen = lp.gather(-1, torch.tensor(tokens, device=lp.device).unsqueeze(-1)).squeeze(-1).tolist()
     top: list = []
     n = sampler.params.logprobs
     if n:
