@@ -135,6 +135,13 @@ def _burst(engine, n: int, mode: str, max_tokens: int, salt: int) -> float:
     return sum(len(r.token_ids) for r in results) / (time.perf_counter() - t0)
 
 
+def _warm_up(engine, mode: str) -> None:
+    """Every path once (greedy and sampled, with and without speculation) before timing."""
+    for m in ("off", mode):
+        engine.generate(messages=_messages(CODE_TASK), params=SamplingParams(max_tokens=8, speculate=m))
+        engine.generate(messages=_messages(CREATIVE_TASK), params=_params("creative", 0, m, "", 0.0, 8))
+
+
 def bench_spec(args) -> dict:
     from engine.bench.scenarios import base_worker, start_engine, stop_engine
 
@@ -150,7 +157,7 @@ def bench_spec(args) -> dict:
 
     engine = start_engine([base_worker(args, model=target, draft_model=draft, speculate="off")])
     try:
-        engine.generate(messages=_messages(CODE_TASK), params=SamplingParams(max_tokens=8, speculate="draft"))
+        _warm_up(engine, "draft")
         configs = [("target only", "off", "", 0.0)] + DRAFTED + [("ngram adaptive:cost", "ngram", "", 0.0)]
         report[target] = _compare(engine, configs, runs, seeds, max_tokens)
         n = 8
@@ -167,7 +174,7 @@ def bench_spec(args) -> dict:
 
     engine = start_engine([base_worker(args, model=draft, speculate="off")])
     try:
-        engine.generate(messages=_messages(CODE_TASK), params=SamplingParams(max_tokens=8, speculate="ngram"))
+        _warm_up(engine, "ngram")
         configs = [("target only", "off", "", 0.0), ("ngram adaptive:cost", "ngram", "", 0.0),
                    ("ngram k=4", "ngram", "4", 0.0)]
         report[draft] = _compare(engine, configs, runs, seeds, max_tokens)
