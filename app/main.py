@@ -90,6 +90,10 @@ def build_parser() -> OneLineParser:
     p.add_argument("--burst-file", metavar="FILE", default=None,
                    help="fire this burst file (JSONL, see sample_prompts/README.md) once the "
                         "workers have started: each line once, with its own sampling settings")
+    p.add_argument("--serve", default=None, metavar="[HOST:]PORT",
+                   help="also serve the OpenAI-compatible API here; its requests show in the panels")
+    from engine.serve.cli import add_serve_flags
+    add_serve_flags(p)
     return p
 
 
@@ -108,12 +112,29 @@ def run_dashboard(argv: list[str]) -> int:
         config = engine_config_from(args, default_mode="process")
         log = Path(platformdirs.user_log_dir("tokentop")) / "workers.log"
         app = TokentopApp(replace(config, worker_log=str(log)), startup_burst=burst)
+        http = _start_http(app, args) if args.serve else None
     except (TokentopError, OSError) as exc:
         print(f"tokentop: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    app.run()
+    try:
+        app.run()
+    finally:
+        if http is not None:
+            http.stop()
     app.wait_for_shutdown()
     return app.return_code or 0
+
+
+def _start_http(app: "TokentopApp", args):
+    """`--serve`: the HTTP API on the app's own engine, so its requests appear in the panels."""
+    from engine.serve.cli import serve_config_from
+    from engine.serve.server import HttpServer, parse_bind
+
+    host, port = parse_bind(args.serve, default_host=args.host)
+    http = HttpServer(app.engine, serve_config_from(args, host=host, port=port), quiet=True).start()
+    app.serve_url = http.url
+    app.engine.log("info", f"serving the OpenAI API on {http.url}/v1 (metrics at {http.url}/metrics)")
+    return http
 
 
 class TokentopApp(App[int]):
@@ -150,6 +171,7 @@ class TokentopApp(App[int]):
         self._notices: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
         self._shutdown_thread: threading.Thread | None = None
         self._refresh_error: str | None = None
+        self.serve_url: str | None = None      # set by --serve
 
     # --- layout -------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -284,6 +306,8 @@ class TokentopApp(App[int]):
             parts.append((5, f"prefill {fmt_rate(sum(w.prefill_tps for w in live))} tok/s"))
         parts += [(3, f"router [b]{self.router_policy}[/]"), (3, f"sched [b]{self.scheduler_policy}[/]"),
                   (3, f"trace {tracing}")]
+        if self.serve_url:
+            parts.append((1, f"api {self.serve_url}"))
         if snap is not None and snap.uptime:
             parts.append((4, f"up {fmt_uptime(snap.uptime)}"))
         self._status.set_parts(parts, prefix=" ")

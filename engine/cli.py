@@ -117,7 +117,8 @@ def build_parser() -> OneLineParser:
     add_engine_flags(g)
 
     b = sub.add_parser("bench", help="benchmarks (JSON out)")
-    b.add_argument("scenario", choices=["single", "batching", "routing", "dashboard", "trace", "prefix", "spec"])
+    b.add_argument("scenario", choices=["single", "batching", "routing", "dashboard", "trace", "prefix", "serve",
+                                        "spec"])
     b.add_argument("--models", default="qwen2.5-coder-0.5b", help="comma-separated (bench single)")
     b.add_argument("--runs", type=int, default=3)
     b.add_argument("--quick", action="store_true", help="fewer/shorter runs (smoke test)")
@@ -131,6 +132,11 @@ def build_parser() -> OneLineParser:
     b.add_argument("--llama-cpp", default=None, metavar="PYTHON",
                    help="bench single: a python with llama-cpp-python, to measure llama.cpp side by side")
     add_engine_flags(b)
+
+    from engine.serve.cli import add_serve_flags
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP API (with /metrics), headless")
+    add_serve_flags(s)
+    add_engine_flags(s)
 
     m = sub.add_parser("models", help="list bundled models and whether they are installed")
     m.add_argument("--json", action="store_true")
@@ -147,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
             return run_bench(args)
         if args.command == "models":
             return cmd_models(args)
+        if args.command == "serve":
+            from engine.serve.cli import cmd_serve
+            return cmd_serve(args)
         build_parser().print_help()
         return EXIT_USAGE
     except TokentopError as exc:

@@ -111,6 +111,11 @@ class WorkerConfig:
     def simulated(self) -> bool:
         return self.device.startswith("sim:")
 
+    @property
+    def remote(self) -> bool:
+        """remote:URL - requests are forwarded to an OpenAI-compatible server (engine/remote.py)."""
+        return self.device.startswith("remote:")
+
     def validate(self) -> "WorkerConfig":
         if self.threads < 0:
             raise ConfigError(f"--threads must be 0 (all cores) or a positive count, got {self.threads}")

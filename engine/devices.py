@@ -36,11 +36,14 @@ def parse_devices(specs: list[str], base: WorkerConfig) -> tuple[WorkerConfig, .
             out.append(replace(base, device=f"cuda:{index}", name=f"cuda:{index}"))
         elif spec.startswith("sim:"):
             out.append(_parse_sim(spec, base))
+        elif spec.startswith("remote:"):
+            from engine.remote import parse_remote
+            out.append(parse_remote(spec, base, sum(w.remote for w in out)))
         else:
             raise ConfigError(f"unknown device {spec!r}; use cpu, cuda, cuda:N or "
-                              "sim:NAME[:prefill=R,decode=R] (e.g. --device sim:gpu0)")
+                              "sim:NAME[:prefill=R,decode=R] (e.g. --device sim:gpu0) or remote:URL[,name=NAME]")
     for w in out:
-        if not w.simulated:
+        if not w.simulated and not w.remote:   # a remote's dtype is its own business
             check_activation_dtype(w.device, w.activation_dtype)
     names = [w.name for w in out]
     if len(set(names)) != len(names):

@@ -64,6 +64,7 @@ class _Record:
     cached: int = 0
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
+    messages: tuple | None = None
     finish_reason: str | None = None
     error: str | None = None
     metrics: msg.RequestMetrics | None = None
@@ -95,13 +96,14 @@ class RequestHandle:
 
     # called by the dispatcher thread
     def _deliver(self, event) -> None:
+        if isinstance(event, msg.Finished):
+            # done before the event is seen: whoever iterated to the end may call result(0)
+            self._done.set()
         with self._lock:
             if self._aq is not None:
                 self._aloop.call_soon_threadsafe(self._aq.put_nowait, event)
             else:
                 self._q.put(event)
-        if isinstance(event, msg.Finished):
-            self._done.set()
 
     def __iter__(self) -> Iterator[msg.TokenDelta]:
         while True:
@@ -199,6 +201,7 @@ class Engine:
         self._trace_since = time.monotonic() if self.tracing else None   # start of the trace window
         self._started_at: float | None = None
         self._usage = UsageSampler()
+        self._observers: list[Callable[[str, object], None]] = []
 
     # --- lifecycle ----------------------------------------------------------------------
     def start(self, wait: bool = True, timeout: float = 600.0) -> "Engine":
@@ -228,7 +231,12 @@ class Engine:
         else:
             self._events = queue.Queue()
         for i, cfg in enumerate(self.config.workers):
-            if self.config.worker_mode == "process":
+            if cfg.remote:      # forwarding needs no process of its own: a thread of I/O
+                from engine.remote import remote_worker_main
+                commands = queue.Queue()
+                proc = threading.Thread(target=remote_worker_main, name=f"tokentop-remote-{i}",
+                                        args=(i, cfg, paths[cfg.model], commands, self._events), daemon=True)
+            elif self.config.worker_mode == "process":
                 commands = ctx.Queue()
                 proc = ctx.Process(target=_worker_entry, name=f"tokentop-worker-{i}",
                                    args=(i, cfg, paths[cfg.model], commands, self._events,
@@ -255,7 +263,7 @@ class Engine:
         while time.monotonic() < deadline:
             with self._lock:
                 states = [w.state for w in self._workers]
-            if all(s in ("ready", "dead") for s in states):
+            if all(s in ("ready", "dead", "down") for s in states):
                 break
             time.sleep(0.02)
         with self._lock:
@@ -333,6 +341,7 @@ class Engine:
                                    f"{rid}: {notice}{{times}}")
                 params = replace(params, max_tokens=room)
             rec = _Record(rid, ids, params, now, burst=burst, notice=notice,
+                          messages=tuple(messages) if messages is not None else None,
                           prompt_text=prompt if isinstance(prompt, str) else self.tokenizer.decode(ids))
             decision = self.router.choose(rid, len(ids), params.max_tokens, self._loads(),
                                           cached=self._reuse_estimates(ids, params.cache_salt, live),
@@ -352,7 +361,9 @@ class Engine:
                                  reason=decision.reason,
                                  scores={c.worker: round(c.score, 4) for c in decision.candidates},
                                  reuse={c.worker: c.cached_tokens for c in decision.candidates})
-        slot.commands.put(msg.Submit(rid, tuple(ids), params, now))
+        slot.commands.put(msg.Submit(rid, tuple(ids), params, now,
+                                     rec.messages if slot.cfg.remote else None))
+        self._notify("route", decision)
         return handle
 
     def _reuse_estimates(self, ids: list[int], salt: str | None, live: list[_WorkerSlot]) -> dict[int, int]:
@@ -512,9 +523,19 @@ class Engine:
                 w.state, w.info, w.message = "ready", event.info, ""
             capped = " (all its KV pool holds: raise --kv-cache-memory for more)" \
                 if event.info.get("context_capped_by_kv") else ""
-            self._log_line("info", f"worker {event.worker} ({w.cfg.device}) ready: {event.info.get('pages')} "
-                                   f"KV pages of {event.info.get('page_size')} tokens, context "
-                                   f"{event.info.get('max_context')} tokens{capped}")
+            self._log_line("info", f"worker {event.worker} ({w.cfg.device}) ready: " + (
+                event.info.get("summary") or f"{event.info.get('pages')} KV pages of "
+                f"{event.info.get('page_size')} tokens, context {event.info.get('max_context')} tokens{capped}"))
+        elif isinstance(event, msg.WorkerDown):
+            with self._lock:
+                w = self._workers[event.worker]
+                w.state, w.message = "down", event.message
+            self._log_line("error", f"worker {event.worker} ({w.cfg.device}) down: {event.message}")
+        elif isinstance(event, msg.Reroute):
+            self._reroute(event)
+        elif isinstance(event, msg.ProfileUpdate):
+            with self._lock:
+                self._workers[event.worker].profile = (event.prefill_tps, event.decode_tps)
         elif isinstance(event, msg.WorkerLoading):
             with self._lock:
                 w = self._workers[event.worker]
@@ -569,6 +590,7 @@ class Engine:
                 deliveries.append((rec.id, f))
                 if f.reason == "error":
                     self._log_line("error", f"{rec.id}: {f.error}", locked=True)
+                deliveries.append((None, (rec.worker, f)))
             for rid in event.preempted:
                 self._log_repeated(("preempted", event.worker, rid), "warning",
                                    f"{rid} preempted{{times}} on worker {event.worker} (will recompute)")
@@ -576,6 +598,9 @@ class Engine:
                     self._tracer.instant("preempted", request=rid, worker=event.worker)
             self._forget_old()
         for rid, d in deliveries:
+            if rid is None:
+                self._notify("finished", d)
+                continue
             handle = self._handles.get(rid)
             if handle is not None:
                 handle._deliver(d)
@@ -624,6 +649,34 @@ class Engine:
                                          *_seen_timings(rec), time.monotonic() - rec.arrival)
             self._on_step(msg.StepEvents(event.worker, (), (msg.Finished(rid, "error", str(err), metrics),)))
 
+    def _reroute(self, event: msg.Reroute) -> None:
+        """A request its remote worker could not start (nothing streamed yet) goes elsewhere once."""
+        with self._lock:
+            rec = self._records.get(event.request_id)
+            if rec is None or rec.finish_reason is not None or rec.worker != event.worker:
+                return
+            loads = [ld for ld in self._loads() if ld.worker != event.worker and ld.alive]
+            error = None
+            if rec.output_ids or rec.text:
+                error = f"worker {event.worker} failed mid-stream: {event.reason}"
+            elif not loads:
+                error = f"worker {event.worker} failed ({event.reason}) and no other worker is ready"
+            if error is None:
+                decision = self.router.choose(rec.id, len(rec.prompt_ids), rec.params.max_tokens, loads)
+                rec.worker, rec.state = decision.chosen, "queued"
+                self._routing.append(decision)
+                slot = self._workers[decision.chosen]
+                self._log_line("warning", f"{rec.id} rerouted from worker {event.worker} to "
+                                          f"{decision.chosen}: {event.reason}", locked=True)
+        if error is not None:
+            m = msg.RequestMetrics(len(rec.prompt_ids), 0, len(rec.output_ids), None, None, None, None,
+                                   time.monotonic() - rec.arrival)
+            self._on_step(msg.StepEvents(event.worker, (), (msg.Finished(rec.id, "error", error, m),)))
+            return
+        slot.commands.put(msg.Submit(rec.id, tuple(rec.prompt_ids), rec.params, rec.arrival,
+                                     rec.messages if slot.cfg.remote else None))
+        self._notify("route", decision)
+
     def _forget_old(self) -> None:
         while len(self._finished) > KEEP_FINISHED:
             rid = self._finished.popleft()
@@ -658,6 +711,31 @@ class Engine:
         """Let the UI add a line (e.g. a burst summary) to the engine's event log."""
         self._log_line(level, text)
 
+    # --- for servers and exporters (engine/serve) ------------------------------------------
+    def add_observer(self, fn: Callable[[str, object], None]) -> None:
+        """fn(kind, payload) on every routing decision ("route", RouteDecision; caller's thread)
+        and finished request ("finished", (worker, Finished); dispatcher thread). Keep it quick."""
+        self._observers.append(fn)
+
+    def _notify(self, kind: str, payload) -> None:
+        for fn in self._observers:
+            try:
+                fn(kind, payload)
+            except Exception as exc:   # an exporter's bug must not stop the engine
+                self._log_line("error", f"observer failed on {kind}: {type(exc).__name__}: {exc}")
+
+    def outstanding(self) -> int:
+        """Requests submitted and not yet finished, on all workers."""
+        with self._lock:
+            return sum(r.finish_reason is None for r in self._records.values())
+
+    def capacity(self) -> tuple[int, int]:
+        """(requests the ready workers can run at once, the longest context among them)."""
+        with self._lock:
+            live = [w for w in self._workers if w.state == "ready"]
+            return (sum(w.cfg.max_active for w in live),
+                    max((w.info.get("max_context", 0) for w in live), default=0))
+
     # --- snapshot -----------------------------------------------------------------------
     def snapshot(self) -> EngineSnapshot:
         now = time.monotonic()
@@ -687,8 +765,11 @@ class Engine:
             recomputed_tokens=s.recomputed_tokens_total if s else 0, kv_bytes=info.get("kv_bytes", 0),
             cpu_percent=cpu, rss_bytes=rss, prefix_cache=info.get("prefix_cache") == "on",
             prefix=dict(s.prefix) if s else {}, hit_rate=_window_rate(w.prefix_hist),
+            remote_url=info.get("url") if w.cfg.remote else None,
+            kv_usage=s.kv_usage if s else None, note=info.get("note", ""),
             spec=s.spec if s else None, spec_history=tuple(w.spec_hist),
             spec_modes=tuple(info.get("spec_modes", ("off",))), draft_model=info.get("draft_model", ""))
+
 
     def _worker_usage(self, w: _WorkerSlot) -> tuple[float | None, int | None]:
         if w.state not in ("ready", "loading") or w.process is None:

@@ -17,6 +17,7 @@ class Submit:
     prompt_ids: tuple[int, ...]
     params: SamplingParams
     arrival: float                 # time.monotonic() at the facade
+    messages: tuple | None = None  # the chat messages, for a remote serving another model
 
 
 @dataclass(frozen=True)
@@ -144,6 +145,30 @@ class WorkerStats:
     prefix: dict = field(default_factory=dict)
     preemptions_total: int = 0
     recomputed_tokens_total: int = 0   # prefill tokens spent recomputing preempted sequences
+    kv_usage: float | None = None  # a remote's scraped KV cache usage (0..1), when it exposes one
+
+
+@dataclass(frozen=True)
+class WorkerDown:
+    """A remote worker stopped answering: no new requests until it is ready again."""
+    worker: int
+    message: str
+
+
+@dataclass(frozen=True)
+class Reroute:
+    """A remote worker could not start this request (no token streamed): route it elsewhere."""
+    worker: int
+    request_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class ProfileUpdate:
+    """A worker's measured rates changed (remote workers measure them from their streams)."""
+    worker: int
+    prefill_tps: float
+    decode_tps: float
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,9 @@ class WorkerView:
     spec_history: tuple[float, ...] = ()   # acceptance rate of each stats report that verified drafts
     spec_modes: tuple[str, ...] = ("off",)
     draft_model: str = ""
+    remote_url: str | None = None    # remote workers: the server requests are forwarded to
+    kv_usage: float | None = None    # remote workers: KV usage scraped from its /metrics, if any
+    note: str = ""                   # e.g. how prompt lengths are counted for a remote
 
 
 @dataclass(frozen=True)

@@ -259,3 +259,13 @@ def test_trace_shows_publish_hit_evict_and_waiting_on_leader(model, tmp_path):
     phases = [e["name"] for e in sorted((e for e in events if e["ph"] == "X"), key=lambda e: e["ts"])
               if e.get("args", {}).get("request") == handles[1].id]
     assert phases[:3] == ["queued", "waiting-on-leader", "prefill"], phases
+
+
+def test_contiguous_kv_has_no_prefix_cache(model):
+    """A contiguous region per sequence cannot share pages: the worker says the cache is off."""
+    with sim_engine(model, [f"sim:a:{FAST}"], worker_kw={"kv_cache": "contiguous"}) as engine:
+        doc = doc_ids(100)
+        engine.submit(prompt_ids=doc + [5], params=SamplingParams(max_tokens=2)).result(10)
+        r = engine.submit(prompt_ids=doc + [6], params=SamplingParams(max_tokens=2)).result(10)
+        assert r.metrics.cached_tokens == 0
+        assert not engine.snapshot().workers[0].prefix_cache

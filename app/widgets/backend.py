@@ -21,7 +21,7 @@ from engine.config import WorkerConfig
 from engine.snapshot import WorkerView
 
 STATE_STYLE = {"ready": "$success", "loading": "$warning", "starting": "$warning",
-               "dead": "$error", "stopped": "$text-muted"}
+               "dead": "$error", "down": "$error", "stopped": "$text-muted"}
 
 
 class BackendPanel(Vertical):
@@ -108,6 +108,9 @@ class BackendPanel(Vertical):
                                  else "prof —")
         self._prefill_spark.update_samples(w.prefill_history)
         self._decode_spark.update_samples(w.decode_history)
+        if w.remote_url is not None:
+            self._show_remote(w)
+            return
         self._grid.update_states(w.page_states)
         if w.pages_total:
             used = 100.0 * w.pages_used / w.pages_total
@@ -145,6 +148,12 @@ class BackendPanel(Vertical):
         self._kv_caption.set("KV — (its pages went with it)" if w.state == "dead" else "KV —")
         self._prefix_caption.set("")
 
+    def _show_remote(self, w: WorkerView) -> None:
+        """A remote server: its URL, scraped load, measured rates; it has no page grid to draw."""
+        self._grid.display = False
+        kv = f", KV {100 * w.kv_usage:.0f}% (scraped)" if w.kv_usage is not None else ""
+        self._kv_caption.set(escape(f"no KV grid{kv} · {w.note}" if w.note else f"no KV grid{kv}"))
+
     def _identity(self, state: str, message: str, w: WorkerView | None = None) -> str:
         style = STATE_STYLE.get(state, "$text")
         head = f"[bold {style}]● {state}[/]"
@@ -153,8 +162,13 @@ class BackendPanel(Vertical):
         parts = [(0, head)]
         if self.cfg.simulated:
             parts.append((0, "[reverse $warning] simulated [/]"))
-        parts.append((0, escape(short_model(self.cfg.model))))
-        if w is not None and not w.simulated and w.dtype != "?":
+        if self.cfg.remote:
+            parts.append((0, f"[reverse $accent] remote [/] {escape(self.cfg.device[len('remote:'):])}"))
+            if w is not None and w.model != self.cfg.model and w.state == "ready":
+                parts.append((1, escape(short_model(w.model))))
+        else:
+            parts.append((0, escape(short_model(self.cfg.model))))
+        if w is not None and not w.simulated and not self.cfg.remote and w.dtype != "?":
             parts.append((2, escape(f"{w.dtype}/{w.weights}")))
         line = getattr(self, "_identity_line", None)
         return fit_parts(parts, line.size.width if line is not None and line.size.width else 10_000, sep=" ")
