@@ -474,3 +474,23 @@ def test_cli_flags(tiny_model_path, capsys):
         assert main(["generate", "x", "--model", model, *bad]) == 2
         err = capsys.readouterr().err
         assert words in err and err.count("\n") == 1, err
+
+
+def test_prometheus_metrics_carry_vllm_spec_decode_counters(tiny_model_path):
+    from engine.serve.metrics import EngineMetrics
+
+    model = tiny_model_path("qwen2")
+    with start(model, speculate="ngram", spec_k="3") as engine:
+        metrics = EngineMetrics(engine, "tiny")
+        engine.generate("zebra " * 20, params=SamplingParams(max_tokens=30, ignore_eos=True))
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not (engine.snapshot().workers[0].spec or {}).get("drafts"):
+            time.sleep(0.05)
+        spec = engine.snapshot().workers[0].spec
+        text = metrics.render().decode()
+    assert spec["drafts"] > 0
+    for name, key in (("drafts", "drafts"), ("draft_tokens", "draft_tokens"), ("accepted_tokens", "accepted_tokens")):
+        line = next(ln for ln in text.splitlines() if ln.startswith(f"vllm:spec_decode_num_{name}_total{{"))
+        assert float(line.rsplit(" ", 1)[1]) == spec[key]
+    per_pos = [ln for ln in text.splitlines() if ln.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total{")]
+    assert sum(float(ln.rsplit(" ", 1)[1]) for ln in per_pos) == spec["accepted_tokens"]

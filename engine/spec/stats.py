@@ -50,4 +50,5 @@ class SpecStats:
         return {"drafts": self.drafts, "draft_tokens": self.draft_tokens,
                 "accepted_tokens": self.accepted_tokens, "emitted_tokens": self.emitted_tokens,
                 "acceptance_rate": self.acceptance_rate, "mean_accepted_length": self.mean_accepted_length,
-                "acceptance_per_position": self.per_position(), "k": self.k}
+                "acceptance_per_position": self.per_position(),
+                "accepted_per_position": self.accepted_per_pos[:len(self.per_position())], "k": self.k}
