@@ -77,6 +77,8 @@ class _Record:
     leader: str | None = None       # single flight: waiting for this request's pages
     follow_at: float | None = None  # when the facade first saw it waiting on a leader
     notice: str | None = None      # said once about how the request was taken (max_tokens lowered)
+    spec: dict | None = None       # speculative decoding counters, as the worker last sent them
+    drafted: list = field(default_factory=list)   # [start, end) of text from accepted drafts
 
 
 class RequestHandle:
@@ -161,6 +163,8 @@ class _WorkerSlot:
     prefill_hist: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
     decode_hist: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
     profile: tuple[float, float] = (0.0, 0.0)
+    spec_hist: deque = field(default_factory=lambda: deque(maxlen=HISTORY))   # acceptance per report
+    spec_seen: tuple[int, int] = (0, 0)      # (draft tokens, accepted) at the last report
     cache_keys: set = field(default_factory=set)          # 8-byte prefixes of published pages
     prefix_hist: deque = field(default_factory=lambda: deque(maxlen=HIT_WINDOW))
 
@@ -176,6 +180,7 @@ class Engine:
         self._progress = progress
         self._lock = threading.RLock()
         self._ids = itertools.count(1)
+        self.spec_mode = ""   # speculation of new requests that do not choose: "" = the workers' default
         self._records: dict[str, _Record] = {}
         self._handles: dict[str, RequestHandle] = {}
         self._finished: deque[str] = deque()
@@ -215,6 +220,8 @@ class Engine:
                 cb = (lambda done, total, name=cfg.model: self._progress(name, done, total)) \
                     if self._progress else None
                 paths[cfg.model] = str(resolve_model(cfg.model, progress=cb))
+            if cfg.draft_model and cfg.draft_model not in paths:   # assembled here, once
+                paths[cfg.draft_model] = str(resolve_model(cfg.draft_model))
         check_model_limits(self.config.workers, paths)
         check_memory(self.config.workers, paths)
         self.tokenizer = Tokenizer.from_gguf(paths[self.config.workers[0].model])
@@ -309,6 +316,8 @@ class Engine:
         if cache_salt is not None:
             params = replace(params, cache_salt=cache_salt)
         params = params.validate()
+        if not params.speculate and self.spec_mode:   # the dashboard's choice for new requests
+            params = replace(params, speculate=self.spec_mode)
         ids = self.encode(prompt, messages, prompt_ids, parse_special=parse_special)
         now = time.monotonic()
         with self._lock:
@@ -449,6 +458,21 @@ class Engine:
                 w.commands.put(msg.SetPolicy(policy))
         self._log_line("info", f"scheduler policy -> {policy}")
 
+    def set_spec_mode(self, mode: str) -> None:
+        """Speculative decoding of new requests: off, ngram, draft ("" = the workers' default)."""
+        from engine.config import SPEC_MODES
+
+        if mode and mode not in SPEC_MODES:
+            raise ConfigError(f"speculation mode must be one of {', '.join(SPEC_MODES)}, got {mode!r}")
+        self.spec_mode = mode
+
+    def spec_modes(self) -> tuple[str, ...]:
+        """Modes every ready worker can serve (draft only where all have a draft model)."""
+        with self._lock:
+            sets = [set(w.info.get("spec_modes", ("off",))) for w in self._workers if w.state == "ready"]
+        common = set.intersection(*sets) if sets else {"off"}
+        return tuple(m for m in ("off", "ngram", "draft") if m in common)
+
     def set_router_policy(self, policy: str) -> None:
         with self._lock:
             self.router.set_policy(policy)
@@ -542,6 +566,14 @@ class Engine:
                     rec.last_token_at = time.monotonic()
                     if rec.first_token_at is None:
                         rec.first_token_at = rec.last_token_at
+                if d.drafted and d.text:
+                    start = len(rec.text)
+                    if rec.drafted and rec.drafted[-1][1] == start:
+                        rec.drafted[-1][1] += len(d.text)
+                    else:
+                        rec.drafted.append([start, start + len(d.text)])
+                    while rec.drafted and rec.drafted[0][1] < start - TEXT_TAIL:
+                        rec.drafted.pop(0)
                 rec.text += d.text
                 rec.state = "decode"
                 deliveries.append((rec.id, d))
@@ -550,6 +582,8 @@ class Engine:
                 if rec is None:
                     continue
                 rec.finish_reason, rec.error, rec.metrics = f.reason, f.error, f.metrics
+                if f.metrics is not None and f.metrics.spec is not None:
+                    rec.spec = f.metrics.spec
                 rec.state = {"error": "error", "abort": "aborted"}.get(f.reason, "finished")
                 rec.finished_at = time.monotonic()
                 self._finished.append(rec.id)
@@ -577,6 +611,11 @@ class Engine:
             w.stats = s
             w.prefill_hist.append(s.prefill_tps)
             w.decode_hist.append(s.decode_tps)
+            if s.spec is not None:
+                drafted, accepted = s.spec["draft_tokens"], s.spec["accepted_tokens"]
+                if drafted > w.spec_seen[0]:
+                    w.spec_hist.append((accepted - w.spec_seen[1]) / (drafted - w.spec_seen[0]))
+                w.spec_seen = (drafted, accepted)
             if s.prefix:
                 w.prefix_hist.append((s.prefix["prefix_cache_queries"], s.prefix["prefix_cache_hits"]))
             for v in s.seqs:
@@ -586,6 +625,7 @@ class Engine:
                 rec.computed, rec.cached, rec.leader = v.computed_tokens, v.cached_tokens, v.leader
                 if v.leader and rec.follow_at is None:
                     rec.follow_at = time.monotonic()
+                rec.spec = v.spec
                 rec.state = {"waiting": "queued"}.get(v.state, v.state)
                 if rec.state != "queued" and rec.prefill_at is None:
                     rec.prefill_at = time.monotonic()
@@ -726,7 +766,10 @@ class Engine:
             cpu_percent=cpu, rss_bytes=rss, prefix_cache=info.get("prefix_cache") == "on",
             prefix=dict(s.prefix) if s else {}, hit_rate=_window_rate(w.prefix_hist),
             remote_url=info.get("url") if w.cfg.remote else None,
-            kv_usage=s.kv_usage if s else None, note=info.get("note", ""))
+            kv_usage=s.kv_usage if s else None, note=info.get("note", ""),
+            spec=s.spec if s else None, spec_history=tuple(w.spec_hist),
+            spec_modes=tuple(info.get("spec_modes", ("off",))), draft_model=info.get("draft_model", ""))
+
 
     def _worker_usage(self, w: _WorkerSlot) -> tuple[float | None, int | None]:
         if w.state not in ("ready", "loading") or w.process is None:
@@ -746,6 +789,7 @@ class Engine:
             ttft=m.ttft if m and m.ttft is not None else seen[1],
             itl_mean=m.itl_mean if m else seen[2], e2e=m.e2e if m else end - r.arrival,
             text_tail=r.text[-TEXT_TAIL:], error=r.error, burst=r.burst, age=now - r.arrival,
+            spec=r.spec, drafted_spans=_tail_spans(r.drafted, len(r.text)),
             finish_reason=r.finish_reason, prompt=r.prompt_text, params=r.params,
             notice=r.notice, leader=r.leader if r.finish_reason is None else None)
 
@@ -844,6 +888,12 @@ def _seen_timings(rec: _Record) -> tuple[float | None, float | None, float | Non
     itl = ((rec.last_token_at - rec.first_token_at) / (n - 1)
            if n > 1 and rec.first_token_at is not None and rec.last_token_at is not None else None)
     return queue_time, ttft, itl, None
+
+
+def _tail_spans(spans: list, text_len: int) -> tuple[tuple[int, int], ...]:
+    """Drafted [start, end) ranges, relative to the text tail the snapshot carries."""
+    off = max(0, text_len - TEXT_TAIL)
+    return tuple((max(0, a - off), b - off) for a, b in spans if b > off)
 
 
 def _alive(proc) -> bool:

@@ -9,6 +9,7 @@ import queue
 import time
 import traceback
 from collections import deque
+from contextlib import nullcontext
 
 from engine import messages as msg
 from engine.config import DEFAULT_MAX_CONTEXT, WorkerConfig
@@ -55,6 +56,14 @@ class Worker:
             self.blocks, max_active=cfg.max_active, max_batched_tokens=cfg.max_batched_tokens,
             max_context=self.max_context, policy=cfg.policy,
             prefill_chunk=64 if cfg.deterministic else 0)
+        # speculative decoding (engine/spec/): real runners only
+        self.spec = None
+        if not cfg.simulated:
+            from engine.spec.controller import SpecController
+            self.spec = SpecController(cfg, self.runner, self.blocks)
+            if cfg.speculate != "off" or self.spec.draft is not None:
+                emit(msg.WorkerLoading(index, "measuring verify and draft step costs"))
+                self.spec.calibrate()   # else on the first speculating request
         self.reuse = None
         if cfg.prefix_cache == "on" and cfg.kv_cache == "paged":
             from engine.kv.prefix_cache import model_identity
@@ -85,6 +94,8 @@ class Worker:
             "profile_prefill_tps": profile.get("prefill_tps", 0.0),
             "profile_decode_tps": profile.get("decode_tps", 0.0),
             "profile_source": profile.get("source", "none"),
+            "spec_modes": self.spec.modes if self.spec else ("off",),
+            "draft_model": cfg.draft_model if self.spec and self.spec.draft else "",
         }))
 
     # --- loop -------------------------------------------------------------------------
@@ -140,6 +151,8 @@ class Worker:
                     f"prompt needs {pages_needed} KV pages but the worker has {self.pool.num_pages}; "
                     "raise --kv-cache-memory")
             self.runner.start_sequence(seq)
+            if self.spec is not None:
+                self.spec.start(seq)
         except Exception as exc:  # refuse this one request, keep serving
             seq.finish_reason, seq.error = "error", _describe(exc)
             seq.finished_at = time.monotonic()
@@ -162,12 +175,21 @@ class Worker:
 
     def _step(self, tracer) -> None:
         with tracer.scope("scheduler decision"):
+            if self.spec is not None:
+                self.spec.prepare(self.scheduler)
             plan = self.scheduler.schedule()
         if not plan.items:
             self._fail_unschedulable()
             return
         try:
-            sampled, errors = self.runner.execute(plan, self.blocks)
+            speculating = plan.num_draft > 0
+            with tracer.scope("spec", drafts=plan.num_draft) if speculating else nullcontext():
+                if speculating:
+                    self.spec.propose(plan, self.blocks)
+                t0 = time.perf_counter()
+                sampled, errors = self.runner.execute(plan, self.blocks)
+            if self.spec is not None:
+                self.spec.record_step(plan, time.perf_counter() - t0)
         except Exception as exc:   # a fault in the forward fails this step's requests only
             reason = _describe(exc)
             finished = []
@@ -180,7 +202,9 @@ class Worker:
         if self.reuse is not None:
             self.reuse.publish(plan, errors)
         now = time.monotonic()
-        self._account(now, plan.num_tokens - decode, decode, plan.num_tokens)
+        # a verify round emits 1 + accepted tokens (or more with the bonus): count them all
+        decode += sum(len(v.tokens) - 1 for v in sampled.values() if not isinstance(v, tuple))
+        self._account(now, plan.num_tokens - plan.num_decode - plan.num_draft, decode, plan.num_tokens)
 
         tokens: list[msg.TokenDelta] = []
         finished: list[msg.Finished] = []
@@ -188,6 +212,8 @@ class Worker:
             seq = item.seq
             if seq.id in errors:
                 self._finish(seq, "error", errors[seq.id], finished)
+            elif item.samples and seq.spec is not None:
+                self._append_spec(item, sampled[seq.id], now, tokens, finished)
             elif item.samples:
                 self._append(seq, sampled[seq.id], now, tokens, finished)
         self.emit(msg.StepEvents(self.index, tuple(tokens), tuple(finished),
@@ -196,7 +222,26 @@ class Worker:
     def _cache_delta(self) -> tuple:
         return self.reuse.cache.take_delta() if self.reuse is not None else ()
 
-    def _append(self, seq: Sequence, sample, now: float, tokens: list, finished: list) -> None:
+    def _append_spec(self, item, result, now: float, tokens: list, finished: list) -> None:
+        """A speculating request: roll back what was rejected, then append the emitted tokens
+        one by one exactly as plain decoding would (a stop inside the run ends it there)."""
+        from engine.spec.verify import Verdict
+
+        seq = item.seq
+        verdict = result if isinstance(result, Verdict) else None
+        self.spec.settle(item, verdict, self.blocks)
+        if verdict is None:
+            self._append(seq, result, now, tokens, finished)
+            return
+        for i, token in enumerate(verdict.tokens):
+            if seq.state == SeqState.FINISHED:
+                break
+            top = verdict.top[i] if verdict.top else ()
+            self._append(seq, (token, verdict.logprobs[i], top), now, tokens, finished,
+                         drafted=i < verdict.accepted)
+
+    def _append(self, seq: Sequence, sample, now: float, tokens: list, finished: list,
+                drafted: bool = False) -> None:
         token_id, logprob, top = sample
         seq.record_token(now)
         p = seq.params
@@ -211,14 +256,15 @@ class Worker:
         if seq.sampler is not None:
             seq.sampler.observe(token_id)
         delta = seq.detok.push(token_id) if seq.detok else ""
-        stopped = self._emit_text(seq, delta, (token_id, logprob, top), tokens, final=False)
+        stopped = self._emit_text(seq, delta, (token_id, logprob, top), tokens, final=False, drafted=drafted)
         if stopped:
             self._finish(seq, "stop", None, finished)
         elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_context:
             self._emit_text(seq, seq.detok.flush() if seq.detok else "", None, tokens, final=True)
             self._finish(seq, "length", None, finished)
 
-    def _emit_text(self, seq: Sequence, delta: str, token, tokens: list, final: bool) -> bool:
+    def _emit_text(self, seq: Sequence, delta: str, token, tokens: list, final: bool,
+                   drafted: bool = False) -> bool:
         """Append text, honouring stop strings (held back until they can't start a stop)."""
         stops = seq.params.stop
         pending = seq.held_text + delta
@@ -240,7 +286,7 @@ class Worker:
         seq.text += out
         if token is not None or out:
             token_id, logprob, top = token if token is not None else (-1, None, ())
-            tokens.append(msg.TokenDelta(seq.id, token_id, out, logprob, tuple(top)))
+            tokens.append(msg.TokenDelta(seq.id, token_id, out, logprob, tuple(top), drafted))
         return stopped
 
     def _finish(self, seq: Sequence, reason: str, error: str | None, finished: list) -> None:
@@ -264,7 +310,7 @@ class Worker:
             itl_max=seq.itl_max if n_out > 1 else None,
             e2e=(seq.finished_at or time.monotonic()) - seq.arrival, preemptions=seq.preemptions,
             follow_start=None if seq.follow_since is None else seq.follow_since - seq.arrival,
-            follow_time=seq.follow_time)
+            follow_time=seq.follow_time, spec=_spec_dict(seq))
         return msg.Finished(seq.id, seq.finish_reason or "error", seq.error, m)
 
     def _fail_unschedulable(self) -> None:
@@ -304,7 +350,7 @@ class Worker:
         self._last_stats = now
         prefill_tps, decode_tps = self._rates()
         seqs = tuple(msg.SeqView(s.id, s.state.value, len(s.prompt_ids), s.num_cached, s.num_computed,
-                                 len(s.output_ids), s.params.max_tokens, s.leader)
+                                 len(s.output_ids), s.params.max_tokens, leader=s.leader, spec=_spec_dict(s))
                      for s in self.seqs.values())
         self.emit(msg.WorkerStats(
             worker=self.index, running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
@@ -314,7 +360,14 @@ class Worker:
             seqs=seqs, prefill_tokens_total=self.prefill_total, decode_tokens_total=self.decode_total,
             preemptions_total=self.scheduler.preemptions,
             recomputed_tokens_total=self.scheduler.recomputed_tokens,
-            prefix=self.reuse.stats() if self.reuse is not None else {}))
+            prefix=self.reuse.stats() if self.reuse is not None else {},
+            spec=self.spec.stats.as_dict() if self.spec is not None else None))
+
+
+def _spec_dict(seq: Sequence) -> dict | None:
+    if seq.spec is None:
+        return None
+    return {"mode": seq.spec.mode, **seq.spec.stats.as_dict()}
 
 
 def _describe(exc: BaseException) -> str:
