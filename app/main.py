@@ -37,6 +37,7 @@ from app.widgets.line import Line
 from app.widgets.panel import Panel
 from app.widgets.requests import RequestsTable
 from app.widgets.routing import RoutingPanel
+from app.widgets.spec import SpecPanel
 from app.widgets.streams import StreamsPanel
 from app.bursts import default_prompts_dir, list_burst_files, load_burst
 from engine.cli import EXIT_USAGE, OneLineParser, add_engine_flags, engine_config_from
@@ -48,6 +49,7 @@ from themes import KV_DEFAULTS, STYLESHEET, THEMES
 
 REFRESH_S = 0.2              # 5 Hz, as often as workers report their stats
 SHUTDOWN_TIMEOUT_S = 2.0     # per worker join before the engine terminates it
+SPEC_PANEL_MIN_WIDTH = 120   # terminal columns from which the speculation panel is shown
 THEME_CYCLE = tuple(t.name for t in THEMES)
 # Dashboard keys. The footer, the help screen and the command palette are generated from them.
 ACTIONS = (
@@ -55,6 +57,8 @@ ACTIONS = (
     Binding("n", "prompt", "Prompt", tooltip="Submit one prompt you type"),
     Binding("p", "cycle_scheduler", "Sched", tooltip=f"Cycle the scheduler policy ({', '.join(SCHED_POLICIES)})"),
     Binding("r", "cycle_router", "Router", tooltip=f"Cycle the router policy ({', '.join(ROUTER_POLICIES)})"),
+    Binding("s", "cycle_spec", "Spec", tooltip="Cycle speculative decoding of new requests "
+                                               "(off, ngram, draft when a draft model is loaded)"),
     Binding("x,delete", "abort", "Abort", tooltip="Abort the request selected in the request table"),
     Binding("enter", "request_detail", "Detail", show=False, tooltip="Show the selected request in full"),
     Binding("t", "export_trace", "Trace", tooltip="Write a Perfetto trace (turns tracing on if it is off)"),
@@ -179,6 +183,7 @@ class TokentopApp(App[int]):
             yield Panel("routing", RoutingPanel(id="routing"), id="routing-panel")
         with Horizontal(id="bottom", classes="row"):
             yield Panel("streams", StreamsPanel(id="streams"), id="streams-panel")
+            yield Panel("speculation", SpecPanel(id="spec"), id="spec-panel")
             yield Panel("log", EventLog(id="log"), id="log-panel")
         yield Footer(compact=True)
 
@@ -195,6 +200,8 @@ class TokentopApp(App[int]):
         self._requests = self.query_one(RequestsTable)
         self._routing = self.query_one(RoutingPanel)
         self._streams = self.query_one(StreamsPanel)
+        self._spec = self.query_one(SpecPanel)
+        self._spec_panel = self.query_one("#spec-panel")
         self._log = self.query_one(EventLog)
         self._status = self.query_one("#status", Line)
         self._requests.focus()
@@ -266,6 +273,11 @@ class TokentopApp(App[int]):
         self._requests.show_requests(snap.requests, names)
         self._routing.show_decisions(snap.routing)
         self._streams.show_streams(snap.requests, names)
+        # the speculation panel needs room: below SPEC_PANEL_MIN_WIDTH columns the request
+        # table's spec column and the help carry it (z zooms a panel)
+        self._spec_panel.display = self.size.width >= SPEC_PANEL_MIN_WIDTH
+        if self._spec_panel.display:
+            self._spec.show_spec(snap.workers, snap.requests, self.engine.spec_mode)
         self._log.show_lines(snap.log)
         self._show_status()
 
@@ -375,6 +387,14 @@ class TokentopApp(App[int]):
         self.router_policy = policy
         self._show_status()
         self.notify(f"router policy: {policy}")
+
+    @reported
+    def action_cycle_spec(self) -> None:
+        modes = self.engine.spec_modes()
+        current = self.engine.spec_mode or self.config.workers[0].speculate
+        mode = _next(modes, current)
+        self.engine.set_spec_mode(mode)
+        self.notify(f"speculative decoding of new requests: {mode}")
 
     def action_abort(self) -> None:
         rid = self._requests.selected_id

@@ -53,6 +53,18 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="run each worker in its own process (default for several workers) or a thread")
     g.add_argument("--recalibrate", action="store_true",
                    help="measure each worker's prefill/decode speed again (else cached after first use)")
+    g.add_argument("--speculate", choices=["off", "ngram", "draft"], default=None,
+                   help="speculative decoding of requests (default: draft with --draft-model, else off)")
+    g.add_argument("--draft-model", default="", metavar="NAME|PATH",
+                   help="draft model for --speculate draft, e.g. qwen2.5-coder-0.5b for the 1.5B")
+    g.add_argument("--spec-k", default="adaptive:cost", metavar="N|POLICY",
+                   help="draft length: N, adaptive:cost (default), adaptive:acceptance, adaptive:length")
+    g.add_argument("--spec-tv-budget", type=float, default=0.0, metavar="D",
+                   help="mentored decoding: accept drafts within total-variation budget D (0 = lossless)")
+    g.add_argument("--no-spec-bonus", action="store_true",
+                   help="no bonus token after a fully accepted draft (the seeds' setting)")
+    g.add_argument("--ngram-min", type=int, default=1, help="prompt lookup: shortest n-gram matched")
+    g.add_argument("--ngram-max", type=int, default=4, help="prompt lookup: longest n-gram matched")
     g.add_argument("--trace-dir", default=None, help="write a Perfetto (Chrome JSON) trace here")
     g.add_argument("--routing-log", default=None, help="append every routing decision as JSON lines")
 
@@ -69,6 +81,9 @@ def engine_config_from(args: argparse.Namespace, default_mode: str = "process") 
         page_size=args.page_size, kv_cache_memory=parse_size(args.kv_cache_memory),
         kv_cache=args.kv_cache, policy=args.policy, deterministic=args.deterministic,
         activation_dtype=args.activation_dtype, weights=args.weights, recalibrate=args.recalibrate,
+        speculate=args.speculate or ("draft" if args.draft_model else "off"), draft_model=args.draft_model,
+        spec_k=args.spec_k, spec_tv_budget=args.spec_tv_budget, spec_bonus=not args.no_spec_bonus,
+        ngram_min=args.ngram_min, ngram_max=args.ngram_max,
         prefix_cache=args.prefix_cache, single_flight=args.single_flight,
         # a speed profile only matters when a router has a choice to make
         calibrate=len(args.device or ["cpu"]) > 1 or args.recalibrate)
@@ -101,7 +116,8 @@ def build_parser() -> OneLineParser:
     add_engine_flags(g)
 
     b = sub.add_parser("bench", help="benchmarks (JSON out)")
-    b.add_argument("scenario", choices=["single", "batching", "routing", "dashboard", "trace", "prefix", "serve"])
+    b.add_argument("scenario", choices=["single", "batching", "routing", "dashboard", "trace", "prefix", "serve",
+                                        "spec"])
     b.add_argument("--models", default="qwen2.5-coder-0.5b", help="comma-separated (bench single)")
     b.add_argument("--runs", type=int, default=3)
     b.add_argument("--quick", action="store_true", help="fewer/shorter runs (smoke test)")

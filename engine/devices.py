@@ -201,6 +201,8 @@ def check_memory(workers, model_paths: dict[str, str], available: int | None = N
     if available is None:
         return
     need = sum(CPU_BYTES_PER_FILE_BYTE * os.path.getsize(model_paths[w.model]) + w.kv_cache_memory
+               + (CPU_BYTES_PER_FILE_BYTE * os.path.getsize(model_paths[w.draft_model])
+                  if w.draft_model in model_paths else 0)
                for w in workers if w.device == "cpu")
     if need > available:
         n = sum(w.device == "cpu" for w in workers)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from engine import messages as msg
 from engine.errors import WorkerDied
-from engine.requests import seen_timings
+from engine.requests import TEXT_TAIL, seen_timings
 from engine.snapshot import RequestState
 
 if TYPE_CHECKING:
@@ -115,6 +115,14 @@ class Dispatcher:
                     rec.last_token_at = time.monotonic()
                     if rec.first_token_at is None:
                         rec.first_token_at = rec.last_token_at
+                if d.drafted and d.text:
+                    start = len(rec.text)
+                    if rec.drafted and rec.drafted[-1][1] == start:
+                        rec.drafted[-1][1] += len(d.text)
+                    else:
+                        rec.drafted.append([start, start + len(d.text)])
+                    while rec.drafted and rec.drafted[0][1] < start - TEXT_TAIL:
+                        rec.drafted.pop(0)
                 rec.text += d.text
                 rec.state = RequestState.DECODE
                 deliveries.append((rec.id, d))
@@ -123,6 +131,8 @@ class Dispatcher:
                 if rec is None:
                     continue
                 rec.finish_reason, rec.error, rec.metrics = f.reason, f.error, f.metrics
+                if f.metrics is not None and f.metrics.spec is not None:
+                    rec.spec = f.metrics.spec
                 rec.state = RequestState.of_finish(f.reason)
                 rec.finished_at = time.monotonic()
                 self.engine.requests.finished(rec)
@@ -149,6 +159,11 @@ class Dispatcher:
             w.stats = s
             w.prefill_hist.append(s.prefill_tps)
             w.decode_hist.append(s.decode_tps)
+            if s.spec is not None:
+                drafted, accepted = s.spec["draft_tokens"], s.spec["accepted_tokens"]
+                if drafted > w.spec_seen[0]:
+                    w.spec_hist.append((accepted - w.spec_seen[1]) / (drafted - w.spec_seen[0]))
+                w.spec_seen = (drafted, accepted)
             if s.prefix:
                 w.prefix_hist.append((s.prefix["prefix_cache_queries"], s.prefix["prefix_cache_hits"]))
             for v in s.seqs:
@@ -158,6 +173,7 @@ class Dispatcher:
                 rec.computed, rec.cached, rec.leader = v.computed_tokens, v.cached_tokens, v.leader
                 if v.leader and rec.follow_at is None:
                     rec.follow_at = time.monotonic()
+                rec.spec = v.spec
                 rec.state = RequestState.of_worker(v.state)
                 if rec.state != RequestState.QUEUED and rec.prefill_at is None:
                     rec.prefill_at = time.monotonic()

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from engine import messages as msg
-from engine.config import EngineConfig, SamplingParams, WorkerConfig, check_scheduler_policy
+from engine.config import SPEC_MODES, EngineConfig, SamplingParams, WorkerConfig, check_scheduler_policy
 from engine.devices import check_memory, check_model_limits
 from engine.dispatch import Dispatcher
 from engine.errors import ConfigError, InvalidRequest, TokentopError, describe_error
@@ -29,13 +29,12 @@ from engine.models.tokenizer import Tokenizer
 from engine.procstat import UsageSampler
 # RequestFailed, RequestHandle and RequestResult are part of the facade's API, imported from here
 from engine.requests import (RequestFailed, RequestHandle, RequestRecord, RequestResult,  # noqa: F401
-                             RequestTable, seen_timings)
+                             RequestTable, TEXT_TAIL, seen_timings)
 from engine.router import RouteDecision, Router, WorkerLoad
 from engine.snapshot import EngineSnapshot, LogLine, RequestState, RequestView, WorkerView
 from engine.trace import Tracer, check_trace_dir, request_track_events, set_tracer, write_chrome_trace
 
 HISTORY = 60          # samples of tok/s kept per worker for sparklines
-TEXT_TAIL = 2000      # characters of each request's text kept for the dashboard
 HIT_WINDOW = 150      # WorkerStats samples (~30 s at 5 Hz) behind a worker's prefix hit rate
 UNWRITTEN_TRACE_EVENTS = 2_000_000   # most trace events kept after a failed export
 LOG_GROUP_WINDOW = 5.0   # seconds: the same event again within this is counted on one log line
@@ -54,6 +53,8 @@ class _WorkerSlot:
     prefill_hist: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
     decode_hist: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
     profile: tuple[float, float] = (0.0, 0.0)
+    spec_hist: deque = field(default_factory=lambda: deque(maxlen=HISTORY))   # acceptance per report
+    spec_seen: tuple[int, int] = (0, 0)      # (draft tokens, accepted) at the last report
     cache_keys: set = field(default_factory=set)          # 8-byte prefixes of published pages
     prefix_hist: deque = field(default_factory=lambda: deque(maxlen=HIT_WINDOW))
 
@@ -69,6 +70,7 @@ class Engine:
         self._progress = progress
         self._lock = threading.RLock()
         self._ids = itertools.count(1)
+        self.spec_mode = ""   # speculation of new requests that do not choose: "" = the workers' default
         self.requests = RequestTable()
         self._routing: deque[RouteDecision] = deque(maxlen=50)
         self._log: deque[LogLine] = deque(maxlen=200)
@@ -102,6 +104,8 @@ class Engine:
                 cb = (lambda done, total, name=cfg.model: self._progress(name, done, total)) \
                     if self._progress else None
                 paths[cfg.model] = str(resolve_model(cfg.model, progress=cb))
+            if cfg.draft_model and cfg.draft_model not in paths:   # assembled here, once
+                paths[cfg.draft_model] = str(resolve_model(cfg.draft_model))
         check_model_limits(self.config.workers, paths)
         check_memory(self.config.workers, paths)
         self.tokenizer = Tokenizer.from_gguf(paths[self.config.workers[0].model])
@@ -196,6 +200,8 @@ class Engine:
         if cache_salt is not None:
             params = replace(params, cache_salt=cache_salt)
         params = params.validate()
+        if not params.speculate and self.spec_mode:   # the dashboard's choice for new requests
+            params = replace(params, speculate=self.spec_mode)
         ids = self.encode(prompt, messages, prompt_ids, parse_special=parse_special)
         now = time.monotonic()
         with self._lock:
@@ -324,6 +330,19 @@ class Engine:
                 w.commands.put(msg.SetPolicy(policy))
         self._log_line("info", f"scheduler policy -> {policy}")
 
+    def set_spec_mode(self, mode: str) -> None:
+        """Speculative decoding of new requests: off, ngram, draft ("" = the workers' default)."""
+        if mode and mode not in SPEC_MODES:
+            raise ConfigError(f"speculation mode must be one of {', '.join(SPEC_MODES)}, got {mode!r}")
+        self.spec_mode = mode
+
+    def spec_modes(self) -> tuple[str, ...]:
+        """Modes every ready worker can serve (draft only where all have a draft model)."""
+        with self._lock:
+            sets = [set(w.info.spec_modes) for w in self._workers if w.state == "ready"]
+        common = set.intersection(*sets) if sets else {"off"}
+        return tuple(m for m in ("off", "ngram", "draft") if m in common)
+
     def set_router_policy(self, policy: str) -> None:
         with self._lock:
             self.router.set_policy(policy)
@@ -416,7 +435,9 @@ class Engine:
             cpu_percent=cpu, rss_bytes=rss, prefix_cache=info.prefix_cache == "on",
             prefix=dict(s.prefix) if s else {}, hit_rate=_window_rate(w.prefix_hist),
             remote_url=info.url if w.cfg.remote else None,
-            kv_usage=s.kv_usage if s else None, note=info.note)
+            kv_usage=s.kv_usage if s else None, note=info.note,
+            spec=s.spec if s else None, spec_history=tuple(w.spec_hist),
+            spec_modes=tuple(info.spec_modes), draft_model=info.draft_model)
 
     def _worker_usage(self, w: _WorkerSlot) -> tuple[float | None, int | None]:
         if w.state not in ("ready", "loading") or w.process is None:
@@ -436,6 +457,7 @@ class Engine:
             ttft=m.ttft if m and m.ttft is not None else seen[1],
             itl_mean=m.itl_mean if m else seen[2], e2e=m.e2e if m else end - r.arrival,
             text_tail=r.text[-TEXT_TAIL:], error=r.error, burst=r.burst, age=now - r.arrival,
+            spec=r.spec, drafted_spans=_tail_spans(r.drafted, len(r.text)),
             finish_reason=r.finish_reason, prompt=r.prompt_text, params=r.params,
             notice=r.notice, leader=r.leader if r.finish_reason is None else None)
 
@@ -519,6 +541,12 @@ def _window_rate(hist: deque) -> float | None:
         return None
     (q0, h0), (q1, h1) = hist[0], hist[-1]
     return (h1 - h0) / (q1 - q0) if q1 > q0 else None
+
+
+def _tail_spans(spans: list, text_len: int) -> tuple[tuple[int, int], ...]:
+    """Drafted [start, end) ranges, relative to the text tail the snapshot carries."""
+    off = max(0, text_len - TEXT_TAIL)
+    return tuple((max(0, a - off), b - off) for a, b in spans if b > off)
 
 
 def _worker_entry(index, cfg, model_path, commands, events, tracing, log_path=None) -> None:

@@ -80,6 +80,8 @@ class WorkerInfo:
     sim_decode_tps: float = 0.0
     remote: bool = False
     url: str | None = None         # a remote worker's server
+    spec_modes: tuple[str, ...] = ("off",)   # speculative decoding modes it can serve
+    draft_model: str = ""          # its draft model, when it has one
     note: str = ""
     summary: str = ""              # the ready line for the log, when the default one does not fit
 
@@ -108,6 +110,7 @@ class TokenDelta:
     text: str
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
+    drafted: bool = False          # an accepted draft token (speculative decoding), not the target's
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,7 @@ class RequestMetrics:
     itl_max: float | None
     e2e: float                     # arrival -> finished (s)
     preemptions: int = 0
+    spec: dict | None = None       # speculative decoding counters (engine/spec/stats.py)
     follow_start: float | None = None   # arrival -> started waiting on a leader (s)
     follow_time: float = 0.0            # seconds spent waiting on leaders (single flight)
 
@@ -154,6 +158,7 @@ class SeqView:
     computed_tokens: int
     output_tokens: int
     max_tokens: int
+    spec: dict | None = None       # mode + speculative decoding counters, None = not speculating
     leader: str | None = None      # single flight: waiting for this request's pages
 
 
@@ -174,6 +179,7 @@ class WorkerStats:
     seqs: tuple[SeqView, ...] = field(default_factory=tuple)
     prefill_tokens_total: int = 0
     decode_tokens_total: int = 0
+    spec: dict | None = None       # the worker's speculative decoding totals
     # prefix cache counters (engine/kv/reuse.py stats(); empty when the cache is off)
     prefix: dict = field(default_factory=dict)
     preemptions_total: int = 0

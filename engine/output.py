@@ -36,8 +36,10 @@ class OutputProcessor:
         self.eog_ids = frozenset(eog_ids)
         self.max_context = max_context
 
-    def on_token(self, seq: Sequence, sample: SampledToken, now: float) -> tuple[list[msg.TokenDelta], str | None]:
-        """Record `sample` on `seq`: the deltas to stream, and "stop" or "length" when it ends."""
+    def on_token(self, seq: Sequence, sample: SampledToken, now: float,
+                 drafted: bool = False) -> tuple[list[msg.TokenDelta], str | None]:
+        """Record `sample` on `seq`: the deltas to stream, and "stop" or "length" when it ends.
+        drafted: an accepted draft token of speculative decoding (marked in its delta)."""
         token_id, logprob, top = sample
         seq.record_token(now)
         p = seq.params
@@ -49,7 +51,7 @@ class OutputProcessor:
         if seq.sampler is not None:
             seq.sampler.observe(token_id)
         delta = seq.detok.push(token_id) if seq.detok else ""
-        if self._text(seq, delta, SampledToken(token_id, logprob, top), deltas, final=False):
+        if self._text(seq, delta, SampledToken(token_id, logprob, top), deltas, final=False, drafted=drafted):
             return deltas, "stop"
         if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_context:
             self._text(seq, seq.detok.flush() if seq.detok else "", None, deltas, final=True)
@@ -57,7 +59,8 @@ class OutputProcessor:
         return deltas, None
 
     @staticmethod
-    def _text(seq: Sequence, delta: str, token: SampledToken | None, deltas: list, final: bool) -> bool:
+    def _text(seq: Sequence, delta: str, token: SampledToken | None, deltas: list, final: bool,
+              drafted: bool = False) -> bool:
         """Append text, honouring stop strings (held back until they can't start a stop).
         True when a stop string was found: the text ends before it."""
         stops = seq.params.stop
@@ -78,7 +81,7 @@ class OutputProcessor:
         seq.text += out
         if token is not None or out:
             token = token or SampledToken(-1)
-            deltas.append(msg.TokenDelta(seq.id, token.token_id, out, token.logprob, tuple(token.top)))
+            deltas.append(msg.TokenDelta(seq.id, token.token_id, out, token.logprob, tuple(token.top), drafted))
         return stopped
 
     @staticmethod
@@ -93,5 +96,12 @@ class OutputProcessor:
             itl_max=seq.itl_max if n_out > 1 else None,
             e2e=(seq.finished_at or time.monotonic()) - seq.arrival, preemptions=seq.preemptions,
             follow_start=None if seq.follow_since is None else seq.follow_since - seq.arrival,
-            follow_time=seq.follow_time)
+            follow_time=seq.follow_time, spec=spec_dict(seq))
         return msg.Finished(seq.id, seq.finish_reason or "error", seq.error, m)
+
+
+def spec_dict(seq: Sequence) -> dict | None:
+    """A speculating sequence's mode and counters (engine/spec/stats.py); None when it is not."""
+    if seq.spec is None:
+        return None
+    return {"mode": seq.spec.mode, **seq.spec.stats.as_dict()}

@@ -19,6 +19,7 @@ from engine.router import WorkerLoad
 from engine.snapshot import RequestState
 
 KEEP_FINISHED = 200   # finished requests kept in snapshots
+TEXT_TAIL = 2000      # characters of each request's text kept for the dashboard
 
 
 class RequestFailed(TokentopError):
@@ -65,6 +66,8 @@ class RequestRecord:
     leader: str | None = None       # single flight: waiting for this request's pages
     follow_at: float | None = None  # when the facade first saw it waiting on a leader
     notice: str | None = None      # said once about how the request was taken (max_tokens lowered)
+    spec: dict | None = None       # speculative decoding counters, as the worker last sent them
+    drafted: list = field(default_factory=list)   # [start, end) of text from accepted drafts
 
 
 class RequestHandle:

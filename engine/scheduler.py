@@ -33,6 +33,7 @@ class ScheduledSeq:
     seq: Sequence
     num_tokens: int        # new tokens of this sequence computed in this step
     samples: bool          # the step ends this sequence's pending tokens: sample a token
+    draft: int = 0         # of num_tokens, draft tokens to verify (speculative decoding)
 
 
 @dataclass
@@ -47,6 +48,10 @@ class StepPlan:
     @property
     def num_decode(self) -> int:
         return sum(1 for i in self.items if i.seq.state == SeqState.DECODE)
+
+    @property
+    def num_draft(self) -> int:
+        return sum(i.draft for i in self.items)
 
 
 class Scheduler:
@@ -108,7 +113,12 @@ class Scheduler:
             n = self._chunk(seq, budget)
             if n == 0:
                 continue
+            k = self._draft_room(seq, n, budget)
+            if k and not self._fits(seq, n + k):
+                k = 0   # drafts never preempt anyone
             while not self._fits(seq, n):
+                if self._drop_draft_pages():
+                    continue   # a draft model's K/V is only a cache: it goes before any request
                 # running sequences are visited oldest first, so a younger victim has not
                 # been scheduled in this step yet: nothing to take back from `items`
                 victim = self._youngest_other(seq)
@@ -121,9 +131,9 @@ class Scheduler:
                 self._preempt(seq)
                 preempted.append(seq)
                 continue
-            self.blocks.grow(seq, seq.num_computed + n)
-            items.append(ScheduledSeq(seq, n, n == seq.num_pending))
-            budget -= n
+            self.blocks.grow(seq, seq.num_computed + n + k)
+            items.append(ScheduledSeq(seq, n + k, n == seq.num_pending, k))
+            budget -= n + k
 
         # 2. admit waiting sequences while there is room; none in a step that preempted
         #    (the victim would take back the pages it just gave up)
@@ -157,6 +167,21 @@ class Scheduler:
             n = min(seq.num_pending, self.prefill_chunk)
             return n if n <= budget else 0
         return max(0, min(seq.num_pending, budget))
+
+    def _draft_room(self, seq: Sequence, n: int, budget: int) -> int:
+        """Draft tokens verified right after a decode: what speculation wants, within the
+        step's budget and the context (speculative decoding, engine/spec/)."""
+        if not seq.spec_want or n != 1 or seq.num_pending != 1:
+            return 0
+        return max(0, min(seq.spec_want, budget - n, self.max_context - seq.num_tokens))
+
+    def _drop_draft_pages(self) -> bool:
+        """Release every running sequence's draft-model pages (speculative decoding; the
+        draft catches up when it drafts again). False when there were none."""
+        holders = [s for s in self.running if s.draft_table]
+        for s in holders:
+            self.blocks.truncate_draft(s, 0)
+        return bool(holders)
 
     def _fits(self, seq: Sequence, n: int) -> bool:
         return n > 0 and self.blocks.can_grow(seq, seq.num_computed + n)

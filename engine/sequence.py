@@ -56,6 +56,12 @@ class Sequence:
     detok: Detokenizer | None = None
     text: str = ""
     held_text: str = ""     # decoded text held back while it could still start a stop string
+    # speculative decoding (engine/spec/): this step's proposal, the draft model's own KV
+    spec: object | None = None                 # engine.spec.state.SeqSpec, None = no speculation
+    spec_want: int = 0           # draft tokens the scheduler may add after this step's decode
+    draft_ids: list[int] = field(default_factory=list)   # proposed tokens verified this step
+    draft_table: list[int] = field(default_factory=list)  # the draft model's pages
+    draft_computed: int = 0      # tokens whose draft-model K/V are in the cache
 
     @property
     def num_tokens(self) -> int:
@@ -71,11 +77,14 @@ class Sequence:
         return self.prompt_ids[i] if i < n else self.output_ids[i - n]
 
     def pending_ids(self, count: int) -> list[int]:
+        """The next `count` tokens to compute: known ones, then this step's draft tokens."""
         start = self.num_computed
         ids = self.prompt_ids[start:start + count]
         if len(ids) < count:
             off = max(0, start - len(self.prompt_ids))
             ids += self.output_ids[off:off + count - len(ids)]
+        if len(ids) < count:
+            ids += self.draft_ids[:count - len(ids)]
         return ids
 
     def record_token(self, now: float) -> None:

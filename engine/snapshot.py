@@ -61,6 +61,8 @@ class RequestView:
     prompt: str = ""                   # the text as submitted (a chat rendered by its template)
     params: SamplingParams | None = None
     notice: str | None = None   # how the request was taken, said once (e.g. max_tokens lowered)
+    spec: dict | None = None    # speculative decoding: mode, drafts, acceptance, k (None = off)
+    drafted_spans: tuple[tuple[int, int], ...] = ()   # [start, end) of text_tail from accepted drafts
 
     def __post_init__(self) -> None:   # a state given by name is checked and typed
         object.__setattr__(self, "state", RequestState(self.state))
@@ -102,6 +104,10 @@ class WorkerView:
     rss_bytes: int | None = None       # the worker process's resident memory (process mode)
     preemptions: int = 0          # since the worker started
     recomputed_tokens: int = 0    # tokens whose KV preemptions threw away, computed again
+    spec: dict | None = None      # speculative decoding totals (engine/spec/stats.py), None = sim
+    spec_history: tuple[float, ...] = ()   # acceptance rate of each stats report that verified drafts
+    spec_modes: tuple[str, ...] = ("off",)
+    draft_model: str = ""
     remote_url: str | None = None    # remote workers: the server requests are forwarded to
     kv_usage: float | None = None    # remote workers: KV usage scraped from its /metrics, if any
     note: str = ""                   # e.g. how prompt lengths are counted for a remote

@@ -9,6 +9,7 @@ import queue
 import time
 import traceback
 from collections import deque
+from contextlib import nullcontext
 
 import torch
 
@@ -18,13 +19,15 @@ from engine.errors import ConfigError, TokentopError, describe_error
 from engine.kv.pages import BlockManager, PagePool
 from engine.kv.prefix_cache import model_identity
 from engine.kv.reuse import PrefixReuse
-from engine.output import OutputProcessor
+from engine.output import OutputProcessor, SampledToken, spec_dict
 from engine.profile import worker_profile
 from engine.runner import ModelRunner
 from engine.runner_api import Runner
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SeqState
 from engine.sim import SimRunner
+from engine.spec.controller import SpecController
+from engine.spec.verify import Verdict
 from engine.trace import get_tracer
 
 STATS_INTERVAL = 0.2     # seconds between WorkerStats events (5 Hz)
@@ -59,6 +62,13 @@ class Worker:
             self.blocks, max_active=cfg.max_active, max_batched_tokens=cfg.max_batched_tokens,
             max_context=self.max_context, policy=cfg.policy,
             prefill_chunk=64 if cfg.deterministic else 0)
+        # speculative decoding (engine/spec/): real runners only
+        self.spec = None
+        if not cfg.simulated:
+            self.spec = SpecController(cfg, self.runner, self.blocks)
+            if cfg.speculate != "off" or self.spec.draft is not None:
+                emit(msg.WorkerLoading(index, "measuring verify and draft step costs"))
+                self.spec.calibrate()   # else on the first speculating request
         self.reuse = None
         if cfg.prefix_cache == "on" and cfg.kv_cache == "paged":
             self.reuse = PrefixReuse(
@@ -87,6 +97,8 @@ class Worker:
             "profile_prefill_tps": profile.get("prefill_tps", 0.0),
             "profile_decode_tps": profile.get("decode_tps", 0.0),
             "profile_source": profile.get("source", "none"),
+            "spec_modes": self.spec.modes if self.spec else ("off",),
+            "draft_model": cfg.draft_model if self.spec and self.spec.draft else "",
         })))
 
     # --- loop -------------------------------------------------------------------------
@@ -141,6 +153,8 @@ class Worker:
                     f"prompt needs {pages_needed} KV pages but the worker has {self.pool.num_pages}; "
                     "raise --kv-cache-memory")
             self.runner.start_sequence(seq)
+            if self.spec is not None:
+                self.spec.start(seq)
         except Exception as exc:  # refuse this one request, keep serving
             self._end([(seq, "error", describe_error(exc))])
             return
@@ -161,12 +175,21 @@ class Worker:
 
     def _step(self, tracer) -> None:
         with tracer.scope("scheduler decision"):
+            if self.spec is not None:
+                self.spec.prepare(self.scheduler)
             plan = self.scheduler.schedule()
         if not plan.items:
             self._fail_unschedulable()
             return
         try:
-            sampled, errors = self.runner.execute(plan, self.blocks)
+            speculating = plan.num_draft > 0
+            with tracer.scope("spec", drafts=plan.num_draft) if speculating else nullcontext():
+                if speculating:
+                    self.spec.propose(plan, self.blocks)
+                t0 = time.perf_counter()
+                sampled, errors = self.runner.execute(plan, self.blocks)
+            if self.spec is not None:
+                self.spec.record_step(plan, time.perf_counter() - t0)
         except Exception as exc:   # a fault in the forward fails this step's requests only
             reason = f"model step failed: {describe_error(exc)}"
             self._end([(item.seq, "error", reason) for item in plan.items])
@@ -176,7 +199,9 @@ class Worker:
         if self.reuse is not None:
             self.reuse.publish(plan, errors)
         now = time.monotonic()
-        self._account(now, plan.num_tokens - decode, decode, plan.num_tokens)
+        # a verify round emits 1 + accepted tokens (or more with the bonus): count them all
+        decode += sum(len(v.tokens) - 1 for v in sampled.values() if not isinstance(v, tuple))
+        self._account(now, plan.num_tokens - plan.num_decode - plan.num_draft, decode, plan.num_tokens)
 
         tokens: list[msg.TokenDelta] = []
         ends: list[tuple[Sequence, str, str | None]] = []
@@ -184,6 +209,10 @@ class Worker:
             seq = item.seq
             if seq.id in errors:
                 ends.append((seq, "error", errors[seq.id]))
+            elif item.samples and seq.spec is not None:
+                reason = self._append_spec(item, sampled[seq.id], now, tokens)
+                if reason:
+                    ends.append((seq, reason, None))
             elif item.samples:
                 deltas, reason = self.output.on_token(seq, sampled[seq.id], now)
                 tokens += deltas
@@ -213,6 +242,23 @@ class Worker:
         if emit and (tokens or finished or preempted):
             self.emit(msg.StepEvents(self.index, tuple(tokens), tuple(finished), preempted,
                                      self._cache_delta()))
+
+    def _append_spec(self, item, result, now: float, tokens: list) -> str | None:
+        """A speculating request: roll back what was rejected, then process the emitted tokens
+        one by one exactly as plain decoding would (a stop inside the run ends it there).
+        Returns the finish reason when one of them ends the request."""
+        seq = item.seq
+        verdict = result if isinstance(result, Verdict) else None
+        self.spec.settle(item, verdict, self.blocks)
+        runs = [(result, False)] if verdict is None else [
+            (SampledToken(token, verdict.logprobs[i], verdict.top[i] if verdict.top else ()), i < verdict.accepted)
+            for i, token in enumerate(verdict.tokens)]
+        for sample, drafted in runs:
+            deltas, reason = self.output.on_token(seq, sample, now, drafted=drafted)
+            tokens += deltas
+            if reason:
+                return reason
+        return None
 
     def _fail_unschedulable(self) -> None:
         """Nothing fits although nothing runs: the head request can never fit this pool."""
@@ -249,7 +295,7 @@ class Worker:
         self._last_stats = now
         prefill_tps, decode_tps = self._rates()
         seqs = tuple(msg.SeqView(s.id, s.state.value, len(s.prompt_ids), s.num_cached, s.num_computed,
-                                 len(s.output_ids), s.params.max_tokens, s.leader)
+                                 len(s.output_ids), s.params.max_tokens, leader=s.leader, spec=spec_dict(s))
                      for s in self.seqs.values())
         self.emit(msg.WorkerStats(
             worker=self.index, running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
@@ -259,7 +305,8 @@ class Worker:
             seqs=seqs, prefill_tokens_total=self.prefill_total, decode_tokens_total=self.decode_total,
             preemptions_total=self.scheduler.preemptions,
             recomputed_tokens_total=self.scheduler.recomputed_tokens,
-            prefix=self.reuse.stats() if self.reuse is not None else {}))
+            prefix=self.reuse.stats() if self.reuse is not None else {},
+            spec=self.spec.stats.as_dict() if self.spec is not None else None))
 
 
 def worker_main(index: int, cfg: WorkerConfig, model_path: str, commands, events) -> None:

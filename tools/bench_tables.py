@@ -120,11 +120,40 @@ def prefix(d):
     return "\n".join(out)
 
 
+# The seed article's sampling benchmark (Qwen2.5 7B target, 0.5B draft, Apple M2, creative
+# prompt at temperature 0.7, 256 tokens, EOS ignored, no bonus token): median E2E latency.
+SEEDS_SPEC = {"target only": "20.971 s", "mentored D=0.75 k=8": "18.820 s (93.4%, 34 rounds)",
+              "mentored D=0.5 k=8": "22.900 s (63.5%, 46 rounds)", "mentored D=1 k=8": "18.508 s (100%, 32 rounds)"}
+
+
+def spec(d):
+    out = [f"`{d['command']}` ({d['started']}, {d['runs']} run(s), creative: {d['workloads']['creative']}, "
+           f"{d['max_tokens']} tokens; CPU {d['machine']['cpu_model']})\n",
+           "decode tok/s = (output − 1) / (e2e − TTFT): the draft model's catch-up on the prompt counts "
+           "against speculation. Acceptance = accepted / drafted tokens; length = tokens per verify round.\n",
+           "| model | configuration | code tok/s | × target | acc | length | rounds | creative tok/s | × target "
+           "| acc | length | rounds | seeds (7B/0.5B on M2, creative) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for model in ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"):
+        for name, row in d[model].items():
+            c, r = row["code"], row["creative"]
+            seeds = SEEDS_SPEC.get(name, "") if model.endswith("1.5b") else ""
+            out.append(f"| {model} | {name} | {f(c['decode_tok_s'])} | {f(c['vs_target_only'], 2)} | "
+                       f"{f(c['acceptance'], 2)} | {f(c['mean_accepted_length'], 2)} | {f(c['rounds_per_request'], 0)} | "
+                       f"{f(r['decode_tok_s'])} | {f(r['vs_target_only'], 2)} | {f(r['acceptance'], 2)} | "
+                       f"{f(r['mean_accepted_length'], 2)} | {f(r['rounds_per_request'], 0)} | {seeds} |")
+    b = d["burst"]
+    out += ["", f"Burst of {b['requests']} concurrent requests ({b['max_tokens']} tokens, {b['policy']}): "
+            f"off {f(b['off_tok_s'])} tok/s, draft {f(b['draft_tok_s'])} ({f(b['draft_vs_off'], 2)}×), "
+            f"ngram {f(b['ngram_tok_s'])} ({f(b['ngram_vs_off'], 2)}×).", "", f"Goals: {d['goals']}"]
+    return "\n".join(out)
+
+
 def main():
     parts = []
     for name, render in (("single-0.5b", single), ("single-1.5b", single), ("batching", batching),
                          ("routing", routing), ("routing-all-policies", routing), ("trace", trace), ("dashboard", dashboard),
-                         ("prefix", prefix)):
+                         ("prefix", prefix), ("spec", spec)):
         d = load(name)
         if d:
             parts.append(f"### {name}\n\n{render(d)}\n")

@@ -26,7 +26,7 @@ from engine.snapshot import LIVE_STATES, RequestState, RequestView
 # (header, width). The columns that matter most come first: on a narrow terminal the last
 # ones are cut off (left / right scroll, z zooms the panel).
 COLUMNS = (("id", 5), ("w", 5), ("state", 10), ("out", 9), ("TTFT", 6), ("ITL", 5), ("e2e", 6),
-           ("end", 24), ("prompt", 6), ("cached", 6))
+           ("end", 24), ("prompt", 6), ("cached", 6), ("spec", 11))
 TABLE_WIDTH = sum(w for _, w in COLUMNS) + len(COLUMNS) - 1
 STATE_COLOUR = {RequestState.PREFILL: "warning", RequestState.DECODE: "success", RequestState.ERROR: "error"}
 DIM_STATES = (RequestState.QUEUED, RequestState.ABORTED)
@@ -50,7 +50,16 @@ def request_cells(r: RequestView, names: dict[int, str] | None = None) -> tuple[
     state = f"follow {r.leader}" if r.leader else r.state    # single flight: waits on r.leader
     return (r.id, worker, state,
             f"{r.output_tokens}/{r.max_tokens}", fmt_seconds(r.ttft), fmt_seconds(r.itl_mean),
-            fmt_seconds(r.e2e), end_text(r), str(r.prompt_tokens), str(r.cached_tokens))
+            fmt_seconds(r.e2e), end_text(r), str(r.prompt_tokens), str(r.cached_tokens), spec_text(r))
+
+
+def spec_text(r: RequestView) -> str:
+    """Speculation mode and acceptance rate, e.g. 'ngram 86%'; blank when not speculating."""
+    s = r.spec
+    if not s:
+        return ""
+    rate = s.get("acceptance_rate")
+    return f"{s['mode']} {'—' if rate is None else f'{100 * rate:.0f}%'}"
 
 
 def request_number(request_id: str) -> int:

@@ -43,6 +43,26 @@ def stream_lines(label: str, text: str, width: int, max_lines: int = TAIL_LINES)
     return [plain[i:i + width] for i in range(0, len(plain), width)] or [label]
 
 
+DRAFTED_STYLE = "$success"   # text of accepted draft tokens (speculative decoding)
+
+
+def drafted_ranges(r: RequestView, label: str, width: int, max_lines: int = TAIL_LINES) -> list[tuple[int, int]]:
+    """Where the accepted-draft text of r.drafted_spans lands in stream_lines' output joined
+    by newlines (the same cut and wrap; a stray \r shifts it by a character at most)."""
+    if not r.drafted_spans or not r.text_tail:
+        return []
+    n = len(r.text_tail.replace("\r", ""))
+    budget = max(1, width * max_lines - len(label) - 1)
+    first, at = (n - (budget - 1), len(label) + 2) if n > budget else (0, len(label) + 1)
+    out = []
+    for a, b in r.drafted_spans:
+        a, b = max(a, first), min(b, n)
+        if a < b:
+            lo, hi = at + a - first, at + b - first          # in the unwrapped line
+            out.append((lo + lo // width, hi + (hi - 1) // width))   # + one newline per wrap
+    return out
+
+
 def stream_content(r: RequestView, width: int, names: dict[int, str] | None = None) -> tuple[Content, int]:
     """The stream's rendering and its height in lines."""
     worker = "-" if r.worker is None else short_worker((names or {}).get(r.worker, f"w{r.worker}"))
@@ -52,8 +72,12 @@ def stream_content(r: RequestView, width: int, names: dict[int, str] | None = No
         body += f"  {r.error or 'error'}"
     elif r.state not in ACTIVE and r.text_tail:
         body += f"  ({r.state})"
-    lines = stream_lines(label, body, max(len(label) + 8, width))
+    wrap = max(len(label) + 8, width)
+    lines = stream_lines(label, body, wrap)
     content = Content("\n".join(lines))
+    if r.state != "error":
+        for a, b in drafted_ranges(r, label, wrap):
+            content = content.stylize(DRAFTED_STYLE, a, b)
     content = content.stylize(f"bold reverse {PALETTE[request_number(r.id) % len(PALETTE)]}", 0, len(label))
     if r.state == RequestState.ERROR:
         content = content.stylize("$error", len(label) + 1, len(content))

@@ -408,3 +408,6 @@ def bench_serve(args) -> dict:
     """HTTP API vs in-process, 8 concurrent streams (engine/serve/bench.py)."""
     from engine.serve.bench import bench_serve as run
     return run(args)
+
+
+from engine.bench.spec import bench_spec  # noqa: E402,F401  (tokentop bench spec)

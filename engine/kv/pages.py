@@ -164,16 +164,47 @@ class BlockManager:
         for page in reversed(seq.block_table):
             self.pool.release(page)
         seq.block_table = []
+        self.truncate_draft(seq, 0)
         if self.mode == "contiguous":
             region = self._region_of.pop(seq.id, None)
             if region is not None:
                 self._free_regions.append(region)
 
-    def slots(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
-        """KV slot of each position in [start, end) of seq."""
+    def truncate(self, seq: Sequence, upto_tokens: int) -> None:
+        """Keep the pages holding positions [0, upto_tokens), release whole pages past them.
+
+        Speculative decoding rolls rejected draft positions back this way. Slots past
+        upto_tokens inside the last kept page hold stale K/V, but a position is always
+        written in the step that first attends to it, so nothing stale is ever read.
+        """
+        if self.mode == "contiguous":
+            return
+        keep = -(-upto_tokens // self.page_size)
+        while len(seq.block_table) > keep:
+            self.pool.release(seq.block_table.pop())
+
+    # The draft model of speculative decoding keeps its own block table over the same pool
+    # (its K/V live in a second store indexed by the same slots); paged mode only.
+    def grow_draft(self, seq: Sequence, upto_tokens: int) -> bool:
+        """Cover draft positions [0, upto_tokens); False (nothing taken) when pages are short."""
+        need = max(0, -(-upto_tokens // self.page_size) - len(seq.draft_table))
+        if self.mode == "contiguous" or need > self.pool.num_free:
+            return False
+        for _ in range(need):
+            seq.draft_table.append(self.pool.allocate())
+        return True
+
+    def truncate_draft(self, seq: Sequence, upto_tokens: int) -> None:
+        keep = -(-upto_tokens // self.page_size)
+        while len(seq.draft_table) > keep:
+            self.pool.release(seq.draft_table.pop())
+        seq.draft_computed = min(seq.draft_computed, upto_tokens)
+
+    def slots(self, seq: Sequence, start: int, end: int, *, draft: bool = False) -> torch.Tensor:
+        """KV slot of each position in [start, end) of seq (of its draft model's table)."""
         ps = self.page_size
         pos = torch.arange(start, end)
-        table = torch.tensor(seq.block_table, dtype=torch.int64)
+        table = torch.tensor(seq.draft_table if draft else seq.block_table, dtype=torch.int64)
         return table[pos // ps] * ps + pos % ps
 
     def contiguous_start(self, seq: Sequence) -> int | None:

@@ -134,7 +134,9 @@ class PrefixCache:
         prompt_only: publish prompt pages only (deterministic mode: a decode step computes
         K/V one row at a time, a prefill chunk 64 rows at a time, not bit-identically)."""
         ps = self.page_size
-        upto = min(seq.num_computed // ps, len(seq.block_table))
+        # positions with known tokens only: right after a speculative verify step
+        # num_computed also counts draft positions that may yet be rolled back
+        upto = min(min(seq.num_computed, seq.num_tokens) // ps, len(seq.block_table))
         if prompt_only:
             upto = min(upto, len(seq.prompt_ids) // ps)
         if seq.publish_limit is not None:

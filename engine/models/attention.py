@@ -94,6 +94,16 @@ def _decode_group(seqs: list[SeqSlice], window: int | None) -> DecodeGroup:
     return DecodeGroup(rows, slots, mask)
 
 
+def _as_decodes(seq: SeqSlice) -> list[SeqSlice]:
+    """A rowwise slice (speculative verify) becomes one decode per token, each seeing the
+    keys up to its own position: the same kernel and numbers as decoding them one by one."""
+    if not seq.rowwise or seq.length == 1:
+        return [seq]
+    first = seq.context_len - seq.length
+    return [SeqSlice(seq.start + i, 1, first + i + 1, seq.slots, seq.contiguous_start)
+            for i in range(seq.length)]
+
+
 def plan_attention(batch: ForwardBatch, window: int | None, *, batch_decodes: bool = True,
                    device: torch.device | str = "cpu") -> AttentionPlan:
     """Index tensors and masks for one step; `window` is the sliding window (None = global).
@@ -101,8 +111,9 @@ def plan_attention(batch: ForwardBatch, window: int | None, *, batch_decodes: bo
     With batch_decodes=False (deterministic mode) every sequence is attended alone, so its
     result cannot depend on how long its batch-mates' contexts are.
     """
-    decodes = [s for s in batch.seqs if s.length == 1] if batch_decodes else []
-    singles = [_single(s, window) for s in batch.seqs if not (batch_decodes and s.length == 1)]
+    seqs = [r for s in batch.seqs for r in _as_decodes(s)]
+    decodes = [s for s in seqs if s.length == 1] if batch_decodes else []
+    singles = [_single(s, window) for s in seqs if not (batch_decodes and s.length == 1)]
     # One decode alone is cheaper on the single path (no padding, a view in contiguous mode).
     if len(decodes) == 1:
         singles.append(_single(decodes[0], window))

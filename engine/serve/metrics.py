@@ -15,7 +15,7 @@ exact, its buckets are an approximation.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # vLLM's buckets, so dashboards built for vLLM bin the same way
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -136,8 +136,28 @@ class _GaugeCollector:
                                       str(w.device.startswith("remote:")).lower()], 1.0)
             prefill.add_metric(values, w.prefill_tps)
             decode.add_metric(values, w.decode_tps)
+        spec = self._spec_families(snap, lab)
         outstanding = GaugeMetricFamily("tokentop:requests_outstanding",
                                         "Requests submitted and not finished, all workers.",
                                         labels=["model_name"])
         outstanding.add_metric([self.m.model], sum(r.state.live for r in snap.requests))
-        return [running, waiting, kv, pages, state, info, prefill, decode, outstanding]
+        return [running, waiting, kv, pages, state, info, prefill, decode, outstanding, *spec]
+
+    def _spec_families(self, snap, lab: list[str]) -> list:
+        """Speculative decoding totals under vLLM's spec_decode_* names (engine/spec/stats.py)."""
+        names = (("drafts", "vllm:spec_decode_num_drafts", "Verify rounds with at least one draft token."),
+                 ("draft_tokens", "vllm:spec_decode_num_draft_tokens", "Draft tokens verified."),
+                 ("accepted_tokens", "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted."))
+        fams = {key: CounterMetricFamily(name, doc, labels=lab) for key, name, doc in names}
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted at each position of a proposal.",
+                                      labels=lab + ["position"])
+        for w in snap.workers:
+            if not w.spec:
+                continue
+            values = [self.m.model, w.name]
+            for key, fam in fams.items():
+                fam.add_metric(values, w.spec[key])
+            for i, count in enumerate(w.spec.get("accepted_per_position", [])):
+                per_pos.add_metric(values + [str(i)], count)
+        return [*fams.values(), per_pos]
