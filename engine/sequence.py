@@ -87,6 +87,10 @@ class Sequence:
             ids += self.draft_ids[:count - len(ids)]
         return ids
 
+    @property
+    def remaining_decode(self) -> int:
+        return max(0, self.params.max_tokens - len(self.output_ids))
+
     def record_token(self, now: float) -> None:
         if self.first_token_at is None:
             self.first_token_at = now
