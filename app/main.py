@@ -109,6 +109,9 @@ def run_dashboard(argv: list[str]) -> int:
     try:
         burst = startup_burst(args.burst_file) if args.burst_file else None
         config = engine_config_from(args, default_mode="process")
+        # the routing panel shows the cost router's estimates: every worker gets a speed
+        # profile (cached after its first start-up; measured then, as a start-up stage)
+        config = replace(config, workers=tuple(replace(w, calibrate=True) for w in config.workers))
         log = Path(platformdirs.user_log_dir("tokentop")) / "workers.log"
         app = TokentopApp(replace(config, worker_log=str(log)), startup_burst=burst)
         http = _start_http(app, args) if args.serve else None

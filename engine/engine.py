@@ -30,7 +30,7 @@ from engine.procstat import UsageSampler
 # RequestFailed, RequestHandle and RequestResult are part of the facade's API, imported from here
 from engine.requests import (RequestFailed, RequestHandle, RequestRecord, RequestResult,  # noqa: F401
                              RequestTable, TEXT_TAIL, seen_timings)
-from engine.router import RouteDecision, Router, WorkerLoad
+from engine.router import NOMINAL_RATES, RouteDecision, Router, WorkerLoad
 from engine.snapshot import EngineSnapshot, LogLine, RequestState, RequestView, WorkerView
 from engine.trace import Tracer, check_trace_dir, request_track_events, set_tracer, write_chrome_trace
 
@@ -307,20 +307,19 @@ class Engine:
         return True
 
     def _loads(self) -> list[WorkerLoad]:
-        return self.requests.loads([
-            WorkerLoad(w.index, (w.info or msg.WorkerInfo.before_ready(w.cfg)).name, *self._rates(w),
-                       alive=w.state == "ready") for w in self._workers])
+        loads = []
+        for w in self._workers:
+            pre, dec = self._measured_rates(w)
+            loads.append(WorkerLoad(w.index, (w.info or msg.WorkerInfo.before_ready(w.cfg)).name,
+                                    pre or NOMINAL_RATES[0], dec or NOMINAL_RATES[1],
+                                    alive=w.state == "ready", nominal=not (pre and dec)))
+        return self.requests.loads(loads)
 
     def _measured_rates(self, w: _WorkerSlot) -> tuple[float, float]:
         """The worker's profile (0 when it was not calibrated, e.g. a lone worker)."""
         pre, dec = w.profile
         info = w.info or msg.WorkerInfo.before_ready(w.cfg)
         return pre or info.profile_prefill_tps, dec or info.profile_decode_tps
-
-    def _rates(self, w: _WorkerSlot) -> tuple[float, float]:
-        # without a profile the cost router still needs numbers: nominal rates, never shown
-        pre, dec = self._measured_rates(w)
-        return pre or 100.0, dec or 10.0
 
     # --- policies -----------------------------------------------------------------------
     def set_scheduler_policy(self, policy: str, worker: int | None = None) -> None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from engine.config import check_router_policy
 
 
+NOMINAL_RATES = (100.0, 10.0)   # prefill, decode tok/s assumed for a worker with no profile yet
 BALANCE_ABS_S = 2.0      # cache-aware: imbalanced if max - min outstanding work > 2 s ...
 BALANCE_REL = 1.5        # ... and max > 1.5 x min
 
@@ -46,6 +47,7 @@ class Candidate:
     decode_rate: float
     score: float               # policy's score; lower is better
     work: float = 0.0          # outstanding seconds before the incoming request
+    nominal: bool = False      # the rates are placeholders: the worker has no speed profile yet
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,7 @@ class WorkerLoad:
     waiting: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    nominal: bool = False      # no measured profile: the rates are NOMINAL_RATES
 
 
 class Router:
@@ -116,7 +119,7 @@ class Router:
             else:
                 score = 0.0
             cands.append(Candidate(w.worker, w.name, w.running, w.waiting, pre, dec, reuse,
-                                   w.prefill_rate, w.decode_rate, score, work))
+                                   w.prefill_rate, w.decode_rate, score, work, w.nominal))
         reason = ""
         if force is not None:
             chosen = force

@@ -73,3 +73,28 @@ def test_cache_aware_reasons():
     ws[1].decode_tokens = 1000          # 10 s of outstanding work on the cached worker
     d = router.choose("r", 100, 10, ws, cached={1: 64})
     assert (d.chosen, d.reason) == (0, "imbalanced")
+
+
+def test_nominal_rates_are_flagged_on_the_candidate_and_labelled_in_the_routing_panel():
+    from app.widgets.routing import format_candidate
+
+    calibrated = WorkerLoad(0, "cpu", 400.0, 30.0)
+    uncalibrated = WorkerLoad(1, "cuda:0", 100.0, 10.0, nominal=True)
+    d = Router("cost").choose("r", 100, 10, [calibrated, uncalibrated])
+    assert [c.nominal for c in d.candidates] == [False, True]
+    assert "nominal" not in format_candidate(d.candidates[0], d, 200)
+    wide, narrow = format_candidate(d.candidates[1], d, 200), format_candidate(d.candidates[1], d, 30)
+    assert "nominal (not calibrated yet)" in wide and "nominal" in narrow   # kept beside the score
+
+
+def test_an_uncalibrated_real_worker_routes_on_nominal_rates_and_says_so(tiny_model_path):
+    from engine.config import EngineConfig, SamplingParams, WorkerConfig
+    from engine.devices import parse_devices
+    from engine.engine import Engine
+
+    workers = parse_devices(["cpu", "sim:gpu0"], WorkerConfig(model=str(tiny_model_path("qwen2")),
+                                                              calibrate=False))
+    with Engine(EngineConfig(workers=workers, worker_mode="thread")).start(timeout=120) as engine:
+        engine.submit("hello", params=SamplingParams(max_tokens=2)).result(30)
+        cands = engine.snapshot().routing[-1].candidates
+        assert [(c.name, c.nominal) for c in cands] == [("cpu", True), ("sim:gpu0", False)]
