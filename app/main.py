@@ -25,6 +25,8 @@ from textual.screen import Screen
 from textual.widgets import Footer
 
 from app.burst_runner import BurstRun, BurstSpec
+from app.bursts import default_prompts_dir, list_burst_files, load_burst
+from app.cli import EXIT_USAGE, build_dashboard_parser, engine_config_from, serve_config_from
 from app.screens.burst import BurstDialog, DEFAULTS
 from app.screens.detail import RequestDetail
 from app.screens.help import HelpScreen
@@ -39,8 +41,6 @@ from app.widgets.requests import RequestsTable
 from app.widgets.routing import RoutingPanel
 from app.widgets.spec import SpecPanel
 from app.widgets.streams import StreamsPanel
-from app.bursts import default_prompts_dir, list_burst_files, load_burst
-from engine.cli import EXIT_USAGE, OneLineParser, add_engine_flags, engine_config_from
 from engine.config import ROUTER_POLICIES, SCHED_POLICIES, EngineConfig, SamplingParams
 from engine.engine import Engine
 from engine.errors import TokentopError, describe_error
@@ -82,20 +82,6 @@ def reported(command: Callable) -> Callable:
     return run
 
 
-def build_parser() -> OneLineParser:
-    p = OneLineParser(prog="tokentop", description="htop for an LLM inference engine: the dashboard. "
-                      "Subcommands generate, bench and models run without it.")
-    add_engine_flags(p)
-    p.add_argument("--burst-file", metavar="FILE", default=None,
-                   help="fire this burst file (JSONL, see sample_prompts/README.md) once the "
-                        "workers have started: each line once, with its own sampling settings")
-    p.add_argument("--serve", default=None, metavar="[HOST:]PORT",
-                   help="also serve the OpenAI-compatible API here; its requests show in the panels")
-    from engine.serve.cli import add_serve_flags
-    add_serve_flags(p)
-    return p
-
-
 def startup_burst(path: str) -> BurstSpec:
     """--burst-file: checked now (a bad file is a one-line error before anything loads);
     fired once every worker has started."""
@@ -105,7 +91,7 @@ def startup_burst(path: str) -> BurstSpec:
 
 
 def run_dashboard(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_dashboard_parser().parse_args(argv)
     try:
         burst = startup_burst(args.burst_file) if args.burst_file else None
         config = engine_config_from(args, default_mode="process")
@@ -129,7 +115,6 @@ def run_dashboard(argv: list[str]) -> int:
 
 def _start_http(app: "TokentopApp", args):
     """`--serve`: the HTTP API on the app's own engine, so its requests appear in the panels."""
-    from engine.serve.cli import serve_config_from
     from engine.serve.server import HttpServer, parse_bind
 
     host, port = parse_bind(args.serve, default_host=args.host)

@@ -82,6 +82,7 @@ class WorkerInfo:
     url: str | None = None         # a remote worker's server
     spec_modes: tuple[str, ...] = ("off",)   # speculative decoding modes it can serve
     draft_model: str = ""          # its draft model, when it has one
+    kernels: str = ""              # which weight forms its linear layers use, when it says
     note: str = ""
     summary: str = ""              # the ready line for the log, when the default one does not fit
 
