@@ -313,9 +313,6 @@ def cmd_serve(args) -> int:
             engine.start(wait=True)
             print(f"tokentop: serving {http.api.model} on {http.url}/v1 (metrics at {http.url}/metrics)",
                   file=sys.stderr, flush=True)
-        except TokentopError as exc:
-            failed.append(str(exc))
-            http.server.should_exit = True
         except Exception as exc:  # noqa: BLE001 - one line, then stop serving
             failed.append(describe_error(exc))
             http.server.should_exit = True
