@@ -69,6 +69,8 @@ class Dispatcher:
             with self.engine._lock:
                 w = self.engine._workers[event.worker]
                 w.state, w.info, w.message = "ready", event.info, ""
+                if w.profile == (0.0, 0.0):   # unless set_worker_profile came first
+                    w.profile = (event.info.profile_prefill_tps, event.info.profile_decode_tps)
             info = event.info
             capped = " (all its KV pool holds: raise --kv-cache-memory for more)" \
                 if info.context_capped_by_kv else ""

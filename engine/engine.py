@@ -52,6 +52,9 @@ class _WorkerSlot:
     stats: msg.WorkerStats | None = None
     prefill_hist: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
     decode_hist: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
+    # prefill, decode tok/s the router divides by, from one place: what the worker reported
+    # when ready (measured, cached or a simulated worker's declared rates), then updates (a
+    # remote worker's measured streams) or set_worker_profile; (0, 0) = not calibrated
     profile: tuple[float, float] = (0.0, 0.0)
     spec_hist: deque = field(default_factory=lambda: deque(maxlen=HISTORY))   # acceptance per report
     spec_seen: tuple[int, int] = (0, 0)      # (draft tokens, accepted) at the last report
@@ -130,10 +133,7 @@ class Engine:
                 proc = threading.Thread(target=_worker_entry, name=f"tokentop-worker-{i}",
                                         args=(i, cfg, paths[cfg.model], commands, self._events,
                                               self.tracing), daemon=True)
-            slot = _WorkerSlot(i, cfg, commands, proc)
-            if cfg.simulated:
-                slot.profile = (cfg.sim_prefill_tps, cfg.sim_decode_tps)
-            self._workers.append(slot)
+            self._workers.append(_WorkerSlot(i, cfg, commands, proc))
             proc.start()
         self.dispatcher.start()
         self._dispatch_started = True
@@ -317,9 +317,7 @@ class Engine:
 
     def _measured_rates(self, w: _WorkerSlot) -> tuple[float, float]:
         """The worker's profile (0 when it was not calibrated, e.g. a lone worker)."""
-        pre, dec = w.profile
-        info = w.info or msg.WorkerInfo.before_ready(w.cfg)
-        return pre or info.profile_prefill_tps, dec or info.profile_decode_tps
+        return w.profile
 
     # --- policies -----------------------------------------------------------------------
     def set_scheduler_policy(self, policy: str, worker: int | None = None) -> None:
