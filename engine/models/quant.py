@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
+from engine.cpuinfo import cpu_summary, has_flag
 from engine.errors import ModelError
 from engine.models.gguf import TensorData
 from engine.trace import get_tracer
@@ -78,12 +79,7 @@ class LinearPolicy:
 
 def cpu_has_native_bf16() -> bool:
     """AVX512-BF16 or AMX: bf16 GEMM runs natively instead of being emulated."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return has_flag("avx512_bf16") or has_flag("amx_bf16")
 
 
 @functools.cache
@@ -217,7 +213,10 @@ def _as_torch(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _row_chunks(n_rows: int, k: int) -> list[slice]:
-    step = max(32, _CHUNK_WEIGHTS // k // 32 * 32)    # the int4 packer is row-local per 32 rows
+    """Row ranges of about _CHUNK_WEIGHTS weights, each a whole number of int4 row blocks:
+    packing pieces and concatenating them equals packing the whole matrix only then."""
+    block = int4_row_block()
+    step = max(block, _CHUNK_WEIGHTS // k // block * block)
     return [slice(a, min(a + step, n_rows)) for a in range(0, n_rows, step)]
 
 
@@ -318,7 +317,7 @@ class Int4Weight:
     packed: torch.Tensor           # uint8, packed [n_padded, planes*K]
     scales_zeros: torch.Tensor     # [planes*K/32, n_padded, 2] in the activation dtype
     planes: int
-    out_features: int              # real N; rows beyond it (padding to 32) are zero weights
+    out_features: int              # real N; rows beyond it (padding to a row block) are zero weights
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         dtype = self.scales_zeros.dtype          # the kernel wants x in its scales' dtype
@@ -339,11 +338,11 @@ def _widen(part: _Int4Part, k: int, planes: int) -> _Int4Part:
             np.concatenate([s, pad], axis=1), np.concatenate([z, pad], axis=1))
 
 
-def _pack_rows_np(q: np.ndarray) -> np.ndarray:
-    """torch's CPU int4 layout, in numpy: per block of 32 rows, for each k, byte j holds row j
-    (low nibble) and row j + 16 (high nibble). About 10x faster than the torch op here."""
+def _pack_rows_np(q: np.ndarray, block: int) -> np.ndarray:
+    """torch's CPU int4 layout, in numpy: per block of `block` rows, for each k, byte j holds
+    row j (low nibble) and row j + block/2 (high nibble). About 10x faster than the torch op."""
     n, k = q.shape
-    b = q.reshape(n // 32, 2, 16, k)
+    b = q.reshape(n // block, 2, block // 2, k)
     return (b[:, 0] | (b[:, 1] << 4)).transpose(0, 2, 1).reshape(n, k // 2)
 
 
@@ -352,11 +351,39 @@ def _pack_rows_torch(q: np.ndarray) -> np.ndarray:
         torch.from_numpy(q.astype(np.int32)), 1).numpy()
 
 
+_PROBE_ROWS = 512
+
+
+@functools.cache
+def int4_row_block() -> int:
+    """Rows per block of torch's CPU int4 layout on this CPU (32 on AVX2, 64 on AVX-512 today).
+
+    Learned, not assumed: a probe is packed whole and in pieces of 16, 32, 64, ... rows; the
+    smallest piece whose concatenation equals the whole is the block. Chunked packing and
+    the padding of N must be whole multiples of it.
+    """
+    q = np.random.default_rng(0).integers(0, 16, (_PROBE_ROWS, 64), dtype=np.uint8)
+    whole = _pack_rows_torch(q)
+    block = 16                              # torch refuses N that is not a multiple of 16
+    while block < _PROBE_ROWS:
+        try:
+            pieces = [_pack_rows_torch(q[a:a + block]) for a in range(0, _PROBE_ROWS, block)]
+            if np.array_equal(np.concatenate(pieces), whole):
+                return block
+        except RuntimeError:                # a piece size this torch refuses: not the block
+            pass
+        block *= 2
+    return _PROBE_ROWS
+
+
 @functools.cache
 def _pack_rows() -> Callable[[np.ndarray], np.ndarray]:
     """The numpy packer if it reproduces this torch build's layout, else torch's own op."""
-    q = np.random.default_rng(0).integers(0, 16, (64, 64), dtype=np.uint8)
-    return _pack_rows_np if np.array_equal(_pack_rows_np(q), _pack_rows_torch(q)) else _pack_rows_torch
+    block = int4_row_block()
+    q = np.random.default_rng(1).integers(0, 16, (2 * block, 64), dtype=np.uint8)
+    if np.array_equal(_pack_rows_np(q, block), _pack_rows_torch(q)):
+        return functools.partial(_pack_rows_np, block=block)
+    return _pack_rows_torch
 
 
 class _Int4Packer:
@@ -364,7 +391,8 @@ class _Int4Packer:
 
     def __init__(self, n: int, k: int, planes: int):
         self.n, self.k, self.planes = n, k, planes
-        n_pad = -(-n // 32) * 32   # whole blocks of 32 rows; padding rows are zero weights
+        self.block = int4_row_block()
+        n_pad = -(-n // self.block) * self.block   # whole row blocks; padding rows are zero weights
         self.packed = np.empty((n_pad, planes * k // 2), np.uint8)
         self.s = np.zeros((n_pad, planes * k // INT4_GROUP), np.float32)
         self.z = np.zeros_like(self.s)
@@ -380,7 +408,7 @@ class _Int4Packer:
         self._pack(np.concatenate([self.pending, q]) if len(self.pending) else q)
 
     def _pack(self, q: np.ndarray) -> None:
-        take = len(q) // 32 * 32
+        take = len(q) // self.block * self.block
         self.packed[self.done:self.done + take] = self.pack(q[:take])
         self.done, self.pending = self.done + take, q[take:]
 
@@ -418,8 +446,20 @@ class QuantLinear(torch.nn.Module):
         self.register_buffer("dense_bias", None if bias is None or dense is None
                              else bias.to(dense.dtype), persistent=False)
         self.dense_threshold = dense_threshold
-        self.rowwise = rowwise     # fp32 GEMM is not batch-invariant here; one row per call is
+        self.rowwise = rowwise     # GEMM may not be batch-invariant; one row per call is
         self.op = name             # trace label, e.g. "attention-qkv" (the decoder names it)
+        self.sources: list[TensorData] = []   # the GGUF tensors stacked here (for the self-check)
+
+    def kernel_forms(self) -> dict[str, int]:
+        """Each weight form a call can use, with a row count that selects it."""
+        forms = {}
+        if self.int4 is not None and self.kernel_for(1) == "int4":
+            forms[f"int4x{self.int4.planes}"] = 1
+        if self.dense is not None:
+            rows = max(1, self.dense_threshold or 1)
+            if self.kernel_for(rows) == "dense":
+                forms[f"dense-{str(self.dense.dtype).removeprefix('torch.')}"] = rows
+        return forms
 
     def kernel_for(self, n_rows: int) -> str:
         if self.int4 is not None and (self.dense is None or self.dense_threshold is None
@@ -507,8 +547,12 @@ def make_linear(td: TensorData | Sequence[TensorData], *,
                 _fill(dense[row0 + rows.start:row0 + rows.stop], w)
         row0 += t.shape[0]
     int4 = packer.finish(act) if packer is not None else None
-    rowwise = policy.deterministic and policy.dense_weight_dtype == torch.float32
-    return QuantLinear(name, k, n, int4, dense, bias_t, threshold, rowwise)
+    # GEMM is not batch-invariant on every CPU (fp32 on AVX2, fp16 on AVX-512 were not);
+    # one row per call is, whatever the dtype
+    rowwise = policy.deterministic
+    linear = QuantLinear(name, k, n, int4, dense, bias_t, threshold, rowwise)
+    linear.sources = tds
+    return linear
 
 
 def _make_dense_only_linear(name: str, tds: list[TensorData], bias: torch.Tensor | None,
@@ -520,8 +564,10 @@ def _make_dense_only_linear(name: str, tds: list[TensorData], bias: torch.Tensor
     there is best-effort until measured on a GPU.
     """
     dense = torch.cat([dequantize(t, policy.dense_weight_dtype) for t in tds]).to(policy.device)
-    return QuantLinear(name, tds[0].shape[1], dense.shape[0], None, dense, bias,
-                       policy.dense_threshold, rowwise=False)
+    linear = QuantLinear(name, tds[0].shape[1], dense.shape[0], None, dense, bias,
+                         policy.dense_threshold, rowwise=False)
+    linear.sources = tds
+    return linear
 
 
 class QuantEmbedding(torch.nn.Module):
