@@ -135,4 +135,4 @@ def check_memory(workers, model_paths: dict[str, str], available: int | None = N
         n = sum(w.device == "cpu" for w in workers)
         raise ConfigError(f"{n} CPU worker(s) need about {need / 2**30:.1f} GiB (model copies + KV cache) "
                           f"but only {available / 2**30:.1f} GiB is available; use fewer --device cpu "
-                          "workers, a smaller --kv-cache-memory, or --weights fast")
+                          "workers or a smaller --kv-cache-memory")

@@ -80,7 +80,8 @@ _BUILD_SCRIPT = """
 import sys, torch.utils.cpp_extension as ce
 name, build_dir, *sources = sys.argv[1:]
 ce.load(name=name, sources=sources, build_directory=build_dir, is_python_module=False,
-        extra_cflags=["-O3", "-std=c++17"], verbose=False)
+        extra_cflags=["-O3", "-std=c++17", "-fopenmp"], extra_ldflags=["-fopenmp"],
+        verbose=False)
 """
 
 
