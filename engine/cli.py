@@ -209,6 +209,9 @@ def cmd_models(args) -> int:
     for m in models:
         flag = "assembled" if m.get("assembled") else "installed" if m.get("installed") else "not installed"
         print(f"{m['name']:22} {m.get('arch', ''):8} {m.get('size', 0) / 1e6:8.0f} MB  {flag}")
+    from engine import kernels
+    from engine.cpuinfo import cpu_summary
+    print(f"{kernels.describe()}; CPU: {cpu_summary()}")
     return 0
 
 

@@ -418,8 +418,9 @@ class Engine:
             with self._lock:
                 w = self._workers[event.worker]
                 w.state, w.info, w.message = "ready", event.info, ""
+            kernels = f"; linear layers: {event.info['kernels']}" if event.info.get("kernels") else ""
             self._log_line("info", f"worker {event.worker} ({w.cfg.device}) ready: {event.info.get('pages')} "
-                                   f"KV pages of {event.info.get('page_size')} tokens")
+                                   f"KV pages of {event.info.get('page_size')} tokens{kernels}")
         elif isinstance(event, msg.WorkerLoading):
             with self._lock:
                 w = self._workers[event.worker]

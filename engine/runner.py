@@ -21,6 +21,15 @@ def pick_activation_dtype(device: str, requested: str) -> torch.dtype:
     return table[requested]
 
 
+def _kernel_label(model) -> str:
+    """Which weight forms the linear layers use, e.g. 'gguf-avx512' or 'dense-bfloat16'."""
+    from engine import kernels
+    from engine.models.quant import QuantLinear
+
+    forms = sorted({f for m in model.modules() if isinstance(m, QuantLinear) for f in m.kernel_forms()})
+    return "+".join(f"gguf-{kernels.isa_name()}" if f == "gguf" else f for f in forms)
+
+
 class ModelRunner:
     def __init__(self, cfg: WorkerConfig, model_path: str):
         from engine.models.decoder import Decoder
@@ -46,7 +55,8 @@ class ModelRunner:
             gf.config.n_layers, gf.config.n_kv_heads, gf.config.head_dim, self.kv_dtype)
         self.kv: KVStore | None = None
         self.info = {"model": cfg.model, "arch": gf.config.arch, "dtype": str(dtype).replace("torch.", ""),
-                     "weights": cfg.weights, "simulated": False, "layers": gf.config.n_layers}
+                     "weights": cfg.weights, "simulated": False, "layers": gf.config.n_layers,
+                     "kernels": _kernel_label(self.model)}
 
     def allocate_kv(self, num_slots: int) -> None:
         self.kv = self.model.new_kv_store(num_slots, dtype=self.kv_dtype)

@@ -157,6 +157,19 @@ def available() -> bool:
     return load()
 
 
+def is_loaded() -> bool:
+    """Whether load() already ran in this process (it may have to compile)."""
+    return _state["available"] is not None
+
+
+def describe() -> str:
+    """One line for `tokentop models` and the start-up log."""
+    if not load():
+        return f"quantized kernels: unavailable ({_state['reason']}); dense torch matmuls"
+    return (f"quantized kernels: GGUF-native, {isa_name()} (best on this CPU: "
+            f"{isa_name(best_isa())}); every call size runs on the GGUF bytes")
+
+
 def best_isa() -> int:
     """Highest ISA level the CPU runs (0 scalar, 1 avx2, 2 avx512)."""
     return int(torch.ops.tokentop.best_isa())

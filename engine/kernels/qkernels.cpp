@@ -103,11 +103,16 @@ void matmul_rows(int isa, int type, const uint8_t* w, int64_t K, int64_t n0, int
     const int64_t per_row = (2 * K + K / 4 + 63) / 64 * 64;
     const int64_t R = M <= 4 ? 1 : 8;        // rows unpacked together: each serves all M
     thread_local std::vector<uint8_t> scratch;
+#if TT_X86
+    if (isa == ISA_AVX512) {
+        const size_t need = isa_avx512::tile_scratch_bytes(K, per_row);
+        if (scratch.size() < need) scratch.resize(need);
+        return isa_avx512::matmul_tiles(type, w, row_bytes, K, n0, n1, a, dl, as16, M, y, ldy,
+                                        scratch.data(), per_row);
+    }
+#endif
     if (scratch.size() < size_t(R * per_row)) scratch.resize(R * per_row);
 #if TT_X86
-    if (isa == ISA_AVX512)
-        return isa_avx512::matmul_rows_impl(type, w, row_bytes, K, n0, n1, a, dl, as16, M, y, ldy,
-                                            false, R, scratch.data(), per_row);
     if (isa == ISA_AVX2)
         return isa_avx2::matmul_rows_impl(type, w, row_bytes, K, n0, n1, a, dl, as16, M, y, ldy,
                                           type == Q8_0, R, scratch.data(), per_row);

@@ -62,7 +62,9 @@ at::Tensor qmatmul(const at::Tensor& x_in, at::TensorList weights, at::IntArrayR
                           dl.data() + m0 * (K / 4), as16.data() + m0 * (K / 16));
     });
     float* yp = y.data_ptr<float>();
-    at::parallel_for(0, N, 16, [&](int64_t b, int64_t e) {
+    // threads take whole tiles of 16 output rows (the AVX-512 kernel's unit of work)
+    at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t tb, int64_t te) {
+        const int64_t b = tb * 16, e = std::min(te * 16, N);
         for (size_t i = 0; i < weights.size(); ++i) {
             const int64_t lo = std::max(b, offset[i]), hi = std::min(e, offset[i + 1]);
             if (lo >= hi) continue;
