@@ -105,10 +105,10 @@ void matmul_rows(int isa, int type, const uint8_t* w, int64_t K, int64_t n0, int
     thread_local std::vector<uint8_t> scratch;
 #if TT_X86
     if (isa == ISA_AVX512) {
-        const size_t need = isa_avx512::tile_scratch_bytes(K, per_row);
+        const size_t need = isa_avx512::tile_scratch_bytes(M);
         if (scratch.size() < need) scratch.resize(need);
         return isa_avx512::matmul_tiles(type, w, row_bytes, K, n0, n1, a, dl, as16, M, y, ldy,
-                                        scratch.data(), per_row);
+                                        scratch.data());
     }
 #endif
     if (scratch.size() < size_t(R * per_row)) scratch.resize(R * per_row);
