@@ -12,7 +12,8 @@ from engine.trace import get_tracer
 
 
 def pick_activation_dtype(device: str, requested: str) -> torch.dtype:
-    """bf16 on CPU: the int4/dense kernels are fast only with bf16 activations (models.md)."""
+    """bf16 on CPU: the activation dtype of dense forms (float tensors, no compiler); the GGUF
+    kernels quantize activations to int8 themselves."""
     table = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     if requested == "auto":
         return torch.bfloat16

@@ -82,7 +82,7 @@ def outcome(logits: torch.Tensor, ref: dict) -> Outcome:
 def run_greedy(model: Decoder, prompts: list[dict], prefill_steps: int) -> list[Outcome]:
     """Teacher-forced, the way the engine runs: one flat prefill of every prompt plus its first
     reference tokens (logits of `prefill_steps` rows each, dense kernels under the default
-    policy), then the remaining steps decoding all prompts together (int4 kernels)."""
+    policy), then the remaining steps decoding all prompts together."""
     n_new = len(prompts[0]["greedy_ids"])
     slots = paged_slots(len(prompts), max(len(p["prompt_ids"]) for p in prompts) + n_new)
     kv = model.new_kv_store(sum(len(s) for s in slots))
