@@ -169,3 +169,20 @@ def test_real_tensors_of_the_bundled_model(real_model_path):
         x[:, 7] *= 30
         for isa in runnable_isas():
             check(run([sub], x, isa), sub, x)
+
+
+def test_without_a_compiler_the_model_falls_back_with_one_log_line(tmp_path):
+    """A fresh cache and no g++ on PATH: load() says why in one warning, linears go dense."""
+    code = ("import logging; logging.basicConfig(level=logging.INFO, format='%(levelname)s %(message)s')\n"
+            "from engine import kernels\n"
+            "from engine.models.quant import LinearPolicy, make_linear\n"
+            "from tests.test_quant import make_td\n"
+            "from gguf import GGMLQuantizationType as T\n"
+            "lin = make_linear(make_td(T.Q4_K), bias=None, policy=LinearPolicy())\n"
+            "print('forms', sorted(lin.kernel_forms()), kernels.describe())\n")
+    env = dict(os.environ, TOKENTOP_CACHE_DIR=str(tmp_path), PATH=str(tmp_path),
+               PYTHONPATH=os.getcwd())
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    warnings = [ln for ln in out.stderr.splitlines() if ln.startswith("WARNING")]
+    assert len(warnings) == 1 and "no C++ compiler" in warnings[0] and "dense torch" in warnings[0]
+    assert "forms ['dense-" in out.stdout and "unavailable (no C++ compiler" in out.stdout

@@ -120,12 +120,13 @@ def load() -> bool:
         return _state["available"]
     if os.environ.get("TOKENTOP_KERNELS", "").lower() in ("0", "off", "torch"):
         return _fail("disabled by TOKENTOP_KERNELS")
-    missing = _missing_tools()
-    if missing:
-        return _fail(missing)
     name = f"tokentop_qk_{_build_key()}"
     build_dir = cache_dir() / name
     lib = build_dir / f"{name}.so"
+    if not lib.exists():
+        missing = _missing_tools()
+        if missing:
+            return _fail(missing)
     t0 = time.perf_counter()
     try:
         if not lib.exists():
