@@ -20,8 +20,8 @@ class BurstSpec:
     path: Path
     count: int
     interval_ms: int
-    max_tokens: int
-    temperature: float
+    max_tokens: int | None      # None: each line's own setting (or the default)
+    temperature: float | None
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,8 @@ class BurstRun:
             if self._stop.wait(max(0.0, delay)):
                 return
             item = self.items[i % len(self.items)]
-            params = replace(item.params, max_tokens=self.spec.max_tokens, temperature=self.spec.temperature)
+            overrides = {"max_tokens": self.spec.max_tokens, "temperature": self.spec.temperature}
+            params = replace(item.params, **{k: v for k, v in overrides.items() if v is not None})
             try:
                 handle = self.engine.submit(item.prompt, messages=item.messages, params=params,
                                             burst=self.name)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-ENGINE_COMMANDS = {"generate", "bench", "models"}
+ENGINE_COMMANDS = {"generate", "bench", "models", "serve"}
 
 
 def main(argv: list[str] | None = None) -> int:

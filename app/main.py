@@ -32,11 +32,12 @@ from app.screens.prompt import PromptDialog
 from app.settings import load_settings, save_settings
 from app.widgets.backend import BackendPanel
 from app.widgets.event_log import EventLog
-from app.widgets.fmt import describe_error
+from app.widgets.fmt import describe_error, fmt_rate, fmt_uptime
 from app.widgets.line import Line
 from app.widgets.panel import Panel
 from app.widgets.requests import RequestsTable
 from app.widgets.routing import RoutingPanel
+from app.widgets.spec import SpecPanel
 from app.widgets.streams import StreamsPanel
 from engine.bursts import default_prompts_dir, list_burst_files, load_burst
 from engine.cli import EXIT_USAGE, OneLineParser, add_engine_flags, engine_config_from
@@ -49,13 +50,16 @@ from themes import KV_DEFAULTS, STYLESHEET, THEMES
 
 REFRESH_S = 0.2              # 5 Hz, as often as workers report their stats
 SHUTDOWN_TIMEOUT_S = 2.0     # per worker join before the engine terminates it
+SPEC_PANEL_MIN_WIDTH = 120   # terminal columns from which the speculation panel is shown
 THEME_CYCLE = tuple(t.name for t in THEMES)
 # Dashboard keys. The footer, the help screen and the command palette are generated from them.
 ACTIONS = (
-    Binding("b", "burst", "Burst", tooltip="Fire a burst of requests from a sample prompt file"),
+    Binding("b", "burst", "Burst", tooltip="Fire a burst of requests from a burst file (a sample or your own)"),
     Binding("n", "prompt", "Prompt", tooltip="Submit one prompt you type"),
     Binding("p", "cycle_scheduler", "Sched", tooltip="Cycle the scheduler policy (fcfs, spf)"),
     Binding("r", "cycle_router", "Router", tooltip="Cycle the router policy (round-robin, least-loaded, cost)"),
+    Binding("s", "cycle_spec", "Spec", tooltip="Cycle speculative decoding of new requests "
+                                               "(off, ngram, draft when a draft model is loaded)"),
     Binding("x,delete", "abort", "Abort", tooltip="Abort the request selected in the request table"),
     Binding("enter", "request_detail", "Detail", show=False, tooltip="Show the selected request in full"),
     Binding("t", "export_trace", "Trace", tooltip="Write a Perfetto trace (turns tracing on if it is off)"),
@@ -83,21 +87,54 @@ def build_parser() -> OneLineParser:
     p = OneLineParser(prog="tokentop", description="htop for an LLM inference engine: the dashboard. "
                       "Subcommands generate, bench and models run without it.")
     add_engine_flags(p)
+    p.add_argument("--burst-file", metavar="FILE", default=None,
+                   help="fire this burst file (JSONL, see sample_prompts/README.md) once the "
+                        "workers have started: each line once, with its own sampling settings")
+    p.add_argument("--serve", default=None, metavar="[HOST:]PORT",
+                   help="also serve the OpenAI-compatible API here; its requests show in the panels")
+    from engine.serve.cli import add_serve_flags
+    add_serve_flags(p)
     return p
+
+
+def startup_burst(path: str) -> BurstSpec:
+    """--burst-file: checked now (a bad file is a one-line error before anything loads);
+    fired once every worker has started."""
+    items = load_burst(path)
+    return BurstSpec(path=Path(path), count=len(items), interval_ms=int(DEFAULTS["interval"]),
+                     max_tokens=None, temperature=None)
 
 
 def run_dashboard(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     try:
+        burst = startup_burst(args.burst_file) if args.burst_file else None
         config = engine_config_from(args, default_mode="process")
         log = Path(platformdirs.user_log_dir("tokentop")) / "workers.log"
-        app = TokentopApp(replace(config, worker_log=str(log)))
+        app = TokentopApp(replace(config, worker_log=str(log)), startup_burst=burst)
+        http = _start_http(app, args) if args.serve else None
     except (TokentopError, OSError) as exc:
         print(f"tokentop: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    app.run()
+    try:
+        app.run()
+    finally:
+        if http is not None:
+            http.stop()
     app.wait_for_shutdown()
     return app.return_code or 0
+
+
+def _start_http(app: "TokentopApp", args):
+    """`--serve`: the HTTP API on the app's own engine, so its requests appear in the panels."""
+    from engine.serve.cli import serve_config_from
+    from engine.serve.server import HttpServer, parse_bind
+
+    host, port = parse_bind(args.serve, default_host=args.host)
+    http = HttpServer(app.engine, serve_config_from(args, host=host, port=port), quiet=True).start()
+    app.serve_url = http.url
+    app.engine.log("info", f"serving the OpenAI API on {http.url}/v1 (metrics at {http.url}/metrics)")
+    return http
 
 
 class TokentopApp(App[int]):
@@ -106,10 +143,12 @@ class TokentopApp(App[int]):
     BINDINGS = list(ACTIONS)
 
     def __init__(self, config: EngineConfig, *, settings_path: Path | None = None,
-                 live: bool = True) -> None:
+                 live: bool = True, startup_burst: BurstSpec | None = None) -> None:
         """live=False: the engine is not started and nothing refreshes by itself; the caller
-        feeds show_snapshot() (snapshot tests, replays)."""
+        feeds show_snapshot() (snapshot tests, replays). startup_burst is fired once the
+        engine is ready (--burst-file)."""
         super().__init__()
+        self.startup_burst = startup_burst
         self.config = config
         self.settings_path = settings_path
         self.settings = load_settings(settings_path)
@@ -132,6 +171,7 @@ class TokentopApp(App[int]):
         self._notices: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
         self._shutdown_thread: threading.Thread | None = None
         self._refresh_error: str | None = None
+        self.serve_url: str | None = None      # set by --serve
 
     # --- layout -------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -144,6 +184,7 @@ class TokentopApp(App[int]):
             yield Panel("routing", RoutingPanel(id="routing"), id="routing-panel")
         with Horizontal(id="bottom", classes="row"):
             yield Panel("streams", StreamsPanel(id="streams"), id="streams-panel")
+            yield Panel("speculation", SpecPanel(id="spec"), id="spec-panel")
             yield Panel("log", EventLog(id="log"), id="log-panel")
         yield Footer(compact=True)
 
@@ -160,6 +201,8 @@ class TokentopApp(App[int]):
         self._requests = self.query_one(RequestsTable)
         self._routing = self.query_one(RoutingPanel)
         self._streams = self.query_one(StreamsPanel)
+        self._spec = self.query_one(SpecPanel)
+        self._spec_panel = self.query_one("#spec-panel")
         self._log = self.query_one(EventLog)
         self._status = self.query_one("#status", Line)
         self._requests.focus()
@@ -205,6 +248,9 @@ class TokentopApp(App[int]):
             self.notify(text, severity=severity, timeout=8 if severity == "error" else 4)
         try:
             self._finish_bursts()
+            if self.startup_burst is not None and self._all_workers_up():
+                spec, self.startup_burst = self.startup_burst, None
+                self.fire_burst(spec)
             self.show_snapshot(self.engine.snapshot())
         except Exception as exc:  # keep the dashboard up; say it once, not five times a second
             if describe_error(exc) != self._refresh_error:
@@ -224,24 +270,47 @@ class TokentopApp(App[int]):
                 panel.show_assembly(done, total)
             elif view is not None:
                 panel.show_view(view)
-        self._requests.show_requests(snap.requests)
+        names = {w.index: w.name for w in snap.workers}
+        self._requests.show_requests(snap.requests, names)
         self._routing.show_decisions(snap.routing)
-        self._streams.show_streams(snap.requests)
+        self._streams.show_streams(snap.requests, names)
+        # the speculation panel needs room: below SPEC_PANEL_MIN_WIDTH columns the request
+        # table's spec column and the help carry it (z zooms a panel)
+        self._spec_panel.display = self.size.width >= SPEC_PANEL_MIN_WIDTH
+        if self._spec_panel.display:
+            self._spec.show_spec(snap.workers, snap.requests, self.engine.spec_mode)
         self._log.show_lines(snap.log)
         self._show_status()
 
+    def _all_workers_up(self) -> bool:
+        """Every worker has finished starting (ready, or failed), and one is ready."""
+        snap = self.last_snapshot
+        return (self.engine.ready and snap is not None and len(snap.workers) == len(self.config.workers)
+                and all(w.state not in ("starting", "loading") for w in snap.workers))
+
     def _show_status(self) -> None:
+        """The header. On a narrow terminal the fields drop out by priority (the higher the
+        number, the sooner); the name and burst progress always stay."""
         snap = self.last_snapshot
         workers = snap.workers if snap else ()
         ready = sum(w.state == "ready" for w in workers)
         active = sum(r.state in ("queued", "prefill", "decode") for r in snap.requests) if snap else 0
         tracing = "[b $success]on[/]" if self.engine.tracing else "off"
-        parts = ["[b $accent]tokentop[/]", f"router [b]{self.router_policy}[/]",
-                 f"sched [b]{self.scheduler_policy}[/]", f"trace {tracing}",
-                 f"{ready}/{len(self.config.workers)} ready", f"{active} active"]
+        parts = [(0, "[b $accent]tokentop[/]")]
         for run in self.bursts:
-            parts.append(f"burst {run.name} {run.submitted}/{run.spec.count}")
-        self._status.set(" " + " · ".join(parts))
+            parts.append((0, f"burst {run.name} {run.submitted}/{run.spec.count}"))
+        parts += [(1, f"{ready}/{len(self.config.workers)} ready"), (1, f"{active} active")]
+        if snap is not None:
+            live = [w for w in workers if w.state == "ready"]
+            parts.append((2, f"decode {fmt_rate(sum(w.decode_tps for w in live))} tok/s"))
+            parts.append((5, f"prefill {fmt_rate(sum(w.prefill_tps for w in live))} tok/s"))
+        parts += [(3, f"router [b]{self.router_policy}[/]"), (3, f"sched [b]{self.scheduler_policy}[/]"),
+                  (3, f"trace {tracing}")]
+        if self.serve_url:
+            parts.append((1, f"api {self.serve_url}"))
+        if snap is not None and snap.uptime:
+            parts.append((4, f"up {fmt_uptime(snap.uptime)}"))
+        self._status.set_parts(parts, prefix=" ")
 
     def _finish_bursts(self) -> None:
         for run in [r for r in self.bursts if r.done]:
@@ -286,11 +355,12 @@ class TokentopApp(App[int]):
             return
         items = load_burst(spec.path)
         self.burst_count += 1
-        self.prompt_params = replace(self.prompt_params, max_tokens=spec.max_tokens,
-                                     temperature=spec.temperature)
+        if spec.max_tokens is not None and spec.temperature is not None:
+            self.prompt_params = replace(self.prompt_params, max_tokens=spec.max_tokens,
+                                         temperature=spec.temperature)
         name = f"{spec.path.stem}#{self.burst_count}"
         self.bursts.append(BurstRun(self.engine, spec, items, name).start())
-        self.notify(f"burst {name}: {spec.count} requests, one every {spec.interval_ms} ms")
+        self.notify(f"burst {name}: {spec.count} requests from {spec.path}, one every {spec.interval_ms} ms")
         self._show_status()
 
     def action_prompt(self) -> None:
@@ -318,6 +388,14 @@ class TokentopApp(App[int]):
         self.router_policy = policy
         self._show_status()
         self.notify(f"router policy: {policy}")
+
+    @reported
+    def action_cycle_spec(self) -> None:
+        modes = self.engine.spec_modes()
+        current = self.engine.spec_mode or self.config.workers[0].speculate
+        mode = _next(modes, current)
+        self.engine.set_spec_mode(mode)
+        self.notify(f"speculative decoding of new requests: {mode}")
 
     def action_abort(self) -> None:
         rid = self._requests.selected_id
@@ -360,7 +438,7 @@ class TokentopApp(App[int]):
 
     def _export_trace(self) -> None:
         try:
-            path = self.engine.export_trace(self.config.trace_dir)
+            path = Path(self.engine.export_trace(self.config.trace_dir)).resolve()
         except Exception as exc:  # reported in the UI, whatever it is
             self._notices.put(("error", f"trace export failed: {describe_error(exc)}"))
             return

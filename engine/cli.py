@@ -11,7 +11,7 @@ import sys
 from dataclasses import replace
 
 from engine.config import EngineConfig, SamplingParams, WorkerConfig
-from engine.errors import TokentopError
+from engine.errors import ConfigError, TokentopError
 
 EXIT_USAGE = 2
 
@@ -32,12 +32,19 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=0, help="CPU threads per worker (0 = all)")
     g.add_argument("--max-active", type=int, default=8, help="max running requests per worker")
     g.add_argument("--max-batched-tokens", type=int, default=512, help="token budget per step")
-    g.add_argument("--max-context", type=int, default=4096, help="max prompt + output tokens per request")
+    g.add_argument("--max-context", type=int, default=None,
+                   help="max prompt + output tokens per request (default: the model's, at most 4096)")
     g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     g.add_argument("--kv-cache-memory", default="256MiB", help="KV memory per worker, e.g. 256MiB")
     g.add_argument("--kv-cache", choices=["paged", "contiguous"], default="paged")
     g.add_argument("--policy", choices=["fcfs", "spf"], default="fcfs", help="scheduler policy")
-    g.add_argument("--router-policy", choices=["round-robin", "least-loaded", "cost"], default="cost")
+    g.add_argument("--router-policy", choices=["round-robin", "least-loaded", "cost", "cache-aware"],
+                   default="cost")
+    g.add_argument("--prefix-cache", choices=["on", "off"], default="on",
+                   help="reuse KV pages of identical prompt prefixes (paged KV only)")
+    g.add_argument("--single-flight", choices=["off", "after-prefill", "at-completion"],
+                   default="after-prefill",
+                   help="a request whose prefix pages another request is computing waits for them")
     g.add_argument("--deterministic", action="store_true",
                    help="batch-invariant greedy output (fixed kernels and prefill chunks)")
     g.add_argument("--activation-dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto")
@@ -47,6 +54,18 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="run each worker in its own process (default for several workers) or a thread")
     g.add_argument("--recalibrate", action="store_true",
                    help="measure each worker's prefill/decode speed again (else cached after first use)")
+    g.add_argument("--speculate", choices=["off", "ngram", "draft"], default=None,
+                   help="speculative decoding of requests (default: draft with --draft-model, else off)")
+    g.add_argument("--draft-model", default="", metavar="NAME|PATH",
+                   help="draft model for --speculate draft, e.g. qwen2.5-coder-0.5b for the 1.5B")
+    g.add_argument("--spec-k", default="adaptive:cost", metavar="N|POLICY",
+                   help="draft length: N, adaptive:cost (default), adaptive:acceptance, adaptive:length")
+    g.add_argument("--spec-tv-budget", type=float, default=0.0, metavar="D",
+                   help="mentored decoding: accept drafts within total-variation budget D (0 = lossless)")
+    g.add_argument("--no-spec-bonus", action="store_true",
+                   help="no bonus token after a fully accepted draft (the seeds' setting)")
+    g.add_argument("--ngram-min", type=int, default=1, help="prompt lookup: shortest n-gram matched")
+    g.add_argument("--ngram-max", type=int, default=4, help="prompt lookup: longest n-gram matched")
     g.add_argument("--trace-dir", default=None, help="write a Perfetto (Chrome JSON) trace here")
     g.add_argument("--routing-log", default=None, help="append every routing decision as JSON lines")
 
@@ -54,15 +73,25 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
 def engine_config_from(args: argparse.Namespace, default_mode: str = "process") -> EngineConfig:
     from engine.devices import parse_devices, parse_size
 
+    if args.max_context is not None and args.max_context < 2:   # 0 means "the model's" only inside
+        raise ConfigError(f"--max-context must be at least 2 tokens (a prompt token and an output "
+                          f"token), got {args.max_context}; e.g. --max-context 4096")
     base = WorkerConfig(
         model=args.model, threads=args.threads, max_active=args.max_active,
-        max_batched_tokens=args.max_batched_tokens, max_context=args.max_context,
+        max_batched_tokens=args.max_batched_tokens, max_context=args.max_context or 0,
         page_size=args.page_size, kv_cache_memory=parse_size(args.kv_cache_memory),
         kv_cache=args.kv_cache, policy=args.policy, deterministic=args.deterministic,
         activation_dtype=args.activation_dtype, weights=args.weights, recalibrate=args.recalibrate,
+        speculate=args.speculate or ("draft" if args.draft_model else "off"), draft_model=args.draft_model,
+        spec_k=args.spec_k, spec_tv_budget=args.spec_tv_budget, spec_bonus=not args.no_spec_bonus,
+        ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+        prefix_cache=args.prefix_cache, single_flight=args.single_flight,
         # a speed profile only matters when a router has a choice to make
         calibrate=len(args.device or ["cpu"]) > 1 or args.recalibrate)
     workers = parse_devices(args.device or ["cpu"], base)
+    if args.trace_dir:
+        from engine.trace import check_trace_dir
+        check_trace_dir(args.trace_dir)
     return EngineConfig(workers=workers, router_policy=args.router_policy, trace_dir=args.trace_dir,
                         routing_log=args.routing_log, worker_mode=args.worker_mode or default_mode)
 
@@ -88,16 +117,26 @@ def build_parser() -> OneLineParser:
     add_engine_flags(g)
 
     b = sub.add_parser("bench", help="benchmarks (JSON out)")
-    b.add_argument("scenario", choices=["single", "batching", "routing", "dashboard", "trace"])
+    b.add_argument("scenario", choices=["single", "batching", "routing", "dashboard", "trace", "prefix", "serve",
+                                        "spec"])
     b.add_argument("--models", default="qwen2.5-coder-0.5b", help="comma-separated (bench single)")
     b.add_argument("--runs", type=int, default=3)
     b.add_argument("--quick", action="store_true", help="fewer/shorter runs (smoke test)")
     b.add_argument("--out", default=None, help="also write the JSON report here")
     b.add_argument("--policies", default="forced-fastest,round-robin,least-loaded,cost",
                    help="bench routing: which policies to compare")
+    b.add_argument("--sizes", default=None, metavar="N,N,...",
+                   help="bench batching: concurrent request counts (1 and 8 always included)")
+    b.add_argument("--no-sequential", action="store_true",
+                   help="bench batching: skip the one-after-another comparison")
     b.add_argument("--llama-cpp", default=None, metavar="PYTHON",
                    help="bench single: a python with llama-cpp-python, to measure llama.cpp side by side")
     add_engine_flags(b)
+
+    from engine.serve.cli import add_serve_flags
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP API (with /metrics), headless")
+    add_serve_flags(s)
+    add_engine_flags(s)
 
     m = sub.add_parser("models", help="list bundled models and whether they are installed")
     m.add_argument("--json", action="store_true")
@@ -114,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
             return run_bench(args)
         if args.command == "models":
             return cmd_models(args)
+        if args.command == "serve":
+            from engine.serve.cli import cmd_serve
+            return cmd_serve(args)
         build_parser().print_help()
         return EXIT_USAGE
     except TokentopError as exc:
@@ -163,6 +205,8 @@ def cmd_generate(args) -> int:
         engine.start()
         kw = {"messages": [{"role": "user", "content": prompt}]} if args.chat else {"prompt": prompt}
         handle = engine.submit(params=params, **kw)
+        if handle.notice:
+            print(f"tokentop: note: {handle.notice}", file=sys.stderr)
         if not args.json:
             for delta in handle:
                 sys.stdout.write(delta.text)

@@ -21,6 +21,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int = 0                 # top-n logprobs per generated token, 0 = off
+    speculate: str = ""               # "" = the worker's default, or off | ngram | draft
+    spec_k: str = ""                  # "" = the worker's --spec-k, or N | adaptive:POLICY
+    spec_tv_budget: float | None = None   # None = the worker's --spec-tv-budget
+    cache_salt: str | None = None     # requests share cached KV pages only with the same salt
 
     def validate(self) -> "SamplingParams":
         def bad(msg: str) -> None:
@@ -42,6 +46,15 @@ class SamplingParams:
             bad(f"logprobs must be between 0 and 20, got {self.logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop strings must be non-empty strings")
+        if self.speculate not in ("",) + SPEC_MODES:
+            bad(f"speculate must be one of {', '.join(SPEC_MODES)}, got {self.speculate!r}")
+        if self.spec_k and self.spec_k not in SPEC_K_POLICIES and not (
+                self.spec_k.isdigit() and 0 <= int(self.spec_k) <= 16):
+            bad(f"spec_k must be a number 0-16 or one of {', '.join(SPEC_K_POLICIES)}, got {self.spec_k!r}")
+        if self.spec_tv_budget is not None and not 0.0 <= self.spec_tv_budget <= 1.0:
+            bad(f"spec_tv_budget must be in [0, 1] (0 = lossless), got {self.spec_tv_budget}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            bad("cache_salt must be a non-empty string (or None to share the cache with unsalted requests)")
         return self
 
     @property
@@ -49,8 +62,13 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+SPEC_MODES = ("off", "ngram", "draft")
+SPEC_K_POLICIES = ("adaptive:cost", "adaptive:acceptance", "adaptive:length")
 KV_MODES = ("paged", "contiguous")
+DEFAULT_MAX_CONTEXT = 4096   # when --max-context is not given (and the model allows that much)
 SCHED_POLICIES = ("fcfs", "spf")
+PREFIX_CACHE = ("on", "off")
+SINGLE_FLIGHT = ("off", "after-prefill", "at-completion")
 
 
 @dataclass(frozen=True)
@@ -62,7 +80,7 @@ class WorkerConfig:
     threads: int = 0                      # 0 = all cores torch sees
     max_active: int = 8
     max_batched_tokens: int = 512
-    max_context: int = 4096               # per sequence, prompt + output (capped by the model's)
+    max_context: int = 0                  # per sequence, prompt + output; 0 = the model's, at most 4096
     page_size: int = 16
     kv_cache_memory: int = 256 * 2**20    # bytes for K and V pages together
     kv_cache: str = "paged"
@@ -73,6 +91,16 @@ class WorkerConfig:
     compile: bool = False
     recalibrate: bool = False             # measure the speed profile again instead of the cached one
     calibrate: bool = True                # False: skip the profile (tests, benchmarks of one worker)
+    # speculative decoding (engine/spec/)
+    speculate: str = "off"                # default mode of requests: off | ngram | draft
+    draft_model: str = ""                 # catalog name or .gguf path of the draft model
+    spec_k: str = "adaptive:cost"         # N (fixed draft length) or one of SPEC_K_POLICIES
+    spec_tv_budget: float = 0.0           # mentored decoding: TV budget D (0 = lossless)
+    spec_bonus: bool = True               # emit the target's token after a fully accepted draft
+    ngram_min: int = 1                    # prompt lookup: shortest / longest n-gram matched
+    ngram_max: int = 4
+    prefix_cache: str = "on"              # on | off (paged KV only)
+    single_flight: str = "after-prefill"  # off | after-prefill | at-completion
     # simulated workers only
     sim_prefill_tps: float = 0.0
     sim_decode_tps: float = 0.0
@@ -83,7 +111,17 @@ class WorkerConfig:
     def simulated(self) -> bool:
         return self.device.startswith("sim:")
 
+    @property
+    def remote(self) -> bool:
+        """remote:URL - requests are forwarded to an OpenAI-compatible server (engine/remote.py)."""
+        return self.device.startswith("remote:")
+
     def validate(self) -> "WorkerConfig":
+        if self.threads < 0:
+            raise ConfigError(f"--threads must be 0 (all cores) or a positive count, got {self.threads}")
+        if self.max_context == 1 or self.max_context < 0:
+            raise ConfigError(f"--max-context must be at least 2 tokens (a prompt token and an output "
+                              f"token), got {self.max_context}; e.g. --max-context 4096")
         if self.max_active < 1:
             raise ConfigError(f"--max-active must be >= 1, got {self.max_active}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -94,8 +132,28 @@ class WorkerConfig:
             raise ConfigError(f"--kv-cache must be one of {', '.join(KV_MODES)}, got {self.kv_cache!r}")
         if self.policy not in SCHED_POLICIES:
             raise ConfigError(f"--policy must be one of {', '.join(SCHED_POLICIES)}, got {self.policy!r}")
+        if self.prefix_cache not in PREFIX_CACHE:
+            raise ConfigError(f"--prefix-cache must be on or off, got {self.prefix_cache!r}")
+        if self.single_flight not in SINGLE_FLIGHT:
+            raise ConfigError(f"--single-flight must be one of {', '.join(SINGLE_FLIGHT)}, "
+                              f"got {self.single_flight!r}")
         if self.kv_cache_memory <= 0:
             raise ConfigError("--kv-cache-memory must be positive, e.g. 256MiB")
+        # what the model needs per page is checked once its header is read (devices.check_model_limits)
+        if self.speculate not in SPEC_MODES:
+            raise ConfigError(f"--speculate must be one of {', '.join(SPEC_MODES)}, got {self.speculate!r}")
+        if self.speculate == "draft" and not self.draft_model:
+            raise ConfigError("--speculate draft needs --draft-model NAME|PATH "
+                              "(e.g. --model qwen2.5-coder-1.5b --draft-model qwen2.5-coder-0.5b)")
+        if self.draft_model and self.kv_cache == "contiguous":
+            raise ConfigError("--draft-model needs --kv-cache paged (the draft's pages come from the pool)")
+        if self.spec_k not in SPEC_K_POLICIES and not (self.spec_k.isdigit() and 0 <= int(self.spec_k) <= 16):
+            raise ConfigError(f"--spec-k must be a number 0-16 or one of {', '.join(SPEC_K_POLICIES)}, "
+                              f"got {self.spec_k!r}")
+        if not 0.0 <= self.spec_tv_budget <= 1.0:
+            raise ConfigError(f"--spec-tv-budget must be in [0, 1] (0 = lossless), got {self.spec_tv_budget}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ConfigError(f"--ngram-min/--ngram-max need 1 <= min <= max, got {self.ngram_min}/{self.ngram_max}")
         return self
 
 

@@ -14,6 +14,11 @@ from dataclasses import replace
 from engine.config import WorkerConfig
 from engine.errors import ConfigError
 
+# Activation dtypes found unfaithful on a device type: greedy ids left the fp32 reference at a
+# step that is not a near-tie (tools/gpu_check.py, fidelity section). A worker asking for one
+# is refused at start-up with the reason; 'auto' never picks one. Filled from measured runs only.
+UNFAITHFUL_ACTIVATION_DTYPES: dict[str, dict[str, str]] = {}
+
 # Isolated backend profiles from the seeds (Qwen2.5 0.5B, Apple M2): prefill, decode tok/s
 SIM_PRESETS = {"gpu": (2551.0, 293.0), "cpu": (73.0, 45.0)}
 
@@ -31,13 +36,35 @@ def parse_devices(specs: list[str], base: WorkerConfig) -> tuple[WorkerConfig, .
             out.append(replace(base, device=f"cuda:{index}", name=f"cuda:{index}"))
         elif spec.startswith("sim:"):
             out.append(_parse_sim(spec, base))
+        elif spec.startswith("remote:"):
+            from engine.remote import parse_remote
+            out.append(parse_remote(spec, base, sum(w.remote for w in out)))
         else:
             raise ConfigError(f"unknown device {spec!r}; use cpu, cuda, cuda:N or "
-                              "sim:NAME[:prefill=R,decode=R] (e.g. --device sim:gpu0)")
+                              "sim:NAME[:prefill=R,decode=R] (e.g. --device sim:gpu0) or remote:URL[,name=NAME]")
+    for w in out:
+        if not w.simulated and not w.remote:   # a remote's dtype is its own business
+            check_activation_dtype(w.device, w.activation_dtype)
     names = [w.name for w in out]
     if len(set(names)) != len(names):
         raise ConfigError(f"two workers share a name in {names}; give simulated workers distinct names")
     return tuple(w.validate() for w in out)
+
+
+def check_activation_dtype(device: str, requested: str) -> str:
+    """The activation dtype a worker on `device` uses ('bf16', 'fp16' or 'fp32'), refusing one
+    measured unfaithful there. 'auto' is bf16, or fp32 where bf16 itself was refused."""
+    kind = device.split(":", 1)[0]
+    refused = UNFAITHFUL_ACTIVATION_DTYPES.get(kind, {})
+    if requested == "auto":
+        return next(d for d in ("bf16", "fp32") if d not in refused or d == "fp32")
+    if requested not in ("bf16", "fp16", "fp32"):
+        raise ConfigError(f"--activation-dtype must be auto, bf16, fp16 or fp32, got {requested!r}")
+    if requested in refused:
+        ok = [d for d in ("bf16", "fp32") if d not in refused]
+        raise ConfigError(f"--activation-dtype {requested} is refused on {kind}: {refused[requested]}; "
+                          f"use --activation-dtype {ok[0]} (or auto)")
+    return requested
 
 
 def _claim_cuda(spec: str, claimed: set[int]) -> int:
@@ -102,8 +129,50 @@ def parse_size(text: str) -> int:
         if s and s[-1] in units:
             return int(float(s[:-1]) * units[s[-1]])
         return int(float(s))
-    except ValueError:
+    except (ValueError, OverflowError):
         raise ConfigError(f"cannot read size {text!r}; write e.g. 256MiB or 2GiB") from None
+
+
+def format_size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" or n == int(n) else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""
+
+
+# The page table, refcounts and the dashboard's 5 Hz page-state picture cost per page: past
+# 4M pages (64M tokens at 16 per page) no device has the memory and the bookkeeping would swamp it.
+MAX_KV_PAGES = 1 << 22
+
+
+def check_model_limits(workers, model_paths: dict[str, str]) -> None:
+    """Flags that depend on the model, checked as soon as its header is read (before any
+    weights load): --max-context against its trained context, --kv-cache-memory against the
+    size of one KV page (K and V in fp32, as the workers store them)."""
+    import torch
+
+    from engine.models.batch import KVStore
+    from engine.models.gguf import load_gguf
+
+    headers = {}
+    for w in workers:
+        if w.model not in headers:
+            headers[w.model] = load_gguf(model_paths[w.model]).config
+        c = headers[w.model]
+        if w.max_context > c.context_length:
+            raise ConfigError(f"--max-context {w.max_context} is more than {w.model} was trained for "
+                              f"({c.context_length} tokens); use --max-context {c.context_length} or less")
+        page = KVStore.bytes_per_slot(c.n_layers, c.n_kv_heads, c.head_dim, torch.float32) * w.page_size
+        pages = w.kv_cache_memory // page
+        if pages < 1:
+            raise ConfigError(f"--kv-cache-memory {format_size(w.kv_cache_memory)} is less than one KV page "
+                              f"of {w.model} ({w.page_size} tokens need {format_size(page)}); "
+                              "use e.g. --kv-cache-memory 256MiB")
+        if pages > MAX_KV_PAGES:
+            raise ConfigError(f"--kv-cache-memory {format_size(w.kv_cache_memory)} would be {pages:,} KV pages "
+                              f"of {w.model}; a worker manages at most {MAX_KV_PAGES:,} "
+                              f"({format_size(MAX_KV_PAGES * page)}); use e.g. --kv-cache-memory 256MiB")
 
 
 # Resident memory of a CPU worker per byte of GGUF file, measured with `tokentop bench single`
@@ -131,6 +200,8 @@ def check_memory(workers, model_paths: dict[str, str], available: int | None = N
     if available is None:
         return
     need = sum(CPU_BYTES_PER_FILE_BYTE * os.path.getsize(model_paths[w.model]) + w.kv_cache_memory
+               + (CPU_BYTES_PER_FILE_BYTE * os.path.getsize(model_paths[w.draft_model])
+                  if w.draft_model in model_paths else 0)
                for w in workers if w.device == "cpu")
     if need > available:
         n = sum(w.device == "cpu" for w in workers)

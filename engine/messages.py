@@ -17,6 +17,7 @@ class Submit:
     prompt_ids: tuple[int, ...]
     params: SamplingParams
     arrival: float                 # time.monotonic() at the facade
+    messages: tuple | None = None  # the chat messages, for a remote serving another model
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,7 @@ class TokenDelta:
     text: str
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
+    drafted: bool = False          # an accepted draft token (speculative decoding), not the target's
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,9 @@ class RequestMetrics:
     itl_max: float | None
     e2e: float                     # arrival -> finished (s)
     preemptions: int = 0
+    spec: dict | None = None       # speculative decoding counters (engine/spec/stats.py)
+    follow_start: float | None = None   # arrival -> started waiting on a leader (s)
+    follow_time: float = 0.0            # seconds spent waiting on leaders (single flight)
 
 
 @dataclass(frozen=True)
@@ -100,6 +105,9 @@ class StepEvents:
     tokens: tuple[TokenDelta, ...]
     finished: tuple[Finished, ...]
     preempted: tuple[str, ...] = ()
+    # prefix cache keys (8-byte prefixes) published (True) / evicted (False), in order:
+    # the facade's picture of this worker's cache, for routing estimates
+    cache_delta: tuple[tuple[bool, bytes], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -111,6 +119,8 @@ class SeqView:
     computed_tokens: int
     output_tokens: int
     max_tokens: int
+    spec: dict | None = None       # mode + speculative decoding counters, None = not speculating
+    leader: str | None = None      # single flight: waiting for this request's pages
 
 
 @dataclass(frozen=True)
@@ -130,6 +140,35 @@ class WorkerStats:
     seqs: tuple[SeqView, ...] = field(default_factory=tuple)
     prefill_tokens_total: int = 0
     decode_tokens_total: int = 0
+    spec: dict | None = None       # the worker's speculative decoding totals
+    # prefix cache counters (engine/kv/reuse.py stats(); empty when the cache is off)
+    prefix: dict = field(default_factory=dict)
+    preemptions_total: int = 0
+    recomputed_tokens_total: int = 0   # prefill tokens spent recomputing preempted sequences
+    kv_usage: float | None = None  # a remote's scraped KV cache usage (0..1), when it exposes one
+
+
+@dataclass(frozen=True)
+class WorkerDown:
+    """A remote worker stopped answering: no new requests until it is ready again."""
+    worker: int
+    message: str
+
+
+@dataclass(frozen=True)
+class Reroute:
+    """A remote worker could not start this request (no token streamed): route it elsewhere."""
+    worker: int
+    request_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class ProfileUpdate:
+    """A worker's measured rates changed (remote workers measure them from their streams)."""
+    worker: int
+    prefill_tps: float
+    decode_tps: float
 
 
 @dataclass(frozen=True)

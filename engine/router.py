@@ -8,13 +8,26 @@ Policies:
                 + (decode budget pending + incoming max_tokens) / decode rate
                 counting running and queued requests. Queued requests keep the prefix
                 discount they were routed with (the seeds' accounting bug, avoided).
+  cache-aware   the worker with the longest reusable prefix, unless load is imbalanced
+                (SGLang's gateway rule: max - min outstanding work above an absolute AND a
+                relative threshold), then the least-loaded worker. Outstanding work is in
+                seconds (pending tokens over the worker's rates), so a slow worker's queue
+                weighs more. Ties, and a miss everywhere, fall back to the cost score: a miss
+                goes to the worker that finishes it soonest, not to the emptiest cache.
+
+Reusable prefix: the facade hashes the incoming prompt's page chain the way each worker's
+prefix cache does (engine/kv/prefix_cache.py) and counts the leading pages that worker has
+published (a key set kept current by its step events). It is an estimate: a page may be
+evicted before the request arrives.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
 
-POLICIES = ("round-robin", "least-loaded", "cost")
+POLICIES = ("round-robin", "least-loaded", "cost", "cache-aware")
+BALANCE_ABS_S = 2.0      # cache-aware: imbalanced if max - min outstanding work > 2 s ...
+BALANCE_REL = 1.5        # ... and max > 1.5 x min
 
 
 @dataclass(frozen=True)
@@ -29,6 +42,7 @@ class Candidate:
     prefill_rate: float        # tok/s used for the estimate
     decode_rate: float
     score: float               # policy's score; lower is better
+    work: float = 0.0          # outstanding seconds before the incoming request
 
 
 @dataclass(frozen=True)
@@ -40,12 +54,17 @@ class RouteDecision:
     prompt_tokens: int
     max_tokens: int
     candidates: tuple[Candidate, ...]
+    reason: str = ""           # cache-aware: "longest prefix", "imbalanced", "miss" ...
 
     def to_json(self) -> dict:
         return {"request_id": self.request_id, "time": self.time, "policy": self.policy,
                 "chosen": self.chosen, "prompt_tokens": self.prompt_tokens,
-                "max_tokens": self.max_tokens,
+                "max_tokens": self.max_tokens, "reason": self.reason,
                 "candidates": [c.__dict__ for c in self.candidates]}
+
+    @property
+    def chosen_reuse(self) -> int:
+        return next((c.cached_tokens for c in self.candidates if c.worker == self.chosen), 0)
 
 
 @dataclass
@@ -63,9 +82,12 @@ class WorkerLoad:
 
 
 class Router:
-    def __init__(self, policy: str = "cost"):
+    def __init__(self, policy: str = "cost", balance_abs: float = BALANCE_ABS_S,
+                 balance_rel: float = BALANCE_REL):
         self.set_policy(policy)
         self._next = 0
+        self.balance_abs = balance_abs
+        self.balance_rel = balance_rel
 
     def set_policy(self, policy: str) -> None:
         if policy not in POLICIES:
@@ -84,14 +106,17 @@ class Router:
             reuse = min(cached.get(w.worker, 0), max(0, prompt_tokens - 1))
             pre = w.prefill_tokens + prompt_tokens - reuse
             dec = w.decode_tokens + max_tokens
-            if self.policy == "cost":
-                score = pre / max(w.prefill_rate, 1e-9) + dec / max(w.decode_rate, 1e-9)
+            pre_rate, dec_rate = max(w.prefill_rate, 1e-9), max(w.decode_rate, 1e-9)
+            work = w.prefill_tokens / pre_rate + w.decode_tokens / dec_rate
+            if self.policy in ("cost", "cache-aware"):
+                score = pre / pre_rate + dec / dec_rate
             elif self.policy == "least-loaded":
                 score = float(w.running + w.waiting)
             else:
                 score = 0.0
             cands.append(Candidate(w.worker, w.name, w.running, w.waiting, pre, dec, reuse,
-                                   w.prefill_rate, w.decode_rate, score))
+                                   w.prefill_rate, w.decode_rate, score, work))
+        reason = ""
         if force is not None:
             chosen = force
         elif self.policy == "round-robin":
@@ -99,7 +124,20 @@ class Router:
             after = [i for i in order if i >= self._next]
             chosen = (after or order)[0]
             self._next = chosen + 1
+        elif self.policy == "cache-aware":
+            chosen, reason = self._cache_aware(cands)
         else:
             chosen = min(cands, key=lambda c: (c.score, c.worker)).worker
         return RouteDecision(request_id, time.time(), "forced" if force is not None else self.policy,
-                             chosen, prompt_tokens, max_tokens, tuple(cands))
+                             chosen, prompt_tokens, max_tokens, tuple(cands), reason)
+
+    def _cache_aware(self, cands: list[Candidate]) -> tuple[int, str]:
+        hi = max(c.work for c in cands)
+        lo = min(c.work for c in cands)
+        if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
+            return min(cands, key=lambda c: (c.work, -c.cached_tokens, c.worker)).worker, "imbalanced"
+        best = max(c.cached_tokens for c in cands)
+        if best == 0:
+            return min(cands, key=lambda c: (c.score, c.worker)).worker, "miss"
+        return min((c for c in cands if c.cached_tokens == best),
+                   key=lambda c: (c.score, c.worker)).worker, "longest prefix"

@@ -4,7 +4,6 @@ from __future__ import annotations
 import torch
 
 from engine.config import WorkerConfig
-from engine.errors import ConfigError
 from engine.kv.pages import BlockManager
 from engine.models.batch import ForwardBatch, KVStore, SeqSlice
 from engine.scheduler import StepPlan
@@ -12,14 +11,13 @@ from engine.trace import get_tracer
 
 
 def pick_activation_dtype(device: str, requested: str) -> torch.dtype:
-    """bf16 on CPU: the activation dtype of dense forms (float tensors, no compiler); the GGUF
-    kernels quantize activations to int8 themselves."""
+    """bf16 unless asked otherwise: the activation dtype of dense forms (float tensors, no
+    compiler; the GGUF kernels quantize activations to int8 themselves); a dtype measured
+    unfaithful on this device type is refused (engine/devices.py)."""
+    from engine.devices import check_activation_dtype
+
     table = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-    if requested == "auto":
-        return torch.bfloat16
-    if requested not in table:
-        raise ConfigError(f"--activation-dtype must be auto, bf16, fp16 or fp32, got {requested!r}")
-    return table[requested]
+    return table[check_activation_dtype(device, requested)]
 
 
 def _kernel_label(model) -> str:
@@ -50,17 +48,29 @@ class ModelRunner:
         self.model = Decoder.from_gguf(gf, self.policy)
         with get_tracer().scope("selfcheck", model=cfg.model):
             check_linears(self.model, cfg.weights)   # refuses a layout this CPU computes wrongly
+        self.draft = None   # speculative decoding's draft model, on this worker (engine/spec/draft.py)
+        if cfg.draft_model:
+            from engine.models.catalog import resolve_model
+            from engine.spec.draft import DraftModel
+            with get_tracer().scope("load draft", model=cfg.draft_model):
+                self.draft = DraftModel(cfg, str(resolve_model(cfg.draft_model)), self.policy,
+                                        self.tokenizer, gf.config.vocab_size)
         self.model_context = gf.config.context_length
         self.kv_dtype = torch.float32
         self.bytes_per_slot = KVStore.bytes_per_slot(
             gf.config.n_layers, gf.config.n_kv_heads, gf.config.head_dim, self.kv_dtype)
+        if self.draft is not None:   # the draft's K/V share the slots (and the memory budget)
+            self.bytes_per_slot += self.draft.bytes_per_slot
         self.kv: KVStore | None = None
+        self.spec_bonus = cfg.spec_bonus
         self.info = {"model": cfg.model, "arch": gf.config.arch, "dtype": str(dtype).replace("torch.", ""),
                      "weights": cfg.weights, "simulated": False, "layers": gf.config.n_layers,
                      "kernels": _kernel_label(self.model)}
 
     def allocate_kv(self, num_slots: int) -> None:
         self.kv = self.model.new_kv_store(num_slots, dtype=self.kv_dtype)
+        if self.draft is not None:
+            self.draft.allocate_kv(num_slots)
 
     def start_sequence(self, seq) -> None:
         from engine.models.tokenizer import IncrementalDetokenizer
@@ -74,29 +84,50 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, blocks: BlockManager) -> tuple[dict, dict]:
-        batch, samplers, sample_ids = self.build_batch(plan, blocks)
-        logits = self.model(batch, self.kv)
-        if not sample_ids:
-            return {}, {}
-        from engine.sampling import sample
-
-        with get_tracer().scope("sampler", rows=len(samplers)):
-            result = sample(logits, samplers)
+        """Returns ({seq id: (token, logprob, top) or a spec Verdict}, {seq id: error})."""
+        batch, samplers, sample_ids, verifies = self.build_batch(plan, blocks)
+        if verifies:
+            with get_tracer().scope("verify", requests=len(verifies), tokens=batch.num_tokens):
+                logits = self.model(batch, self.kv)
+        else:
+            logits = self.model(batch, self.kv)
         sampled, errors = {}, {}
-        for row, seq_id in enumerate(sample_ids):
-            if row in result.errors:
-                errors[seq_id] = str(result.errors[row])
-                continue
-            top = result.top_logprobs[row] if result.top_logprobs else ()
-            sampled[seq_id] = (int(result.tokens[row]), float(result.logprobs[row]), top)
+        if sample_ids:
+            from engine.sampling import sample
+
+            with get_tracer().scope("sampler", rows=len(samplers)):
+                result = sample(logits[:len(sample_ids)], samplers)
+            for row in range(len(sample_ids)):
+                seq_id = sample_ids[row]
+                if row in result.errors:
+                    errors[seq_id] = str(result.errors[row])
+                    continue
+                top = result.top_logprobs[row] if result.top_logprobs else ()
+                sampled[seq_id] = (int(result.tokens[row]), float(result.logprobs[row]), top)
+        if verifies:
+            from engine.sampling import SamplingError
+            from engine.spec.verify import verify
+
+            with get_tracer().scope("spec accept", requests=len(verifies)):
+                for seq, first, n in verifies:
+                    try:
+                        sampled[seq.id] = verify(
+                            logits[first:first + n], seq.draft_ids[:n - 1], seq.sampler,
+                            draft_probs=seq.spec.draft_probs, tv_budget=seq.spec.tv_budget,
+                            bonus=self.spec_bonus)
+                    except SamplingError as exc:
+                        errors[seq.id] = str(exc)
         return sampled, errors
 
     def build_batch(self, plan: StepPlan, blocks: BlockManager):
+        """The flat batch; logits rows: one per sampling sequence, then every row of each
+        speculative verify (its pending token and drafts)."""
         token_ids: list[int] = []
         positions: list[int] = []
         write_slots: list[torch.Tensor] = []
         seqs: list[SeqSlice] = []
         logits_rows: list[int] = []
+        verify_rows: list[tuple] = []   # (seq, first flat row, rows)
         samplers, sample_ids = [], []
         for item in plan.items:
             seq, n = item.seq, item.num_tokens
@@ -106,18 +137,25 @@ class ModelRunner:
             positions += range(start, start + n)
             slots = blocks.slots(seq, 0, start + n)
             write_slots.append(slots[start:])
-            seqs.append(SeqSlice(row, n, start + n, slots, blocks.contiguous_start(seq)))
-            if item.samples:
+            seqs.append(SeqSlice(row, n, start + n, slots, blocks.contiguous_start(seq),
+                                 rowwise=item.draft > 0))
+            if item.draft:
+                verify_rows.append((seq, row, n))
+            elif item.samples:
                 logits_rows.append(row + n - 1)
                 samplers.append(seq.sampler)
                 sample_ids.append(seq.id)
+        verifies = []
+        for seq, row, n in verify_rows:
+            verifies.append((seq, len(logits_rows), n))
+            logits_rows += range(row, row + n)
         batch = ForwardBatch(
             token_ids=torch.tensor(token_ids, dtype=torch.int64),
             positions=torch.tensor(positions, dtype=torch.int64),
             write_slots=torch.cat(write_slots),
             seqs=seqs,
             logits_rows=torch.tensor(logits_rows, dtype=torch.int64))
-        return batch, samplers, sample_ids
+        return batch, samplers, sample_ids, verifies
 
     def set_tracing(self, enabled: bool) -> None:
         get_tracer().set_enabled(enabled)

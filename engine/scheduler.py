@@ -3,8 +3,16 @@
 Every step mixes the decode tokens of running sequences with chunks of prompts, under a
 token budget (max_batched_tokens) and at most max_active sequences. When pages run out a
 running sequence is preempted by recompute: its pages are freed and it goes back to the
-front of the queue, to be prefilled again (prompt + output so far). That can never
-deadlock: the oldest running sequence is never preempted for a younger one.
+front of the queue, to be prefilled again (prompt + output so far).
+
+Progress is guaranteed in two ways:
+- no deadlock: the oldest running sequence is never preempted for a younger one;
+- no thrash (paged mode): a waiting sequence, new or preempted, is admitted only when the
+  free pages cover its whole current length plus `decode_headroom` tokens of growth for it
+  and for every running sequence, and never in a step that preempted. So after any
+  admission, no sequence is preempted before some running sequence has decoded
+  `decode_headroom` more tokens: a preempted sequence cannot be re-admitted only to be
+  evicted again at the next page boundary.
 """
 from __future__ import annotations
 
@@ -16,6 +24,7 @@ from engine.kv.pages import BlockManager
 from engine.sequence import Sequence, SeqState
 
 POLICIES = ("fcfs", "spf")
+DECODE_HEADROOM = 128   # tokens of growth reserved per sequence when admitting (paged mode)
 
 
 @dataclass
@@ -23,6 +32,7 @@ class ScheduledSeq:
     seq: Sequence
     num_tokens: int        # new tokens of this sequence computed in this step
     samples: bool          # the step ends this sequence's pending tokens: sample a token
+    draft: int = 0         # of num_tokens, draft tokens to verify (speculative decoding)
 
 
 @dataclass
@@ -38,10 +48,15 @@ class StepPlan:
     def num_decode(self) -> int:
         return sum(1 for i in self.items if i.seq.state == SeqState.DECODE)
 
+    @property
+    def num_draft(self) -> int:
+        return sum(i.draft for i in self.items)
+
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, *, max_active: int, max_batched_tokens: int,
-                 max_context: int, policy: str = "fcfs", prefill_chunk: int = 0):
+                 max_context: int, policy: str = "fcfs", prefill_chunk: int = 0,
+                 decode_headroom: int = DECODE_HEADROOM):
         self.blocks = blocks
         self.max_active = max_active
         self.max_batched_tokens = max_batched_tokens
@@ -50,13 +65,22 @@ class Scheduler:
         # deterministic mode fixes the chunk size so a prompt's chunks never depend on what
         # else is in the batch (0 = whatever the budget leaves)
         self.prefill_chunk = prefill_chunk
+        self.decode_headroom = decode_headroom
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.preemptions = 0            # totals since start, for stats and benchmarks
+        self.recomputed_tokens = 0      # tokens whose KV a preemption threw away (computed again)
+        self.reuse = None   # engine/kv/reuse.py PrefixReuse when the prefix cache is on
+
+    def enable_reuse(self, reuse) -> None:
+        self.reuse = reuse
 
     # --- queue management -------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.state = SeqState.WAITING
         self.waiting.append(seq)
+        if self.reuse is not None:
+            self.reuse.arrive(seq)
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out of the queues and free its pages (finish or abort)."""
@@ -65,6 +89,8 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.blocks.free(seq)
+        if self.reuse is not None:
+            self.reuse.finished(seq)
 
     def set_policy(self, policy: str) -> None:
         if policy not in POLICIES:
@@ -88,7 +114,12 @@ class Scheduler:
             n = self._chunk(seq, budget)
             if n == 0:
                 continue
+            k = self._draft_room(seq, n, budget)
+            if k and not self._fits(seq, n + k):
+                k = 0   # drafts never preempt anyone
             while not self._fits(seq, n):
+                if self._drop_draft_pages():
+                    continue   # a draft model's K/V is only a cache: it goes before any request
                 # running sequences are visited oldest first, so a younger victim has not
                 # been scheduled in this step yet: nothing to take back from `items`
                 victim = self._youngest_other(seq)
@@ -101,17 +132,24 @@ class Scheduler:
                 self._preempt(seq)
                 preempted.append(seq)
                 continue
-            self.blocks.grow(seq, seq.num_computed + n)
-            items.append(ScheduledSeq(seq, n, n == seq.num_pending))
-            budget -= n
+            self.blocks.grow(seq, seq.num_computed + n + k)
+            items.append(ScheduledSeq(seq, n + k, n == seq.num_pending, k))
+            budget -= n + k
 
-        # 2. admit waiting sequences while there is room
+        # 2. admit waiting sequences while there is room; none in a step that preempted
+        #    (the victim would take back the pages it just gave up)
         for seq in self._admission_order():
-            if budget <= 0 or len(self.running) >= self.max_active:
+            if budget <= 0 or len(self.running) >= self.max_active or preempted:
                 break
+            if self.reuse is not None and not self.reuse.admit(seq):
+                continue   # waits for the leader computing its prefix; others may pass
             n = self._chunk(seq, budget)
-            if n == 0 or not self._fits(seq, n):
+            if n == 0 or not self._fits(seq, n) or not self._room_to_admit(seq):
+                if self.reuse is not None:
+                    self.reuse.undo(seq)
                 break   # keep order: don't let later requests overtake on memory
+            if self.reuse is not None:
+                self.reuse.admitted(seq)
             self.waiting.remove(seq)
             self.blocks.grow(seq, seq.num_computed + n)
             seq.state = SeqState.PREFILL
@@ -120,6 +158,8 @@ class Scheduler:
             self.running.append(seq)
             items.append(ScheduledSeq(seq, n, n == seq.num_pending))
             budget -= n
+        if self.reuse is not None:
+            self.reuse.note_waiting(self.waiting)   # show who waits on which leader
         return StepPlan(items, preempted)
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
@@ -129,8 +169,39 @@ class Scheduler:
             return n if n <= budget else 0
         return max(0, min(seq.num_pending, budget))
 
+    def _draft_room(self, seq: Sequence, n: int, budget: int) -> int:
+        """Draft tokens verified right after a decode: what speculation wants, within the
+        step's budget and the context (speculative decoding, engine/spec/)."""
+        if not seq.spec_want or n != 1 or seq.num_pending != 1:
+            return 0
+        return max(0, min(seq.spec_want, budget - n, self.max_context - seq.num_tokens))
+
+    def _drop_draft_pages(self) -> bool:
+        """Release every running sequence's draft-model pages (speculative decoding; the
+        draft catches up when it drafts again). False when there were none."""
+        holders = [s for s in self.running if s.draft_table]
+        for s in holders:
+            self.blocks.truncate_draft(s, 0)
+        return bool(holders)
+
     def _fits(self, seq: Sequence, n: int) -> bool:
         return n > 0 and self.blocks.can_grow(seq, seq.num_computed + n)
+
+    def _room_to_admit(self, seq: Sequence) -> bool:
+        """Paged mode: free pages cover seq's whole current length plus the decode headroom of
+        seq and of every running sequence. A lone sequence only needs its current length."""
+        if self.blocks.mode != "paged":
+            return True   # a contiguous region already covers the whole context
+        if not self.running:
+            return self.blocks.pages_needed(seq, seq.num_tokens) <= self.blocks.pool.num_free
+        need = sum(self._reserve(s) for s in (*self.running, seq))
+        return need <= self.blocks.pool.num_free
+
+    def _reserve(self, seq: Sequence) -> int:
+        """Pages seq still lacks for its current length plus decode headroom (capped at its limit)."""
+        limit = min(len(seq.prompt_ids) + seq.params.max_tokens, self.max_context)
+        upto = max(seq.num_tokens, min(seq.num_tokens + self.decode_headroom, limit))
+        return self.blocks.pages_needed(seq, upto)
 
     def _admission_order(self) -> list[Sequence]:
         if self.policy == "spf":
@@ -142,6 +213,8 @@ class Scheduler:
         return max(others, key=lambda s: s.arrival) if others else None
 
     def _preempt(self, seq: Sequence) -> None:
+        self.preemptions += 1
+        self.recomputed_tokens += seq.num_computed - seq.num_cached
         self.running.remove(seq)
         self.blocks.free(seq)
         seq.num_computed = 0
@@ -149,6 +222,8 @@ class Scheduler:
         seq.state = SeqState.WAITING
         seq.preemptions += 1
         self.waiting.appendleft(seq)
+        if self.reuse is not None:
+            self.reuse.preempted(seq)
 
     # --- after the forward pass -------------------------------------------------------
     def advance(self, plan: StepPlan) -> None:

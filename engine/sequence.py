@@ -27,6 +27,16 @@ class Sequence:
     num_cached: int = 0          # prompt tokens restored from the prefix cache (not computed)
     state: SeqState = SeqState.WAITING
     preemptions: int = 0
+    # prefix cache (engine/kv/prefix_cache.py): the hash chain of this sequence's full pages
+    # (tokens only grow, so keys stay valid), how many leading pages are already published
+    cache_extra: bytes = b""
+    page_keys: list[bytes] = field(default_factory=list)
+    num_published: int = 0
+    publish_limit: int | None = None   # a hash collision stops this chain's publication
+    # single flight (engine/kv/single_flight.py): the request whose pages this one waits for
+    leader: str | None = None
+    follow_since: float | None = None
+    follow_time: float = 0.0
     # timings (time.monotonic, comparable across processes on Linux)
     first_scheduled: float | None = None
     first_token_at: float | None = None
@@ -41,6 +51,12 @@ class Sequence:
     detok: object | None = None
     text: str = ""
     held_text: str = ""     # decoded text held back while it could still start a stop string
+    # speculative decoding (engine/spec/): this step's proposal, the draft model's own KV
+    spec: object | None = None                 # engine.spec.state.SeqSpec, None = no speculation
+    spec_want: int = 0           # draft tokens the scheduler may add after this step's decode
+    draft_ids: list[int] = field(default_factory=list)   # proposed tokens verified this step
+    draft_table: list[int] = field(default_factory=list)  # the draft model's pages
+    draft_computed: int = 0      # tokens whose draft-model K/V are in the cache
 
     @property
     def num_tokens(self) -> int:
@@ -56,11 +72,14 @@ class Sequence:
         return self.prompt_ids[i] if i < n else self.output_ids[i - n]
 
     def pending_ids(self, count: int) -> list[int]:
+        """The next `count` tokens to compute: known ones, then this step's draft tokens."""
         start = self.num_computed
         ids = self.prompt_ids[start:start + count]
         if len(ids) < count:
             off = max(0, start - len(self.prompt_ids))
             ids += self.output_ids[off:off + count - len(ids)]
+        if len(ids) < count:
+            ids += self.draft_ids[:count - len(ids)]
         return ids
 
     @property

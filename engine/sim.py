@@ -33,7 +33,8 @@ class SimRunner:
         self.cfg = cfg
         gf = load_gguf(model_path)          # metadata only (mmap): tokenizer and KV geometry
         self.tokenizer = Tokenizer.from_metadata(gf.metadata)
-        self.placeholder = self.tokenizer.encode(PLACEHOLDER_TEXT, add_special=False)[0]
+        # trusted text without special tokens: parse_special skips building the plain-text copy
+        self.placeholder = self.tokenizer.encode(PLACEHOLDER_TEXT, add_special=False, parse_special=True)[0]
         self.model_context = gf.config.context_length
         # page accounting as the real model would need (fp32 K and V); nothing is allocated
         self.bytes_per_slot = KVStore.bytes_per_slot(gf.config.n_layers, gf.config.n_kv_heads,

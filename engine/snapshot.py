@@ -5,8 +5,9 @@ holds an engine lock while it renders.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from engine.config import SamplingParams
 from engine.router import RouteDecision
 
 
@@ -27,6 +28,13 @@ class RequestView:
     error: str | None
     burst: str | None
     age: float               # seconds since submission
+    leader: str | None = None   # single flight: waiting for this request's prefix pages
+    finish_reason: str | None = None   # stop | length | abort | error, once it has ended
+    prompt: str = ""                   # the text as submitted (a chat rendered by its template)
+    params: SamplingParams | None = None
+    notice: str | None = None   # how the request was taken, said once (e.g. max_tokens lowered)
+    spec: dict | None = None    # speculative decoding: mode, drafts, acceptance, k (None = off)
+    drafted_spans: tuple[tuple[int, int], ...] = ()   # [start, end) of text_tail from accepted drafts
 
 
 @dataclass(frozen=True)
@@ -55,6 +63,23 @@ class WorkerView:
     profile_prefill_tps: float
     profile_decode_tps: float
     max_active: int
+    prefix_cache: bool = False
+    # counters from engine/kv/reuse.py stats(): prefix_cache_queries / prefix_cache_hits
+    # (tokens; vLLM's names), cached_pages, evictions, single_flight_waits, ...
+    prefix: dict = field(default_factory=dict)
+    hit_rate: float | None = None   # hit / looked-up tokens over the last ~30 s
+    kv_bytes: int = 0                  # memory of the whole KV page pool
+    cpu_percent: float | None = None   # 100 = one core; None where it cannot be measured
+    rss_bytes: int | None = None       # the worker process's resident memory (process mode)
+    preemptions: int = 0          # since the worker started
+    recomputed_tokens: int = 0    # tokens whose KV preemptions threw away, computed again
+    spec: dict | None = None      # speculative decoding totals (engine/spec/stats.py), None = sim
+    spec_history: tuple[float, ...] = ()   # acceptance rate of each stats report that verified drafts
+    spec_modes: tuple[str, ...] = ("off",)
+    draft_model: str = ""
+    remote_url: str | None = None    # remote workers: the server requests are forwarded to
+    kv_usage: float | None = None    # remote workers: KV usage scraped from its /metrics, if any
+    note: str = ""                   # e.g. how prompt lengths are counted for a remote
 
 
 @dataclass(frozen=True)
@@ -73,3 +98,4 @@ class EngineSnapshot:
     router_policy: str
     log: tuple[LogLine, ...]
     tracing: bool
+    uptime: float = 0.0                # seconds since the engine started

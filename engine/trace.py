@@ -57,6 +57,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import tempfile
 import threading
 import time
 import zlib
@@ -381,6 +382,39 @@ def _chrome_event(pid: int, tid: int, ph: str, name: str, ts_ns: int, dur_ns: in
     return event
 
 
+def request_track_events(pid: int, lifecycles: list[tuple[str, int | None, list[tuple[str, float]],
+                                                       tuple[str, float] | None]],
+                         since: float, until: float) -> list[dict]:
+    """Chrome events for request lifecycles known after the fact, clipped to [since, until].
+
+    Each lifecycle is (request id, worker, [(phase, start time)...], (terminal phase, time)
+    or None while it still runs); times are time.monotonic() seconds, which on Linux is the
+    clock the tracer uses. A phase ends where the next begins; the last open phase ends at
+    `until` with running=True. Each request gets its own track, the same one in every export.
+    """
+    events: list[dict] = []
+    for request_id, worker, marks, end in lifecycles:
+        digits = "".join(ch for ch in request_id if ch.isdigit())
+        tid = _REQUEST_TID_BASE + (int(digits) if digits else zlib.crc32(request_id.encode()) % (1 << 20))
+        stop = end[1] if end is not None else until
+        bounds = [t for _, t in marks[1:]] + [stop]
+        args = {"request": request_id, "worker": -1 if worker is None else worker}
+        body = []
+        for (phase, start), finish in zip(marks, bounds):
+            start, finish = max(start, since), min(max(finish, start), until)
+            if finish > start:
+                body.append(_chrome_event(pid, tid, "X", phase, int(start * 1e9),
+                                          int((finish - start) * 1e9), args))
+        if end is not None and since <= end[1] <= until:
+            body.append(_chrome_event(pid, tid, "X", end[0], int(end[1] * 1e9), 0, args))
+        elif end is None and body:
+            body[-1]["args"] = {**args, "running": True}
+        if body:
+            events.append(_thread_name_event(pid, tid, f"req {request_id}"))
+            events += body
+    return events
+
+
 def _make_nvtx_backend(nvtx: bool | NvtxBackend) -> NvtxBackend | None:
     if nvtx is False or nvtx is None:
         return None
@@ -438,9 +472,26 @@ def traced(name: str | None = None, **args: Any) -> Callable[[F], F]:
 
 # -- writing and checking ----------------------------------------------------------------------
 
+def check_trace_dir(path_or_dir: str | os.PathLike, flag: str = "--trace-dir") -> str:
+    """At start-up, before any work: the absolute path, once its folder exists and a file can be
+    created in it; else a ConfigError naming the flag (not a traceback after the work is done)."""
+    from engine.errors import ConfigError
+
+    path = os.path.abspath(os.fspath(path_or_dir))
+    folder = os.path.dirname(path) if path.endswith(".json") else path
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"{flag} {path}: cannot write a trace there ({exc.strerror or exc}); "
+                          "give a folder you can write to") from None
+    return path
+
+
 def write_chrome_trace(path_or_dir: str | os.PathLike, events: list[dict], *,
                        prefix: str = "tokentop", metadata: dict[str, Any] | None = None) -> str:
-    """Write events as {"traceEvents", "displayTimeUnit", "metadata"} JSON; return the path.
+    """Write events as {"traceEvents", "displayTimeUnit", "metadata"} JSON; return the absolute path.
 
     A path ending in ".json" is written as given. Anything else is a directory (created if
     needed) and the file is named `<prefix>-YYYYmmdd-HHMMSS-mmm.json`, with a -1, -2, ...
@@ -470,7 +521,7 @@ def write_chrome_trace(path_or_dir: str | os.PathLike, events: list[dict], *,
             **(metadata or {}),
         },
     }
-    path = os.fspath(path_or_dir)
+    path = os.path.abspath(os.fspath(path_or_dir))
     if path.endswith(".json"):
         parent = os.path.dirname(path)
         if parent:

@@ -8,26 +8,36 @@ Snapshot tests render a hand-built EngineSnapshot, so no live timing can reach t
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
 import pytest
 
+from dataclasses import replace
+
+from textual.content import Content
+
 from app.burst_runner import percentile
-from app.main import TokentopApp, run_dashboard
+from app.main import TokentopApp, run_dashboard, startup_burst
 from app.screens.burst import BurstDialog
-from app.screens.detail import RequestDetail
+from app.screens.detail import RequestDetail, detail_markup, prompt_markup
 from app.screens.prompt import PromptDialog
 from app.settings import Settings, load_settings, save_settings
 from app.widgets import event_log
 from app.widgets.backend import BackendPanel
 from app.widgets.kv_grid import CACHED, FREE, SHARED, USED, downsample, pages_per_cell
+from app.widgets.line import Line
 from app.widgets.requests import RequestsTable
+from app.widgets.routing import format_decision
 from app.widgets.streams import StreamsPanel
-from engine.config import EngineConfig, WorkerConfig
+from engine.config import EngineConfig, SamplingParams, WorkerConfig
+from engine import messages as msg
+from engine import procstat
 from engine.devices import parse_devices
 from engine.router import Candidate, RouteDecision
 from engine.snapshot import EngineSnapshot, LogLine, RequestView, WorkerView
+from engine.trace import check_nesting
 from tests.fixtures.tiny_gguf import write_tiny_model
 
 SIZE = (120, 40)
@@ -98,8 +108,10 @@ async def test_burst_fills_table_grid_streams_and_log(tiny_model, tmp_path):
 
         await wait_for(pilot, lambda: any("burst mixed#1 done: 8 requests (8 ok" in line.text
                                           for line in app.last_snapshot.log), "the burst summary", timeout=30)
-        await wait_for(pilot, lambda: all(set(p._grid._states) == {FREE} for p in app.query(BackendPanel)),
-                       "every KV page free again")
+        # no page in use; the burst's published pages stay cached (reusable), drawn apart
+        await wait_for(pilot, lambda: all(set(p._grid._states) <= {FREE, CACHED} for p in app.query(BackendPanel)),
+                       "every KV page free or cached again")
+        assert any(CACHED in p._grid._states for p in app.query(BackendPanel))
         summary = next(line.text for line in app.last_snapshot.log if "done:" in line.text)
         assert "TTFT mean" in summary and "p95" in summary and "tok/s aggregate" in summary
         assert any("done:" in line.text for line in app._log.lines)
@@ -117,11 +129,12 @@ async def test_policy_keys_reach_the_engine(tiny_model, tmp_path):
         await wait_for(pilot, lambda: all(w.policy == "spf" for w in app.last_snapshot.workers),
                        "workers reporting spf")
         await pilot.press("r")
-        assert app.engine.router.policy == app.router_policy == "round-robin"
+        assert app.engine.router.policy == app.router_policy == "cache-aware"
         await pilot.press("r")
+        assert app.engine.router.policy == app.router_policy == "round-robin"
         await pilot.press("ctrl+p", *"router", "enter")      # the command palette does the same
-        await wait_for(pilot, lambda: app.router_policy == "cost", "router policy cost via the palette")
-        await wait_for(pilot, lambda: app.last_snapshot.router_policy == "cost", "router policy in snapshot")
+        await wait_for(pilot, lambda: app.router_policy == "least-loaded", "router policy via the palette")
+        await wait_for(pilot, lambda: app.last_snapshot.router_policy == "least-loaded", "router policy in snapshot")
         await wait_for(pilot, lambda: sum("policy ->" in l.text for l in app.last_snapshot.log) == 4,
                        "policy changes in the event log")
 
@@ -147,6 +160,8 @@ async def test_trace_export_needs_tracing_then_writes_file(tiny_model, tmp_path,
                        "the trace path notification")
     written = list(traces.glob("*.json"))
     assert len(written) == 1
+    # the absolute path, not one relative to wherever tokentop was started
+    assert ("information", f"trace written to {written[0].resolve()}") in notices(app)
     events = json.loads(written[0].read_text())
     events = events["traceEvents"] if isinstance(events, dict) else events
     assert any(e.get("name") == "route" for e in events)
@@ -258,7 +273,9 @@ async def test_model_assembly_progress_is_shown(tiny_model, tmp_path):
         app.show_snapshot(app.engine.snapshot())                        # not started: no workers yet
         await pilot.pause()
         for panel in app.query(BackendPanel):
-            assert "assembling tiny.gguf: 100/400 MiB" in str(panel._identity_line.render())
+            # the model's name on the first line, the progress on its own line (never cut at 80 columns)
+            assert "loading" in str(panel._identity_line.render()) and "tiny.gguf" in str(panel._identity_line.render())
+            assert str(panel._load.render()) == "assembling the model file: 100/400 MiB"
             assert panel._bar.display and panel._bar.percentage == 0.25
 
 
@@ -315,44 +332,277 @@ def test_kv_grid_downsampling_keeps_the_notable_state():
     assert downsample(states, 4) == [CACHED, SHARED, FREE]
 
 
+# --- issue 15: dead workers, selection, burst files, narrow terminals, labels, traces --------------
+async def test_dead_worker_greys_its_panel_and_its_failed_requests_keep_their_figures(tiny_model, tmp_path):
+    app = make_app(tiny_model, tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot, app)
+        await fire_burst(pilot, app, count="4", interval="0", max_tokens="4000")
+        on_w1 = lambda: [r for r in app.last_snapshot.requests if r.worker == 1]  # noqa: E731
+        await wait_for(pilot, lambda: on_w1() and all(r.output_tokens > 2 for r in on_w1()), "tokens on worker 1")
+        app.engine._workers[1].commands.put(msg.Stop())   # its loop ends: to the engine, a worker that died
+        panel = app.query(BackendPanel)[1]
+        await wait_for(pilot, lambda: panel.has_class("-dead"), "worker 1's panel marked dead")
+        await pilot.pause(0.3)
+        failed = [r for r in app.last_snapshot.requests if r.worker == 1]
+        assert failed and all(r.state == "error" and r.finish_reason == "error" for r in failed)
+        # They produced tokens before the worker died: their TTFT and ITL are kept.
+        assert all(r.ttft is not None and r.itl_mean is not None for r in failed)
+        table = app.query_one(RequestsTable)
+        row = dict(table._rows)[failed[0].id]
+        assert row[4] != "-" and "died" in row[7]                       # TTFT, and the end column
+        # Its live figures are gone or labelled, not frozen at their last values.
+        text = " ".join(str(line.render()) for line in panel.query(Line))
+        assert "● dead" in text and "worker process exited" in text and "run " not in text
+        assert "— tok/s" in text and "KV —" in text and "%" not in text
+        assert panel._grid._states == b"" and panel._decode_spark._samples == ()
+
+
+async def test_selection_follows_the_newest_live_request_and_stays_visible(tiny_model, tmp_path):
+    app = make_app(tiny_model, tmp_path)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_ready(pilot, app)
+        await fire_burst(pilot, app, count="8", interval="30", max_tokens="4000")
+        table = app.query_one(RequestsTable)
+        await wait_for(pilot, lambda: table.row_count == 8, "eight rows")
+        await pilot.pause(0.3)
+        live = [r for r in app.last_snapshot.requests if r.state in ("queued", "prefill", "decode")]
+        newest_live = max(live, key=lambda r: int(r.id[1:])).id
+        assert table.selected_id == newest_live == "r8"
+
+        def cursor_visible() -> bool:
+            top = int(table.scroll_y)
+            return top <= table._cursor < top + table.size.height - 1
+        assert cursor_visible()
+        # Once moved, the cursor keeps its request, and the row stays in view while newer
+        # requests push it down.
+        await pilot.press("end")
+        assert table.selected_id == "r1" and cursor_visible()
+        await fire_burst(pilot, app, count="8", interval="0", max_tokens="4000")
+        await wait_for(pilot, lambda: table.row_count == 16, "sixteen rows")
+        await pilot.pause(0.3)
+        assert table.selected_id == "r1" and cursor_visible()
+        await pilot.press("x")
+        await wait_for(pilot, lambda: ("information", "aborting r1") in notices(app), "r1 aborted")
+
+
+BAD_BURST = '{"prompt": "fine"}\n{"prompt": "x", "max_tokens": "many"}\n'
+
+
+async def test_burst_dialog_takes_a_path_and_shows_the_files_mistakes(tiny_model, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(BAD_BURST)
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text('{"prompt": "Hello there", "max_tokens": 5}\n{"prompt": "Count to three"}\n')
+    app = make_app(tiny_model, tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot, app)
+        await pilot.press("b")
+        await wait_for(pilot, lambda: isinstance(app.screen, BurstDialog), "the burst dialog")
+        app.screen.query_one("#burst-path").value = str(bad)
+        await pilot.press("enter")
+        assert isinstance(app.screen, BurstDialog)                       # stays open
+        error = str(app.screen.query_one("#burst-error").render())
+        assert f"{bad}:2" in error and '"max_tokens" must be an integer' in error
+        app.screen.query_one("#burst-path").value = str(tmp_path / "missing.jsonl")
+        await pilot.press("enter")
+        assert "Burst file not found" in str(app.screen.query_one("#burst-error").render())
+        app.screen.query_one("#burst-path").value = str(mine)
+        app.screen.query_one("#burst-count").value = "2"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: not isinstance(app.screen, BurstDialog), "the dialog to close")
+        await wait_for(pilot, lambda: len(app.last_snapshot.requests) == 2, "two requests")
+        assert "burst mine#1" in str(app._status.render()) or any("burst mine#1" in l.text
+                                                                   for l in app.last_snapshot.log)
+        assert {r.prompt for r in app.last_snapshot.requests} == {"Hello there", "Count to three"}
+
+
+async def test_burst_file_flag_fires_at_start_up(tiny_model, tmp_path, capsys):
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text('{"prompt": "Hello there", "max_tokens": 5}\n{"prompt": "Count to three", "max_tokens": 7}\n'
+                    '{"prompt": "Name a colour", "max_tokens": 3}\n')
+    app = TokentopApp(sim_config(tiny_model), settings_path=tmp_path / "settings.json",
+                      startup_burst=startup_burst(str(mine)))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.last_snapshot is not None and len(app.last_snapshot.requests) == 3,
+                       "the file's three requests, without a key pressed")
+        # each line once, with its own max_tokens
+        assert sorted(r.max_tokens for r in app.last_snapshot.requests) == [3, 5, 7]
+    # A bad file is a one-line error before anything loads.
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(BAD_BURST)
+    assert run_dashboard(["--burst-file", str(bad), "--device", "sim:gpu0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{bad}:2" in err
+
+
+async def test_narrow_terminal_keeps_burst_progress_in_the_header(tiny_model, tmp_path):
+    app = make_app(tiny_model, tmp_path)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_ready(pilot, app)
+        await fire_burst(pilot, app, count="50", interval="100", max_tokens="8")
+        await wait_for(pilot, lambda: app.bursts and app.bursts[0].submitted > 2, "a burst in progress")
+        app._show_status()
+        await pilot.pause()
+        header = str(app._status.render())
+        assert "burst mixed#1" in header and "/50" in header and "…" not in header
+        assert len(header) <= 80
+        # Worker panels: a unit on every rate; CPU% measured for each worker.
+        panel = app.query(BackendPanel)[0]
+        assert str(panel._decode_label.render()).endswith("tok/s")
+        await wait_for(pilot, lambda: all(w.cpu_percent is not None for w in app.last_snapshot.workers),
+                       "CPU% of every worker")
+
+
+async def test_loading_message_is_not_cut_at_80_columns(tiny_model, tmp_path):
+    app = TokentopApp(sim_config(tiny_model), settings_path=tmp_path / "settings.json", live=False)
+    message = "measuring prefill / decode speed (first use only)"
+    async with app.run_test(size=(80, 24)) as pilot:
+        ready = fixture_snapshot().workers[0]
+        loading = replace(ready, index=1, state="loading", message=message)
+        app.show_snapshot(replace(fixture_snapshot(), workers=(ready, loading)))
+        await pilot.pause()
+        panel = app.query(BackendPanel)[1]
+        assert str(panel._load.render()) == message
+        assert panel._load.size.height == 2 and len(message) <= 2 * panel._load.size.width
+        assert app.query(BackendPanel)[0]._load.size.height == 1      # a ready worker's figures: one line
+
+
+def test_cpu_percent_and_rss_come_from_proc(tmp_path, monkeypatch):
+    stat = tmp_path / "stat"
+    def write_stat(utime: int, stime: int) -> None:   # a command name with spaces and parentheses
+        stat.write_text(f"42 (tokentop (w 1)) S 1 2 3 4 5 6 7 8 9 10 {utime} {stime} 0 0 20 0 1\n")
+    write_stat(100, 50)
+    assert procstat.cpu_seconds(str(stat)) == 150 / procstat._TICKS
+    clock = [1000.0]
+    monkeypatch.setattr(procstat.time, "monotonic", lambda: clock[0])
+    real = procstat.cpu_seconds
+    monkeypatch.setattr(procstat, "cpu_seconds", lambda path: real(str(stat)))     # any thread reads our file
+    sampler = procstat.UsageSampler()
+    assert sampler.sample("w", None, thread_id=1) == (None, None)       # first reading: no rate yet
+    write_stat(100 + procstat._TICKS // 2, 50 + procstat._TICKS // 2)  # +1.0 s of CPU
+    clock[0] += 2.0                                                    # over 2 s of wall time
+    assert sampler.sample("w", None, thread_id=1) == (50.0, None)
+    assert procstat.rss_bytes(os.getpid()) > 0
+
+
+def test_routing_lines_name_their_figures():
+    cands = tuple(Candidate(i, f"sim:gpu{i}", 2, 1, 200, 300, 16, 20000.0, 400.0, s)
+                  for i, s in enumerate((0.61, 0.74)))
+    cost = format_decision(RouteDecision("r5", 0.0, "cost", 0, 100, 64, cands))
+    first = cost.splitlines()[1]
+    assert "gpu0" in first and first.index("est 610ms") < first.index("prefill 200 tok") < first.index("decode 300 tok")
+    assert "run 2 wait 1" in first and "reuse ~16 tok" in first and "20k/400 tok/s" in first
+    aware = format_decision(RouteDecision("r5", 0.0, "cache-aware", 0, 100, 64, cands, "longest prefix"))
+    assert "cache-aware (longest prefix)" in aware and "est 610ms" in aware
+    rr = format_decision(RouteDecision("r5", 0.0, "round-robin", 1, 100, 64,
+                                       tuple(replace(c, score=0.0) for c in cands)))
+    assert all("(no score)" in line for line in rr.splitlines()[1:]) and "est" not in rr and " 0 " not in rr
+    narrow = format_decision(RouteDecision("r5", 0.0, "cost", 0, 100, 64, cands), width=26)
+    assert all(len(Content.from_markup(line).plain) <= 26 for line in narrow.splitlines())
+    assert "est 610ms" in narrow
+
+
+def test_detail_shows_prompt_sampling_end_and_worker_name():
+    view = fixture_snapshot(dead=True).requests[3]
+    fields = detail_markup(replace(view, params=SamplingParams(max_tokens=64, temperature=0.7, top_k=40)),
+                           "sim:gpu1")
+    assert "sim:gpu1" in fields and "temperature 0.7" in fields and "top k 40" in fields
+    assert "died" in fields
+    assert "length (max tokens reached)" in detail_markup(fixture_snapshot().requests[0], "sim:gpu0")
+    assert "prompt 4" in prompt_markup(view)
+    assert "lowered to 447" in detail_markup(replace(view, notice="max_tokens 20000 lowered to 447"), "sim:gpu1")
+
+
+async def test_dashboard_trace_has_lifecycles_preemptions_and_routing(tiny_model, tmp_path):
+    # Little KV memory (64 pages) and long outputs: requests get preempted.
+    base = WorkerConfig(model=str(tiny_model), kv_cache_memory=64 * 8192)
+    config = EngineConfig(workers=parse_devices(["sim:fast:prefill=50000,decode=2000"], base),
+                          worker_mode="thread", trace_dir=str(tmp_path / "traces"), router_policy="round-robin")
+    app = TokentopApp(config, settings_path=tmp_path / "settings.json")
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.engine.ready, "the worker")
+        app.engine.set_tracing(False)
+        # Requests that start before tracing is turned on still show up while they run.
+        early = [app.engine.submit("early request number one", params=SamplingParams(max_tokens=600, ignore_eos=True))]
+        await pilot.pause(0.2)
+        app.engine.set_tracing(True)
+        params = SamplingParams(max_tokens=400, ignore_eos=True)
+        late = [app.engine.submit(f"request {i} " * 10, params=params) for i in range(4)]
+        await wait_for(pilot, lambda: any("preempted" in l.text for l in app.last_snapshot.log), "a preemption")
+        # the worker's panel shows the tokens it had to compute again
+        panel = app.query_one(BackendPanel)
+        await wait_for(pilot, lambda: "recomputed" in str(panel._load.render()), "recomputed tokens in the panel")
+        await pilot.press("t")
+        await wait_for(pilot, lambda: any(m.startswith("trace written to") for _, m in notices(app)),
+                       "the trace")
+        for h in early + late:
+            h.abort()
+    path = next(m for _, m in notices(app) if m.startswith("trace written to"))[len("trace written to "):]
+    assert Path(path).is_absolute()
+    events = json.loads(Path(path).read_text())["traceEvents"]
+    tracks = {e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    assert {f"req {h.id}" for h in early + late} <= tracks
+    phases = {e["name"] for e in events if e.get("ph") == "X" and e.get("args", {}).get("request") == early[0].id}
+    assert "decode" in phases                                   # it was decoding in the window
+    assert any(e.get("ph") == "i" and e["name"] == "preempted" for e in events)
+    routed = {e["args"]["request"] for e in events if e.get("ph") == "i" and e["name"] == "route"}
+    assert routed == {h.id for h in late}                       # routed while tracing was on
+    assert check_nesting(events) == []
+
+
 # --- snapshots ---------------------------------------------------------------------------------
-def fixture_snapshot() -> EngineSnapshot:
-    """A busy moment, built by hand: every page state, every request state, two decisions."""
+def fixture_snapshot(dead: bool = False) -> EngineSnapshot:
+    """A busy moment, built by hand: every page state, every request state, two decisions;
+    dead=True: worker 1 has died and its requests failed."""
     pages0 = bytes([USED] * 40 + [SHARED] * 12 + [CACHED] * 30 + [FREE] * 430)
     pages1 = bytes([USED] * 90 + [FREE] * 400 + [CACHED] * 22)
 
     def worker(i: int, pages: bytes, running: int, waiting: int, history: tuple[float, ...]) -> WorkerView:
+        gone = dead and i == 1
         return WorkerView(
             index=i, name=f"sim:gpu{i}", device=f"sim:gpu{i}", model="tiny.gguf", dtype="simulated",
-            weights="simulated", simulated=True, state="ready", message="", running=running,
+            weights="simulated", simulated=True, state="dead" if gone else "ready",
+            message="worker process exited (exit code -9)" if gone else "", running=running,
             waiting=waiting, prefill_tps=history[-1] * 8, decode_tps=history[-1],
             prefill_history=tuple(h * 8 for h in history), decode_history=history,
             pages_total=len(pages), pages_used=sum(p != FREE for p in pages), page_states=pages,
             page_size=16, policy="fcfs", steps=1234, profile_prefill_tps=20000.0,
-            profile_decode_tps=400.0, max_active=8)
+            profile_decode_tps=400.0, max_active=8, kv_bytes=len(pages) * 16 * 1536,
+            cpu_percent=97.0 + i, rss_bytes=(612 + 40 * i) * 2**20, recomputed_tokens=0 if i else 1200,
+            prefix_cache=True, hit_rate=0.83 - 0.5 * i,
+            prefix={"prefix_cache_queries": 1000, "prefix_cache_hits": 830, "cached_pages": pages.count(CACHED),
+                    "evictions": 7 * i, "single_flight_waits": 3 - i})
 
     def request(n: int, w: int, state: str, out: int, text: str, ttft=None, itl=None, e2e=0.5,
-                error=None) -> RequestView:
+                error=None, reason=None, leader=None) -> RequestView:
         return RequestView(id=f"r{n}", worker=w, state=state, prompt_tokens=100 + n, cached_tokens=16 * (n % 2),
                            output_tokens=out, max_tokens=64, queue_time=0.001, ttft=ttft, itl_mean=itl,
-                           e2e=e2e, text_tail=text, error=error, burst="mixed#1", age=10.0 - n)
+                           e2e=e2e, text_tail=text, error=error, burst="mixed#1", age=10.0 - n,
+                           finish_reason=reason, prompt=f"prompt {n}", params=SamplingParams(max_tokens=64),
+                           leader=leader)
 
     def decision(n: int, chosen: int, scores: tuple[float, float]) -> RouteDecision:
-        return RouteDecision(f"r{n}", 1000.0 + n, "cost", chosen, 100 + n, 64, tuple(
-            Candidate(i, f"sim:gpu{i}", 2 + i, i, 200 + 50 * i, 300 + 20 * i, 0, 20000.0, 400.0, s)
-            for i, s in enumerate(scores)))
+        return RouteDecision(f"r{n}", 1000.0 + n, "cache-aware", chosen, 100 + n, 64, tuple(
+            Candidate(i, f"sim:gpu{i}", 2 + i, i, 200 + 50 * i, 300 + 20 * i, 96 * (1 - i), 20000.0, 400.0, s)
+            for i, s in enumerate(scores)), "longest prefix")
 
     t0 = 1_700_000_000.0
     return EngineSnapshot(
         time=t0,
         workers=(worker(0, pages0, 3, 1, (0, 120.0, 310.0, 390.0, 402.0, 398.0)),
                  worker(1, pages1, 2, 0, (0, 0, 80.0, 200.0, 260.0, 255.0))),
-        requests=(request(1, 0, "finished", 64, "The capital of France is Paris.", 0.021, 0.012, 0.79),
-                  request(2, 1, "error", 3, "abc", 0.03, None, 0.2, error="model step failed"),
-                  request(3, 0, "aborted", 10, " once upon", 0.02, 0.01, 0.3),
-                  request(4, 1, "decode", 17, " def tokens(self):\n    return self._ids", 0.04),
+        requests=(request(1, 0, "finished", 64, "The capital of France is Paris.", 0.021, 0.012, 0.79,
+                          reason="length"),
+                  request(2, 1, "error", 3, "abc", 0.03, None, 0.2, error="model step failed", reason="error"),
+                  request(3, 0, "aborted", 10, " once upon", 0.02, 0.01, 0.3, reason="abort"),
+                  request(4, 1, "decode", 17, " def tokens(self):\n    return self._ids", 0.04)
+                  if not dead else
+                  request(4, 1, "error", 17, " def tokens(self):\n    return self._ids", 0.04, 0.011, 0.6,
+                          error="worker 1 (sim:gpu1) died: worker process exited (exit code -9)",
+                          reason="error"),
                   request(5, 0, "prefill", 0, ""),
-                  request(6, 0, "queued", 0, "")),
+                  request(6, 0, "queued", 0, "", leader="r5")),
         routing=(decision(5, 0, (0.61, 0.74)), decision(6, 0, (0.83, 0.90))),
         router_policy="cost",
         log=(LogLine(t0, "info", "worker 0 (sim:gpu0) ready: 512 KV pages of 16 tokens"),
@@ -360,7 +610,7 @@ def fixture_snapshot() -> EngineSnapshot:
              LogLine(t0 + 2, "error", "r2: model step failed"),
              LogLine(t0 + 3, "info", "burst mixed#0 done: 8 requests (8 ok, 0 failed, 0 aborted), "
                                      "TTFT mean 42 ms p95 80 ms, 812 tok/s aggregate over 1.2 s")),
-        tracing=False)
+        tracing=False, uptime=125.0)
 
 
 @pytest.fixture
@@ -379,6 +629,14 @@ def test_snapshot_main_screen(frozen_app, snap_compare):
 def test_snapshot_main_screen_small(frozen_app, snap_compare):
     async def show(pilot):
         frozen_app.show_snapshot(fixture_snapshot())
+        await pilot.pause()
+    assert snap_compare(frozen_app, terminal_size=(80, 24), run_before=show)
+
+
+def test_snapshot_dead_worker_small(frozen_app, snap_compare):
+    """80x24 with a dead worker: its panel greyed with cleared figures, failed requests keep TTFT."""
+    async def show(pilot):
+        frozen_app.show_snapshot(fixture_snapshot(dead=True))
         await pilot.pause()
     assert snap_compare(frozen_app, terminal_size=(80, 24), run_before=show)
 

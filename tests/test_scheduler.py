@@ -9,11 +9,12 @@ from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SeqState
 
 
-def make(num_pages=16, page_size=4, max_active=4, budget=32, mode="paged", policy="fcfs", chunk=0):
+def make(num_pages=16, page_size=4, max_active=4, budget=32, mode="paged", policy="fcfs", chunk=0,
+         **kw):
     pool = PagePool(num_pages, page_size)
     blocks = BlockManager(pool, mode, region_pages=8)
     return pool, Scheduler(blocks, max_active=max_active, max_batched_tokens=budget,
-                           max_context=1024, policy=policy, prefill_chunk=chunk)
+                           max_context=kw.pop("max_context", 1024), policy=policy, prefill_chunk=chunk, **kw)
 
 
 def seq(i, prompt_len, max_tokens=4, t=None):
@@ -104,7 +105,8 @@ def test_spf_admits_shortest_prefill_first():
 
 
 def test_preemption_by_recompute_when_pages_run_out():
-    pool, sched = make(num_pages=4, page_size=4, max_active=4, budget=64)
+    # no decode headroom: both are admitted although their outputs cannot both fit
+    pool, sched = make(num_pages=4, page_size=4, max_active=4, budget=64, decode_headroom=0)
     a, b = seq(0, 7, max_tokens=9), seq(1, 7, max_tokens=9)
     sched.add(a)
     sched.add(b)
@@ -117,6 +119,45 @@ def test_preemption_by_recompute_when_pages_run_out():
     assert sched.idle, "both requests must finish: no deadlock"
     assert b in preempted and a not in preempted, "the younger request is preempted, never the oldest"
     assert pool.num_free == pool.num_pages
+
+
+def test_memory_pressure_does_not_thrash():
+    """The thrash scenario: 8 requests x 1000 tokens, 48 MiB of KV for the 0.5B model
+    (24 KiB per token: 128 pages of 16). Each request may be preempted a few times, not
+    dozens, and the work thrown away stays below the useful work (main's scheduler: one
+    request preempted 97 times, 71k tokens recomputed for 8k useful ones)."""
+    pool, sched = make(num_pages=128, page_size=16, max_active=8, budget=512, max_context=4096)
+    seqs = [seq(i, 30, max_tokens=1000) for i in range(8)]
+    for s in seqs:
+        sched.add(s)
+    for _ in range(20_000):
+        if sched.idle:
+            break
+        plan, _ = run_step(sched)
+        admitted = {i.seq.id for i in plan.items if i.seq.num_computed == i.num_tokens}
+        assert not admitted & {s.id for s in plan.preempted}
+    assert sched.idle and all(len(s.output_ids) == 1000 for s in seqs)
+    assert max(s.preemptions for s in seqs) <= 3, [s.preemptions for s in seqs]
+    assert sched.preemptions == sum(s.preemptions for s in seqs)
+    assert 0 < sched.recomputed_tokens < 8 * 1030
+    assert pool.num_free == pool.num_pages
+
+
+def test_preempted_sequence_waits_for_its_whole_length():
+    """A preempted sequence is not re-admitted in the step that preempted it, nor when only a
+    first chunk of its recompute fits."""
+    pool, sched = make(num_pages=8, page_size=4, max_active=4, budget=64, decode_headroom=0)
+    a, b = seq(0, 4, max_tokens=40), seq(1, 4, max_tokens=40)
+    sched.add(a)
+    sched.add(b)
+    for _ in range(200):
+        plan, _ = run_step(sched)
+        if plan.preempted:
+            break
+    assert plan.preempted == [b] and b in sched.waiting
+    for _ in range(10):
+        plan, _ = run_step(sched)
+        assert b in sched.waiting and [i.seq for i in plan.items] == [a]
 
 
 def test_randomized_stress_returns_every_page():

@@ -50,3 +50,34 @@ def test_traced_burst_has_every_scope_lifecycle_and_counter(tiny_model_path, tmp
     kv = [e["args"]["used"] for e in events if e["ph"] == "C" and e["name"] == "kv pages"]
     assert len(set(kv)) > 1
     assert any(e["name"] == "route" for e in events if e["ph"] == "i")
+
+
+def test_unwritable_trace_dir_is_refused_before_any_work(tiny_model_path, tmp_path, capsys):
+    from engine.cli import main
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    code = main(["generate", "hello", "--model", str(tiny_model_path("qwen2")),
+                 "--device", "sim:gpu0", "--trace-dir", str(blocker / "traces")])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "--trace-dir" in err and "Not a directory" in err and "Traceback" not in err
+
+
+def test_trace_write_error_is_one_line_and_keeps_the_events(tiny_model_path, tmp_path, monkeypatch):
+    from engine.errors import TokentopError
+    folder = tmp_path / "traces"
+    cfg = EngineConfig(workers=(WorkerConfig(device="sim:gpu0", name="sim:gpu0",
+                                             model=str(tiny_model_path("qwen2")),
+                                             sim_prefill_tps=5000, sim_decode_tps=500),),
+                       worker_mode="thread", trace_dir=str(folder))
+    with Engine(cfg).start(timeout=60) as engine:
+        result = engine.generate("traced", params=SamplingParams(max_tokens=3))
+        folder.rmdir()
+        folder.write_text("the folder became a file")      # e.g. removed while running
+        with pytest.raises(TokentopError, match="cannot write the trace to .*kept for the next export"):
+            engine.export_trace()
+        monkeypatch.chdir(tmp_path)
+        path = engine.export_trace("elsewhere")              # relative: the absolute path comes back
+    assert path.startswith(str(tmp_path / "elsewhere"))
+    events = json.load(open(path))["traceEvents"]
+    assert any(e.get("args", {}).get("request") == result.id for e in events)

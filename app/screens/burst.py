@@ -1,8 +1,10 @@
 """The burst dialog: which burst file, how many requests, how fast, how long, how random.
 
-Enter in any field fires with what is shown; Escape cancels. The dialog only checks and
-returns a BurstSpec; the app loads the file and fires. The app reuses one dialog, so the
-fields keep the values of the last burst.
+The file is a bundled sample (the list) or any JSONL file whose path is typed in the path
+field, which wins when it is filled in. Enter in any field fires with what is shown; Escape
+cancels. The dialog checks the fields and loads the file (so a mistake in it is shown here,
+with its file:line, and the dialog stays open), then returns a BurstSpec; the app fires it.
+The app reuses one dialog, so the fields keep the values of the last burst.
 """
 from __future__ import annotations
 
@@ -11,10 +13,12 @@ from pathlib import Path
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Grid, Horizontal, Vertical
+from textual.markup import escape
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select, Static
 
 from app.burst_runner import BurstSpec
+from engine.bursts import BurstFileError, load_burst
 
 DEFAULTS = {"count": "16", "interval": "100", "max_tokens": "64", "temperature": "0.0"}
 DEFAULT_FILE = "mixed.jsonl"
@@ -54,6 +58,9 @@ class BurstDialog(ModalScreen[BurstSpec | None]):
                 yield Label("burst file")
                 yield Select([(p.name, p) for p in self.files], value=initial, allow_blank=False,
                              id="burst-file", compact=True)
+                yield Label("or a path")
+                yield Input(placeholder="your own file, e.g. ~/prompts.jsonl", id="burst-path",
+                            compact=True)
                 yield Label("count")
                 yield Input(DEFAULTS["count"], id="burst-count", type="integer", compact=True)
                 yield Label("interval ms")
@@ -92,13 +99,18 @@ class BurstDialog(ModalScreen[BurstSpec | None]):
     def action_cancel(self) -> None:
         self.dismiss(None)
 
+    def chosen_path(self) -> Path:
+        typed = self.query_one("#burst-path", Input).value.strip()
+        return Path(typed).expanduser() if typed else self.query_one("#burst-file", Select).value
+
     def fire(self) -> None:
         value = lambda wid: self.query_one(wid, Input).value  # noqa: E731
         try:
-            spec = parse_spec(self.query_one("#burst-file", Select).value, value("#burst-count"),
+            spec = parse_spec(self.chosen_path(), value("#burst-count"),
                               value("#burst-interval"), value("#burst-max-tokens"),
                               value("#burst-temperature"))
-        except ValueError as exc:
-            self.query_one("#burst-error", Static).update(str(exc))
+            load_burst(spec.path)          # its own messages name the file and line
+        except (ValueError, BurstFileError) as exc:
+            self.query_one("#burst-error", Static).update(escape(str(exc)))
             return
         self.dismiss(spec)

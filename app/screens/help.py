@@ -12,11 +12,15 @@ from app.widgets.kv_grid import FREE, GLYPHS, STATE_NAMES
 
 PANELS = """\
 [b]Panels[/b]
-  backends  per worker: state, load, prefill / decode tok/s (history and
-            profiled rate), KV page grid
-  requests  what the engine remembers; select a row (↑ ↓) to abort it
-  routing   recent decisions, newest first: every candidate's score and
-            inputs, [$success]✓[/] on the chosen one (cost scores: est. seconds)
+  backends  per worker: state, running / waiting, CPU% (100 = one core),
+            resident memory, prefill / decode tok/s (history and profiled
+            rate), KV page grid; a dead worker is greyed, its figures cleared
+  requests  what the engine remembers, newest first; the cursor follows
+            the newest live request until you move it (↑ ↓); end: the
+            finish reason or the error
+  routing   recent decisions, newest first: what the policy compared (cost:
+            estimated seconds; round-robin compares nothing), then the
+            load it counted; [$success]✓[/] on the chosen one
   streams   live text of the active requests, one colour per request
   log       errors, preemptions, worker deaths, policy changes, bursts"""
 

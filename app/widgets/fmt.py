@@ -35,3 +35,43 @@ def short_model(model: str) -> str:
 def describe_error(exc: BaseException) -> str:
     """A TokentopError is written for users as is; anything else also names its type."""
     return str(exc) if isinstance(exc, TokentopError) else f"{type(exc).__name__}: {exc}"
+
+
+def fmt_mib(num_bytes: int | float) -> str:
+    """Memory in MiB below a GiB, then GiB: '12 MiB', '612 MiB', '2.4 GiB'."""
+    mib = num_bytes / 2**20
+    if mib >= 1024:
+        return f"{mib / 1024:.1f} GiB"
+    return f"{mib:.1f} MiB" if mib < 10 else f"{mib:.0f} MiB"
+
+
+def fmt_uptime(seconds: float) -> str:
+    """'42s', '3m05s', '2h07m'."""
+    seconds = int(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def short_worker(name: str) -> str:
+    """A worker's name without the 'sim:' prefix: 'cpu', 'gpu0', 'cuda:1'."""
+    return name[4:] if name.startswith("sim:") else name
+
+
+def fit_parts(parts: list[tuple[int, str]], width: int, sep: str = " · ") -> str:
+    """Join (priority, markup) parts, kept in order, dropping the lowest-priority ones
+    (highest number) until the visible text fits `width` cells. Priority-0 parts and the
+    first part always stay (a Line then cuts what is still too long with an ellipsis)."""
+    from textual.content import Content
+
+    lengths = [Content.from_markup(markup).cell_length for _, markup in parts]
+    keep = list(range(len(parts)))
+    def visible() -> int:
+        return sum(lengths[i] for i in keep) + len(sep) * max(0, len(keep) - 1)
+    for i in sorted((i for i in range(1, len(parts)) if parts[i][0] > 0), key=lambda i: (-parts[i][0], -i)):
+        if width <= 0 or visible() <= width:
+            break
+        keep.remove(i)
+    return sep.join(parts[i][1] for i in keep)

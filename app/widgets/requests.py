@@ -3,8 +3,12 @@
 A Line API widget rather than a DataTable: under a burst every active row's timings change
 at every refresh, and DataTable re-renders each visible cell through Rich (about 1 ms a
 cell here), which kept the UI thread busy. Here a row is a handful of segments, only
-visible rows are drawn, and nothing is drawn at all when no row changed. The cursor
-stays on the request it is on while newer requests push it down.
+visible rows are drawn, and nothing is drawn at all when no row changed.
+
+Selection: until the user moves the cursor, it follows the newest live request (or the
+newest request when none is live); once moved, it stays on the request it is on while newer
+requests push it down. Either way the selected row is scrolled into view, so what x and
+Enter act on is always on screen.
 """
 from __future__ import annotations
 
@@ -16,22 +20,46 @@ from textual.geometry import Region, Size
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-from app.widgets.fmt import fmt_seconds
+from app.widgets.fmt import fmt_seconds, short_worker
 from engine.snapshot import RequestView
 
 # (header, width). The columns that matter most come first: on a narrow terminal the last
 # ones are cut off (left / right scroll, z zooms the panel).
-COLUMNS = (("id", 5), ("w", 2), ("state", 8), ("out", 9), ("TTFT", 6), ("ITL", 5), ("e2e", 6),
-           ("prompt", 6), ("cached", 6))
+COLUMNS = (("id", 5), ("w", 5), ("state", 10), ("out", 9), ("TTFT", 6), ("ITL", 5), ("e2e", 6),
+           ("end", 24), ("prompt", 6), ("cached", 6), ("spec", 11))
 TABLE_WIDTH = sum(w for _, w in COLUMNS) + len(COLUMNS) - 1
 STATE_COLOUR = {"prefill": "warning", "decode": "success", "error": "error"}
 DIM_STATES = ("queued", "aborted")
+LIVE = ("queued", "prefill", "decode")
 
 
-def request_cells(r: RequestView) -> tuple[str, ...]:
-    return (r.id, "-" if r.worker is None else str(r.worker), r.state,
+def end_text(r: RequestView) -> str:
+    """How it ended: the finish reason (stop, length, abort) or the error; blank while live."""
+    if r.error:
+        return r.error
+    return {"abort": "aborted"}.get(r.finish_reason, r.finish_reason or "")
+
+
+def state_of(cell: str) -> str:
+    """The state behind a state cell ('follow r5' is a queued request waiting on r5)."""
+    return "queued" if cell.startswith("follow ") else cell
+
+
+def request_cells(r: RequestView, names: dict[int, str] | None = None) -> tuple[str, ...]:
+    worker = "-" if r.worker is None else short_worker((names or {}).get(r.worker, str(r.worker)))
+    state = f"follow {r.leader}" if r.leader else r.state    # single flight: waits on r.leader
+    return (r.id, worker, state,
             f"{r.output_tokens}/{r.max_tokens}", fmt_seconds(r.ttft), fmt_seconds(r.itl_mean),
-            fmt_seconds(r.e2e), str(r.prompt_tokens), str(r.cached_tokens))
+            fmt_seconds(r.e2e), end_text(r), str(r.prompt_tokens), str(r.cached_tokens), spec_text(r))
+
+
+def spec_text(r: RequestView) -> str:
+    """Speculation mode and acceptance rate, e.g. 'ngram 86%'; blank when not speculating."""
+    s = r.spec
+    if not s:
+        return ""
+    rate = s.get("acceptance_rate")
+    return f"{s['mode']} {'—' if rate is None else f'{100 * rate:.0f}%'}"
 
 
 def request_number(request_id: str) -> int:
@@ -60,6 +88,7 @@ class RequestsTable(ScrollView, can_focus=True):
         self._rows: list[tuple[str, tuple[str, ...]]] = []    # (request id, cells), newest first
         self._cursor = 0
         self._selected: str | None = None
+        self._follow = True        # the cursor follows the newest live request until moved
 
     # --- data ------------------------------------------------------------------------------
     @property
@@ -70,17 +99,23 @@ class RequestsTable(ScrollView, can_focus=True):
     def selected_id(self) -> str | None:
         return self._rows[self._cursor][0] if self._rows else None
 
-    def show_requests(self, requests: tuple[RequestView, ...]) -> None:
-        rows = sorted(((r.id, request_cells(r)) for r in requests), key=lambda row: -request_number(row[0]))
+    def show_requests(self, requests: tuple[RequestView, ...], names: dict[int, str] | None = None) -> None:
+        rows = sorted(((r.id, request_cells(r, names)) for r in requests), key=lambda row: -request_number(row[0]))
         if rows == self._rows:
             return
         count_changed = len(rows) != len(self._rows)
         self._rows = rows
         ids = [rid for rid, _ in rows]
-        self._cursor = ids.index(self._selected) if self._selected in ids else min(self._cursor, max(0, len(rows) - 1))
+        if self._follow or self._selected not in ids:
+            self._follow = True
+            live = [i for i, (_, cells) in enumerate(rows) if state_of(cells[2]) in LIVE]
+            self._cursor = live[0] if live else 0
+        else:
+            self._cursor = ids.index(self._selected)
         self._selected = self.selected_id
         if count_changed:
             self.virtual_size = Size(TABLE_WIDTH, len(rows) + 1)
+        self._scroll_to_cursor()
         self.refresh()
 
     # --- cursor -----------------------------------------------------------------------------
@@ -93,15 +128,19 @@ class RequestsTable(ScrollView, can_focus=True):
     def move_cursor(self, row: int) -> None:
         if not self._rows:
             return
+        self._follow = False
         self._cursor = max(0, min(row, len(self._rows) - 1))
         self._selected = self.selected_id
+        self._scroll_to_cursor()
+        self.refresh()
+
+    def _scroll_to_cursor(self) -> None:
         visible = max(1, self.size.height - 1)          # minus the header line
         top = int(self.scroll_y)
         if self._cursor < top:
-            self.scroll_to(y=self._cursor, animate=False)
+            self.scroll_to(y=self._cursor, animate=False, immediate=True)
         elif self._cursor >= top + visible:
-            self.scroll_to(y=self._cursor - visible + 1, animate=False)
-        self.refresh()
+            self.scroll_to(y=self._cursor - visible + 1, animate=False, immediate=True)
 
     def on_click(self, event: Click) -> None:
         if event.y >= 1:
@@ -127,14 +166,17 @@ class RequestsTable(ScrollView, can_focus=True):
         rid, cells = self._rows[index]
         if index == self._cursor:
             base += cursor
-        state = cells[2]
+        state = state_of(cells[2])
         colours = self.app.theme_variables
         if state in STATE_COLOUR:
             state_style = Style(color=colours[STATE_COLOUR[state]], bold=state == "error")
         else:
             state_style = Style(dim=state in DIM_STATES)
         texts = row_text(cells)
+        end_style = state_style if state == "error" else Style(dim=True)
         segments = [Segment(" ".join(texts[:2]) + " ", base),
                     Segment(texts[2], base + state_style),
-                    Segment(" " + " ".join(texts[3:]), base)]
+                    Segment(" " + " ".join(texts[3:7]) + " ", base),
+                    Segment(texts[7], base + end_style),
+                    Segment(" " + " ".join(texts[8:]), base)]
         return Strip(segments).crop_extend(scroll_x, scroll_x + width, base)

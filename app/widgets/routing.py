@@ -1,8 +1,10 @@
 """Recent routing decisions, newest first: every candidate's inputs and score, the chosen one marked.
 
-Enough to explain each decision after the fact: the policy, the load the router counted on
-each worker (running, waiting, pending prefill and decode tokens, reusable prefix), the
-rates it divided by, and the score it compared.
+Enough to explain each decision after the fact: the policy, what it compared (the cost
+router's estimated seconds, the least-loaded router's request count; round-robin takes
+turns and compares nothing), and the load the router counted on each worker (running,
+waiting, prefill and decode tokens still to do, reusable prefix) and the rates it divided
+by. The compared figure comes first; on a narrow panel the other fields drop out.
 """
 from __future__ import annotations
 
@@ -10,31 +12,47 @@ from textual.containers import VerticalScroll
 from textual.markup import escape
 from textual.widgets import Static
 
-from app.widgets.fmt import fmt_rate, fmt_seconds
+from app.widgets.fmt import fit_parts, fmt_rate, fmt_seconds, short_worker
 from engine.router import Candidate, RouteDecision
 
 SHOWN = 12
+POLICY_NOTE = {"cost": "least estimated seconds of work wins",
+               "cache-aware": "longest reusable prefix unless load is imbalanced",
+               "least-loaded": "fewest requests wins",
+               "round-robin": "takes turns, no score",
+               "forced": "worker given by the caller, no score"}
 
 
-def format_score(policy: str, score: float) -> str:
-    return fmt_seconds(score) if policy == "cost" else f"{score:g}"
+def format_score(policy: str, score: float) -> str | None:
+    """The figure the policy compared, in words; None when it compares nothing."""
+    if policy in ("cost", "cache-aware"):
+        return f"est {fmt_seconds(score)}"
+    if policy == "least-loaded":
+        return f"{score:g} req"
+    return None
 
 
-def format_candidate(c: Candidate, decision: RouteDecision) -> str:
+def format_candidate(c: Candidate, decision: RouteDecision, width: int) -> str:
     chosen = c.worker == decision.chosen
     mark = "[bold $success]✓[/]" if chosen else " "
-    name = f"[bold]w{c.worker}[/]" if chosen else f"w{c.worker}"
-    return (f" {mark} {name} {format_score(decision.policy, c.score):>6}  "
-            f"run {c.running} wait {c.waiting}  pre {c.prefill_tokens} dec {c.decode_tokens} "
-            f"hit {c.cached_tokens}  @{fmt_rate(c.prefill_rate)}/{fmt_rate(c.decode_rate)} "
-            f"[$text-muted]{escape(c.name)}[/]")
+    name = escape(short_worker(c.name))
+    head = f"{mark} [bold]{name}[/]" if chosen else f"{mark} {name}"
+    score = format_score(decision.policy, c.score)
+    parts = [(0, f"{head} [b]{score}[/]" if score else f"{head} [$text-muted](no score)[/]"),
+             (1, f"reuse ~{c.cached_tokens} tok"),     # estimated reusable prefix
+             (1, f"run {c.running} wait {c.waiting}"),
+             (2, f"prefill {c.prefill_tokens} tok"), (2, f"decode {c.decode_tokens} tok"),
+             (4, f"[$text-muted]at {fmt_rate(c.prefill_rate)}/{fmt_rate(c.decode_rate)} tok/s[/]")]
+    return " " + fit_parts(parts, width - 1)
 
 
-def format_decision(d: RouteDecision) -> str:
-    chosen = next((c.name for c in d.candidates if c.worker == d.chosen), "")
-    head = (f"[bold]{d.request_id}[/] → [bold $accent]w{d.chosen}[/] {escape(chosen)}  "
-            f"[$text-muted]{d.policy} · prompt {d.prompt_tokens} · max {d.max_tokens}[/]")
-    return "\n".join([head, *(format_candidate(c, d) for c in d.candidates)])
+def format_decision(d: RouteDecision, width: int = 10_000) -> str:
+    chosen = next((c.name for c in d.candidates if c.worker == d.chosen), f"w{d.chosen}")
+    parts = [(0, f"[bold]{d.request_id}[/] → [bold $accent]{escape(short_worker(chosen))}[/]"),
+             (1, f"[$text-muted]{d.policy}{' (' + d.reason + ')' if d.reason else ''}[/]"),
+             (3, f"[$text-muted]{POLICY_NOTE.get(d.policy, '')}[/]"),
+             (2, f"[$text-muted]prompt {d.prompt_tokens} · max {d.max_tokens}[/]")]
+    return "\n".join([fit_parts(parts, width), *(format_candidate(c, d, width) for c in d.candidates)])
 
 
 class RoutingPanel(VerticalScroll):
@@ -42,19 +60,26 @@ class RoutingPanel(VerticalScroll):
         super().__init__(**kwargs)
         self._shown_key: tuple | None = None
         self._lines = 1
+        self._routing: tuple[RouteDecision, ...] = ()
         self.body = Static("[$text-muted]no routing decisions yet: press b for a burst[/]",
                            classes="routing-body")
 
     def compose(self):
         yield self.body
 
+    def on_resize(self) -> None:
+        self._shown_key = None
+        self.show_decisions(self._routing)
+
     def show_decisions(self, routing: tuple[RouteDecision, ...]) -> None:
-        key = (len(routing), routing[-1].request_id) if routing else None
+        width = self.scrollable_content_region.width or 10_000
+        key = (len(routing), routing[-1].request_id, width) if routing else None
         if key == self._shown_key:
             return
         self._shown_key = key
+        self._routing = routing
         if routing:
-            text = "\n".join(format_decision(d) for d in list(routing)[-SHOWN:][::-1])
+            text = "\n".join(format_decision(d, width) for d in list(routing)[-SHOWN:][::-1])
             # A layout pass only when the number of lines changes (it stops changing once full).
             lines = text.count("\n") + 1
             self.body.update(text, layout=lines != self._lines)

@@ -12,6 +12,7 @@ from textual.containers import VerticalScroll
 from textual.content import Content
 from textual.widgets import Static
 
+from app.widgets.fmt import short_worker
 from app.widgets.requests import request_number
 from engine.snapshot import RequestView
 
@@ -42,16 +43,41 @@ def stream_lines(label: str, text: str, width: int, max_lines: int = TAIL_LINES)
     return [plain[i:i + width] for i in range(0, len(plain), width)] or [label]
 
 
-def stream_content(r: RequestView, width: int) -> tuple[Content, int]:
+DRAFTED_STYLE = "$success"   # text of accepted draft tokens (speculative decoding)
+
+
+def drafted_ranges(r: RequestView, label: str, width: int, max_lines: int = TAIL_LINES) -> list[tuple[int, int]]:
+    """Where the accepted-draft text of r.drafted_spans lands in stream_lines' output joined
+    by newlines (the same cut and wrap; a stray \r shifts it by a character at most)."""
+    if not r.drafted_spans or not r.text_tail:
+        return []
+    n = len(r.text_tail.replace("\r", ""))
+    budget = max(1, width * max_lines - len(label) - 1)
+    first, at = (n - (budget - 1), len(label) + 2) if n > budget else (0, len(label) + 1)
+    out = []
+    for a, b in r.drafted_spans:
+        a, b = max(a, first), min(b, n)
+        if a < b:
+            lo, hi = at + a - first, at + b - first          # in the unwrapped line
+            out.append((lo + lo // width, hi + (hi - 1) // width))   # + one newline per wrap
+    return out
+
+
+def stream_content(r: RequestView, width: int, names: dict[int, str] | None = None) -> tuple[Content, int]:
     """The stream's rendering and its height in lines."""
-    label = f" {r.id} w{r.worker if r.worker is not None else '-'} "
+    worker = "-" if r.worker is None else short_worker((names or {}).get(r.worker, f"w{r.worker}"))
+    label = f" {r.id} {worker} "
     body = r.text_tail or f"({r.state})"
     if r.state == "error":
         body += f"  {r.error or 'error'}"
     elif r.state not in ACTIVE and r.text_tail:
         body += f"  ({r.state})"
-    lines = stream_lines(label, body, max(len(label) + 8, width))
+    wrap = max(len(label) + 8, width)
+    lines = stream_lines(label, body, wrap)
     content = Content("\n".join(lines))
+    if r.state != "error":
+        for a, b in drafted_ranges(r, label, wrap):
+            content = content.stylize(DRAFTED_STYLE, a, b)
     content = content.stylize(f"bold reverse {PALETTE[request_number(r.id) % len(PALETTE)]}", 0, len(label))
     if r.state == "error":
         content = content.stylize("$error", len(label) + 1, len(content))
@@ -65,11 +91,17 @@ class StreamsPanel(VerticalScroll):
         super().__init__(**kwargs)
         self._shown: dict[str, tuple[Static, tuple]] = {}   # request id -> (widget, what it shows)
         self._empty = Static("[$text-muted]no active requests[/]")
+        self._last: tuple[tuple[RequestView, ...], dict[int, str] | None] = ((), None)
 
     def compose(self):
         yield self._empty
 
-    def show_streams(self, requests: tuple[RequestView, ...]) -> None:
+    def on_resize(self) -> None:
+        # Streams are wrapped here to the panel's width: wrap them again at the new one.
+        self.call_after_refresh(self.show_streams, *self._last)
+
+    def show_streams(self, requests: tuple[RequestView, ...], names: dict[int, str] | None = None) -> None:
+        self._last = (requests, names)
         wanted = streams_to_show(requests)
         width = max(20, self.scrollable_content_region.width)
         following = self.scroll_y >= self.max_scroll_y   # at the bottom: keep the newest in view
@@ -77,7 +109,7 @@ class StreamsPanel(VerticalScroll):
         for rid in [rid for rid in self._shown if rid not in keep]:
             self._shown.pop(rid)[0].remove()
         for r in wanted:
-            content, height = stream_content(r, width)
+            content, height = stream_content(r, width, names)
             key = (r.state, content.plain)    # Content compares its text only, not its styles
             widget, shown = self._shown.get(r.id, (None, None))
             if widget is None:

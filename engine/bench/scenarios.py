@@ -2,7 +2,10 @@
 
 single    prefill tok/s (500-token prompt) and one-stream decode tok/s (128 tokens), peak RSS,
           per model, as ratios to llama.cpp's figures measured on this machine (models.md)
-batching  N concurrent requests vs the same requests one after another; paged vs contiguous
+batching  N concurrent requests vs the same requests one after another; paged vs contiguous;
+          memory pressure: 8 x 1000 tokens on a simulated worker with 48 MiB vs 1 GiB of KV
+          (preemptions and recomputed tokens)
+prefix    prefix reuse: warm vs cold, identical and partial-prefix bursts, cyclic, equality (prefix.py)
 """
 from __future__ import annotations
 
@@ -23,12 +26,15 @@ FILLER = ("The scheduler admits requests in arrival order, charges each step aga
 
 
 def base_worker(args, **over) -> WorkerConfig:
-    from engine.devices import parse_size
+    """The benchmarked worker: the first --device (default cpu) with the engine flags."""
+    from engine.devices import parse_devices, parse_size
     w = WorkerConfig(model=getattr(args, "model", WorkerConfig.model), threads=args.threads or 2,
                      max_active=args.max_active, max_batched_tokens=args.max_batched_tokens,
                      page_size=args.page_size, kv_cache_memory=parse_size(args.kv_cache_memory),
                      kv_cache=args.kv_cache, deterministic=args.deterministic,
                      activation_dtype=args.activation_dtype, weights=args.weights, calibrate=False)
+    if args.device:
+        w = parse_devices(args.device[:1], w)[0]
     return replace(w, **over)
 
 
@@ -139,7 +145,7 @@ def bench_single(args) -> dict:
         p.start()
         res = q.get()
         p.join()
-        row = {"model": model, "threads": worker.threads, "weights": worker.weights,
+        row = {"model": model, "device": worker.device, "threads": worker.threads, "weights": worker.weights,
                "activation_dtype": worker.activation_dtype, **res}
         if "error" in res:
             rows.append(row)
@@ -190,28 +196,38 @@ def _burst(engine, n: int, out_tokens: int, concurrent: bool, salt: str) -> floa
 
 
 def bench_batching(args) -> dict:
+    """--sizes N,N,...: the concurrent request counts (each engine admits max(8, largest) at
+    once); --no-sequential: only the batched aggregate (a GPU's N=32 one after another is long)."""
     runs = 1 if args.quick else args.runs
     out_tokens = 32 if args.quick else 128
     ns = [1, 2, 4, 8] if args.quick else [1, 2, 3, 4, 5, 8]
-    paged = start_engine([base_worker(args, max_active=8, kv_cache="paged")])
+    if getattr(args, "sizes", None):
+        ns = sorted({int(n) for n in args.sizes.split(",")} | {1, 8})
+    sequential_too = not getattr(args, "no_sequential", False)
+    active = max(8, *ns)
+    paged = start_engine([base_worker(args, max_active=active, kv_cache="paged")])
     try:
         _burst(paged, 2, 8, True, "warm")
+        _burst(paged, 1, 8, True, "warm")   # one stream takes the single-sequence attention path
         table = []
         for n in ns:
             batched, sequential = [], []
             for r in range(runs):   # interleave the two variants
                 batched.append(n * out_tokens / _burst(paged, n, out_tokens, True, f"b{r}"))
-                sequential.append(n * out_tokens / _burst(paged, n, out_tokens, False, f"s{r}"))
+                if sequential_too:
+                    sequential.append(n * out_tokens / _burst(paged, n, out_tokens, False, f"s{r}"))
             b, s = median(batched), median(sequential)
-            table.append({"n": n, "batched_tok_s": b, "sequential_tok_s": s, "ratio": round(b / s, 3),
+            table.append({"n": n, "batched_tok_s": b, "sequential_tok_s": s,
+                          "ratio": round(b / s, 3) if s else None,
                           "batched_runs": batched, "sequential_runs": sequential})
         one = next(t for t in table if t["n"] == 1)["batched_tok_s"]
         eight = next(t for t in table if t["n"] == 8)["batched_tok_s"]
+        largest = table[-1]
     finally:
         stop_engine(paged)
 
-    contiguous = start_engine([base_worker(args, max_active=8, kv_cache="contiguous")])
-    paged = start_engine([base_worker(args, max_active=8, kv_cache="paged")])
+    contiguous = start_engine([base_worker(args, max_active=active, kv_cache="contiguous")])
+    paged = start_engine([base_worker(args, max_active=active, kv_cache="paged")])
     try:
         _burst(contiguous, 2, 8, True, "warm")
         _burst(paged, 2, 8, True, "warm")
@@ -226,13 +242,53 @@ def bench_batching(args) -> dict:
     finally:
         stop_engine(paged)
         stop_engine(contiguous)
+    pressure = [_memory_pressure(args, kv_memory) for kv_memory in ("48MiB", "1GiB")]
+    goals = {"n8_at_least_3x_one_stream": eight / one >= 3.0,
+             "paged_ge_95pct_contiguous": all(k["paged_over_contiguous"] >= 0.95 for k in kv)}
+    if sequential_too:
+        goals["batched_ge_sequential_all_n"] = all(t["ratio"] >= 1.0 for t in table)
+    if largest["n"] >= 32:
+        goals[f"n{largest['n']}_at_least_10x_one_stream"] = largest["batched_tok_s"] / one >= 10.0
     return {
-        "output_tokens": out_tokens, "runs": runs, "model": args.model, "batching": table,
-        "aggregate_n8_over_n1": round(eight / one, 3), "paged_vs_contiguous": kv,
-        "goals": {"batched_ge_sequential_all_n": all(t["ratio"] >= 1.0 for t in table),
-                  "n8_at_least_3x_one_stream": eight / one >= 3.0,
-                  "paged_ge_95pct_contiguous": all(k["paged_over_contiguous"] >= 0.95 for k in kv)},
+        "output_tokens": out_tokens, "runs": runs, "model": args.model, "device": paged.config.workers[0].device,
+        "batching": table, "aggregate_n8_over_n1": round(eight / one, 3),
+        f"aggregate_n{largest['n']}_over_n1": round(largest["batched_tok_s"] / one, 3),
+        "paged_vs_contiguous": kv, "memory_pressure": pressure, "goals": goals,
     }
+
+
+PRESSURE_DEVICE = "sim:fast:prefill=25000,decode=4000"
+
+
+def _memory_pressure(args, kv_memory: str, n: int = 8, out_tokens: int = 1000) -> dict:
+    """n requests x out_tokens at once on a simulated worker (the model's KV geometry, no
+    forward pass) with kv_memory of KV: what preemption costs when the pool is too small."""
+    from engine.devices import parse_devices, parse_size
+
+    worker = parse_devices([PRESSURE_DEVICE], base_worker(args, max_active=8,
+                                                          kv_cache_memory=parse_size(kv_memory)))
+    engine = start_engine(worker)
+    try:
+        params = SamplingParams(max_tokens=out_tokens, ignore_eos=True)
+        prompts = [prompt_of(engine, 24, f"pressure request {i}: ") for i in range(n)]
+        t0 = time.perf_counter()
+        results = [h.result() for h in [engine.submit(prompt_ids=p, params=params) for p in prompts]]
+        wall = time.perf_counter() - t0
+        assert all(r.finish_reason == "length" for r in results), [r.error for r in results]
+        deadline = time.monotonic() + 5   # the worker's totals arrive with its next stats (5 Hz)
+        preemptions = [r.metrics.preemptions for r in results]
+        while time.monotonic() < deadline:
+            w = engine.snapshot().workers[0]
+            if w.preemptions == sum(preemptions):
+                break
+            time.sleep(0.05)
+        return {"device": PRESSURE_DEVICE, "simulated": True, "kv_cache_memory": kv_memory,
+                "kv_pages": w.pages_total, "page_size": w.page_size, "requests": n,
+                "output_tokens": out_tokens, "wall_s": round(wall, 2),
+                "preemptions_per_request": preemptions, "recomputed_tokens": w.recomputed_tokens,
+                "useful_tokens": sum(len(r.prompt_token_ids) + len(r.token_ids) for r in results)}
+    finally:
+        stop_engine(engine)
 
 
 # --- routing -----------------------------------------------------------------------------
@@ -422,3 +478,19 @@ def bench_dashboard(args) -> dict:
             "dashboard_over_headless": round(median(b) / median(a), 3),
             "headless_runs": a, "dashboard_runs": b,
             "goals": {"dashboard_costs_le_5pct": median(b) / median(a) >= 0.95}}
+
+
+# --- prefix -------------------------------------------------------------------------------
+def bench_prefix(args) -> dict:
+    from engine.bench.prefix import bench_prefix as run
+    return run(args)
+
+
+# --- serve ---------------------------------------------------------------------------------
+def bench_serve(args) -> dict:
+    """HTTP API vs in-process, 8 concurrent streams (engine/serve/bench.py)."""
+    from engine.serve.bench import bench_serve as run
+    return run(args)
+
+
+from engine.bench.spec import bench_spec  # noqa: E402,F401  (tokentop bench spec)

@@ -1,12 +1,15 @@
 """Page pool with reference counts, and block-table management per sequence.
 
 A page holds `page_size` consecutive token positions of one sequence (K and V for every
-layer). Pages are refcounted from the start so the prefix cache can share them: a page
-returns to the free list only when its last holder releases it.
+layer). Pages are refcounted so the prefix cache can share them. When its last holder
+releases it, a page either returns to the free list or, if the prefix cache has keyed it
+(`keep`), stays *cached*: refcount 0, its K/V intact and findable, reusable until
+allocation needs the memory and evicts it (least recently released first).
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
+from typing import Callable
 
 import torch
 
@@ -28,25 +31,53 @@ class PagePool:
         self.refcount = [0] * num_pages
         self._states = bytearray(num_pages)      # kept in step with refcount for the dashboard
         self._free: deque[int] = deque(range(num_pages))
+        # refcount-0 pages the prefix cache keeps findable, least recently released first
+        self._cached: OrderedDict[int, None] = OrderedDict()
+        self._keep = bytearray(num_pages)
+        self.on_evict: Callable[[int], None] | None = None   # the prefix cache forgets the key
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Pages an allocation can take: truly free plus cached (evictable) ones."""
+        return len(self._free) + len(self._cached)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
 
     @property
     def num_used(self) -> int:
-        return self.num_pages - len(self._free)
+        """Pages some sequence holds (refcount >= 1)."""
+        return self.num_pages - len(self._free) - len(self._cached)
 
     def allocate(self) -> int:
-        if not self._free:
+        if self._free:
+            page = self._free.popleft()
+        elif self._cached:
+            page, _ = self._cached.popitem(last=False)   # LRU eviction
+            self._keep[page] = 0
+            if self.on_evict is not None:
+                self.on_evict(page)
+        else:
             raise OutOfPages
-        page = self._free.popleft()
         self._set(page, 1)
         return page
 
+    def keep(self, page: int) -> None:
+        """Mark a held page as keyed by the prefix cache: it will be cached, not freed."""
+        if self.refcount[page] <= 0:
+            raise RuntimeError(f"keep of unheld page {page}")
+        self._keep[page] = 1
+
+    def is_cached(self, page: int) -> bool:
+        return page in self._cached
+
     def _set(self, page: int, count: int) -> None:
         self.refcount[page] = count
-        self._states[page] = FREE if count == 0 else USED if count == 1 else SHARED
+        if count == 0:
+            self._states[page] = CACHED if self._keep[page] else FREE
+        else:
+            self._states[page] = USED if count == 1 else SHARED
 
     def take(self, page: int) -> None:
         """Allocate one specific free page (contiguous regions need a fixed run of pages)."""
@@ -54,8 +85,11 @@ class PagePool:
         self._set(page, 1)
 
     def retain(self, page: int) -> None:
+        """Add a holder; a cached page (refcount 0) comes back into use with its K/V."""
         if self.refcount[page] <= 0:
-            raise RuntimeError(f"retain of free page {page}")
+            if page not in self._cached:
+                raise RuntimeError(f"retain of free page {page}")
+            del self._cached[page]
         self._set(page, self.refcount[page] + 1)
 
     def release(self, page: int) -> None:
@@ -63,7 +97,10 @@ class PagePool:
             raise RuntimeError(f"page {page} released more often than retained")
         self._set(page, self.refcount[page] - 1)
         if self.refcount[page] == 0:
-            self._free.append(page)
+            if self._keep[page]:
+                self._cached[page] = None      # most recently released: evicted last
+            else:
+                self._free.append(page)
 
     def states(self) -> bytes:
         return bytes(self._states)
@@ -128,16 +165,47 @@ class BlockManager:
         for page in reversed(seq.block_table):
             self.pool.release(page)
         seq.block_table = []
+        self.truncate_draft(seq, 0)
         if self.mode == "contiguous":
             region = self._region_of.pop(seq.id, None)
             if region is not None:
                 self._free_regions.append(region)
 
-    def slots(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
-        """KV slot of each position in [start, end) of seq."""
+    def truncate(self, seq: Sequence, upto_tokens: int) -> None:
+        """Keep the pages holding positions [0, upto_tokens), release whole pages past them.
+
+        Speculative decoding rolls rejected draft positions back this way. Slots past
+        upto_tokens inside the last kept page hold stale K/V, but a position is always
+        written in the step that first attends to it, so nothing stale is ever read.
+        """
+        if self.mode == "contiguous":
+            return
+        keep = -(-upto_tokens // self.page_size)
+        while len(seq.block_table) > keep:
+            self.pool.release(seq.block_table.pop())
+
+    # The draft model of speculative decoding keeps its own block table over the same pool
+    # (its K/V live in a second store indexed by the same slots); paged mode only.
+    def grow_draft(self, seq: Sequence, upto_tokens: int) -> bool:
+        """Cover draft positions [0, upto_tokens); False (nothing taken) when pages are short."""
+        need = max(0, -(-upto_tokens // self.page_size) - len(seq.draft_table))
+        if self.mode == "contiguous" or need > self.pool.num_free:
+            return False
+        for _ in range(need):
+            seq.draft_table.append(self.pool.allocate())
+        return True
+
+    def truncate_draft(self, seq: Sequence, upto_tokens: int) -> None:
+        keep = -(-upto_tokens // self.page_size)
+        while len(seq.draft_table) > keep:
+            self.pool.release(seq.draft_table.pop())
+        seq.draft_computed = min(seq.draft_computed, upto_tokens)
+
+    def slots(self, seq: Sequence, start: int, end: int, *, draft: bool = False) -> torch.Tensor:
+        """KV slot of each position in [start, end) of seq (of its draft model's table)."""
         ps = self.page_size
         pos = torch.arange(start, end)
-        table = torch.tensor(seq.block_table, dtype=torch.int64)
+        table = torch.tensor(seq.draft_table if draft else seq.block_table, dtype=torch.int64)
         return table[pos // ps] * ps + pos % ps
 
     def contiguous_start(self, seq: Sequence) -> int | None:

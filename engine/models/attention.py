@@ -57,14 +57,14 @@ def _key_start(seq: SeqSlice, window: int | None) -> int:
     return max(0, first_query - window + 1)
 
 
-def _chunk_mask(ctx: int, n: int, k0: int, window: int | None) -> torch.Tensor:
+def _chunk_mask(ctx: int, n: int, k0: int, window: int | None, device=None) -> torch.Tensor:
     """Additive [n, ctx - k0] mask: query i sits at position ctx - n + i, key j at k0 + j."""
-    q_pos = torch.arange(ctx - n, ctx).unsqueeze(1)
-    k_pos = torch.arange(k0, ctx).unsqueeze(0)
+    q_pos = torch.arange(ctx - n, ctx, device=device).unsqueeze(1)
+    k_pos = torch.arange(k0, ctx, device=device).unsqueeze(0)
     hidden = k_pos > q_pos
     if window is not None:
         hidden |= k_pos <= q_pos - window
-    return torch.zeros(hidden.shape).masked_fill_(hidden, NEG_INF)
+    return torch.zeros(hidden.shape, device=device).masked_fill_(hidden, NEG_INF)
 
 
 def _single(seq: SeqSlice, window: int | None) -> SingleSeq:
@@ -94,6 +94,16 @@ def _decode_group(seqs: list[SeqSlice], window: int | None) -> DecodeGroup:
     return DecodeGroup(rows, slots, mask)
 
 
+def _as_decodes(seq: SeqSlice) -> list[SeqSlice]:
+    """A rowwise slice (speculative verify) becomes one decode per token, each seeing the
+    keys up to its own position: the same kernel and numbers as decoding them one by one."""
+    if not seq.rowwise or seq.length == 1:
+        return [seq]
+    first = seq.context_len - seq.length
+    return [SeqSlice(seq.start + i, 1, first + i + 1, seq.slots, seq.contiguous_start)
+            for i in range(seq.length)]
+
+
 def plan_attention(batch: ForwardBatch, window: int | None, *, batch_decodes: bool = True,
                    device: torch.device | str = "cpu") -> AttentionPlan:
     """Index tensors and masks for one step; `window` is the sliding window (None = global).
@@ -101,8 +111,9 @@ def plan_attention(batch: ForwardBatch, window: int | None, *, batch_decodes: bo
     With batch_decodes=False (deterministic mode) every sequence is attended alone, so its
     result cannot depend on how long its batch-mates' contexts are.
     """
-    decodes = [s for s in batch.seqs if s.length == 1] if batch_decodes else []
-    singles = [_single(s, window) for s in batch.seqs if not (batch_decodes and s.length == 1)]
+    seqs = [r for s in batch.seqs for r in _as_decodes(s)]
+    decodes = [s for s in seqs if s.length == 1] if batch_decodes else []
+    singles = [_single(s, window) for s in seqs if not (batch_decodes and s.length == 1)]
     # One decode alone is cheaper on the single path (no padding, a view in contiguous mode).
     if len(decodes) == 1:
         singles.append(_single(decodes[0], window))
@@ -154,7 +165,7 @@ def attend(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, plan: 
                 return o
             out[s.rows] = o
             continue
-        mask = _chunk_mask(s.num_keys, n, 0, None) if s.causal else s.mask
+        mask = _chunk_mask(s.num_keys, n, 0, None, q.device) if s.causal else s.mask
         # [n, KV*G, hd] -> [KV, G*n, hd]: each KV head serves its G query heads in one bmm
         qg = qs.view(n, KV, G, hd).permute(1, 2, 0, 3).reshape(KV, G * n, hd)
         scores = torch.bmm(qg, k.permute(1, 2, 0))                      # [KV, G*n, Lk]

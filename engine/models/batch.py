@@ -22,6 +22,8 @@ class SeqSlice:
     slots: torch.Tensor        # int64 [context_len]: KV slot of positions 0..context_len-1
     contiguous_start: int | None = None  # set when slots == range(start, start+context_len):
                                          # attention may read a view instead of gathering
+    rowwise: bool = False      # speculative verify: attend each new token exactly as a decode
+                               # of it would be (greedy speculation == greedy without it)
 
 
 @dataclass

@@ -9,12 +9,19 @@ A GGUF file carries no tokenizer.json, only llama.cpp's `tokenizer.*` keys. Two 
 
 Control tokens (type 3) become special tokens and user-defined ones (type 4) plain added tokens, so
 both are matched whole in the text and never cut by the BPE.
+
+Text from users is never allowed to spell a control token: `encode()` reads `<|im_start|>` in a
+prompt as the ten characters it is (unless the caller passes parse_special=True), and
+`encode_chat()` makes only the chat template's own markers special, never a message's content.
+Otherwise anyone could type `<|im_end|><|im_start|>system` and inject a turn.
 """
 
 from __future__ import annotations
 
 import json
 import operator
+import re
+import threading
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -89,6 +96,10 @@ class Tokenizer:
         self.eog_ids = eog_ids
         self.chat_template = chat_template
         self._compiled_template: jinja2.Template | None = None
+        self._special_ids = {t: i for i, (t, k) in enumerate(zip(tokens, token_types)) if k == CONTROL and t}
+        self._special_re: re.Pattern | None = None
+        self._plain: tokenizers.Tokenizer | None = None   # control tokens read as plain text
+        self._plain_lock = threading.Lock()
 
     # ---- construction -------------------------------------------------------------------
 
@@ -142,15 +153,26 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return len(self._tokens)
 
-    def encode(self, text: str, *, add_special: bool = True) -> list[int]:
-        """Token ids of `text`. Special tokens written in the text (e.g. <|im_start|>) are matched whole.
+    def encode(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        """Token ids of `text`. A special token written in the text (e.g. <|im_start|>) is plain
+        text, unless parse_special (trusted text only: it lets the text forge turns).
         With add_special, BOS/EOS are added when the model asks for them."""
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        backend = self.backend if parse_special else self._plain_backend()
+        ids = backend.encode(text, add_special_tokens=False).ids
         if add_special and self.add_bos:
             ids.insert(0, self.bos_id)
         if add_special and self.add_eos:
             ids.append(self.eos_id)
         return ids
+
+    def _plain_backend(self) -> tokenizers.Tokenizer:
+        """A copy of the backend that splits control tokens as text (built on first use, ~1 s)."""
+        with self._plain_lock:
+            if self._plain is None:
+                plain = tokenizers.Tokenizer.from_str(self.backend.to_str())
+                plain.encode_special_tokens = True
+                self._plain = plain
+            return self._plain
 
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special)
@@ -191,6 +213,44 @@ class Tokenizer:
         except Exception as e:  # the template is foreign code: any failure in it is a refused request
             raise InvalidRequest(f"the chat template of model {self.model_name} refused these messages: "
                                  f"{type(e).__name__}: {e}") from e
+
+    def encode_chat(self, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a chat rendered by the model's template. Only the template's own markers
+        are special tokens: a control token spelled inside a message's content stays plain text.
+
+        Each control token in the contents is swapped for a private-use sentinel before rendering
+        (so the template treats the content as usual), then the rendered text is cut at the
+        control tokens left - the template's - and every other piece, sentinels restored, is
+        encoded as plain text. That is how the backend itself cuts text at added tokens."""
+        validate_messages(messages)
+        pattern = self._special_pattern()
+        used = "".join(m["content"] for m in messages) + (self.chat_template or "")
+        mark = next(chr(c) for c in range(0xE000, 0xF900) if chr(c) not in used)
+        originals: list[str] = []
+
+        def hide(m: re.Match) -> str:
+            originals.append(m.group())
+            return f"{mark}{len(originals) - 1}{mark}"
+
+        hidden = [{**m, "content": pattern.sub(hide, m["content"])} if pattern else m for m in messages]
+        text = self.apply_chat_template(hidden, add_generation_prompt=add_generation_prompt)
+        unhide = re.compile(f"{mark}(\\d+){mark}")
+        plain = self._plain_backend()
+        ids: list[int] = []
+        for piece in pattern.split(text) if pattern else [text]:
+            if piece in self._special_ids:
+                ids.append(self._special_ids[piece])
+            elif piece:
+                piece = unhide.sub(lambda m: originals[int(m.group(1))], piece)
+                ids += plain.encode(piece, add_special_tokens=False).ids
+        return ids
+
+    def _special_pattern(self) -> re.Pattern | None:
+        """Matches any control token, longest first (the split keeps the matches)."""
+        if self._special_re is None and self._special_ids:
+            alternatives = sorted(self._special_ids, key=len, reverse=True)
+            self._special_re = re.compile("(" + "|".join(map(re.escape, alternatives)) + ")")
+        return self._special_re
 
     def _token_or_empty(self, token_id: int | None) -> str:
         return self._tokens[token_id] if token_id is not None else ""

@@ -1,0 +1,83 @@
+"""Speculative decoding at a glance: per worker, the acceptance rate over time, the mean
+accepted length, acceptance by draft position (bars), and each speculating request's k.
+
+Acceptance is accepted draft tokens / draft tokens verified; the mean accepted length is
+vLLM's (tokens emitted per verify round: 1 + accepted / rounds); position i's bar is the
+share of rounds that drafted an i-th token and had it accepted.
+"""
+from __future__ import annotations
+
+from textual.containers import VerticalScroll
+from textual.markup import escape
+from textual.widgets import Static
+
+from app.widgets.fmt import short_worker
+from app.widgets.rate_sparkline import spark_bars
+from engine.snapshot import RequestView, WorkerView
+
+BAR_WIDTH = 12
+MAX_POSITIONS = 8
+LIVE = ("queued", "prefill", "decode")
+
+
+def pct(x: float | None) -> str:
+    return "—" if x is None else f"{100 * x:.0f}%"
+
+
+def bar(x: float, width: int = BAR_WIDTH) -> str:
+    eighths = round(max(0.0, min(1.0, x)) * width * 8)
+    full, part = divmod(eighths, 8)
+    return ("█" * full + (" ▏▎▍▌▋▊▉"[part] if part else "")).ljust(width)
+
+
+def worker_lines(w: WorkerView, width: int) -> list[str]:
+    s = w.spec
+    name = escape(short_worker(w.name))
+    if s is None:
+        return [f"[b]{name}[/] [$text-muted]no speculation (simulated)[/]"]
+    if not s["drafts"]:
+        modes = "/".join(m for m in w.spec_modes if m != "off")
+        return [f"[b]{name}[/] [$text-muted]no drafts verified yet ({modes or 'off'})[/]"]
+    spark = spark_bars(w.spec_history, max(4, min(24, width - 40)))
+    mean = s["mean_accepted_length"]
+    lines = [f"[b]{name}[/] acc [b]{pct(s['acceptance_rate'])}[/] [$accent]{spark}[/] "
+             f"len [b]{mean:.2f}[/] k {s['k']}  {s['drafts']} rounds"]
+    for i, a in enumerate(s["acceptance_per_position"][:MAX_POSITIONS]):
+        lines.append(f"  pos {i + 1} [$success]{bar(a)}[/] {pct(a)}")
+    return lines
+
+
+def request_line(r: RequestView) -> str:
+    s = r.spec or {}
+    mode = s.get("mode", "off")
+    return (f"{escape(r.id)} {mode} k {s.get('k', 0)} acc {pct(s.get('acceptance_rate'))} "
+            f"len {s['mean_accepted_length']:.2f}" if s.get("mean_accepted_length") else
+            f"{escape(r.id)} {mode} k {s.get('k', 0)} acc —")
+
+
+def spec_markup(workers: tuple[WorkerView, ...], requests: tuple[RequestView, ...], mode: str, width: int) -> str:
+    lines = [f"new requests: [b]{mode or 'worker default'}[/] [$text-muted](s cycles)[/]"]
+    for w in workers:
+        if w.state == "ready":
+            lines += worker_lines(w, width)
+    live = [r for r in requests if r.state in LIVE and r.spec]
+    if live:
+        lines.append("[$text-muted]speculating requests[/]")
+        lines += [request_line(r) for r in live[-8:]]
+    return "\n".join(lines)
+
+
+class SpecPanel(VerticalScroll):
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._body = Static("")
+        self._shown = ""
+
+    def compose(self):
+        yield self._body
+
+    def show_spec(self, workers: tuple[WorkerView, ...], requests: tuple[RequestView, ...], mode: str) -> None:
+        text = spec_markup(workers, requests, mode, max(20, self.scrollable_content_region.width))
+        if text != self._shown:
+            self._shown = text
+            self._body.update(text)

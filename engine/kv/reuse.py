@@ -1,0 +1,127 @@
+"""The scheduler's and the worker's one entry point to prefix reuse.
+
+Ties the prefix cache (which pages hold which prefix) to single flight (who waits for whom)
+at the four moments that matter: admission (restore a cached prefix, or wait for a
+leader), after every successful step (publish newly completed pages, release followers),
+preemption (pages stay cached, the flight is dropped) and termination.
+"""
+from __future__ import annotations
+
+import time
+
+from engine.kv.pages import PagePool
+from engine.kv.prefix_cache import PrefixCache
+from engine.kv.single_flight import FlightCoordinator
+from engine.sequence import Sequence
+
+
+class PrefixReuse:
+    def __init__(self, pool: PagePool, model_identity: str, single_flight: str = "after-prefill",
+                 align: int = 0, tracer=None, key_fn=None):
+        kw = {"key_fn": key_fn} if key_fn is not None else {}
+        self.pool = pool
+        self.page_size = pool.page_size
+        self.cache = PrefixCache(pool, model_identity, on_event=self._instant, **kw)
+        self.flights = FlightCoordinator(single_flight)
+        # deterministic mode restores whole prefill chunks only, so a prompt is chunked at
+        # the same positions with the cache on or off (same kernels, same K/V), and
+        # publishes prompt pages only (decode computes K/V row by row, not in chunks)
+        self.align = max(align, self.page_size)
+        self.prompt_only = align > 0
+        self.tracer = tracer
+
+    def _instant(self, name: str, args: dict) -> None:
+        if self.tracer is not None and self.tracer.enabled:
+            self.tracer.instant(name, **args)
+
+    # --- scheduler hooks ----------------------------------------------------------------
+    def arrive(self, seq: Sequence) -> None:
+        self.flights.arrive(seq.id)
+
+    def admit(self, seq: Sequence) -> bool:
+        """Before admission: restore the cached prefix; False = wait for a leader."""
+        pages: list[int] = []
+        if seq.num_computed == 0 and not seq.block_table:
+            limit = seq.num_tokens - 1               # the last token is computed for its logits
+            pages = self.cache.match(seq, limit - limit % self.align)
+        have = seq.num_computed // self.page_size + len(pages)
+        keys = self.cache.keys(seq, (seq.num_tokens - 1) // self.page_size)[have:]
+        leader = self.flights.leader_of(seq.id, keys)
+        if leader is not None:                       # wait, holding no pages
+            self._follow(seq, leader)
+            return False
+        if seq.leader is not None:
+            self.flights.release(seq.id)
+            seq.follow_time += time.monotonic() - (seq.follow_since or time.monotonic())
+            seq.leader = None
+        if pages:
+            for page in pages:
+                self.pool.retain(page)
+            seq.block_table = list(pages)
+            seq.num_computed = seq.num_cached = len(pages) * self.page_size
+            seq.num_published = len(pages)
+        return True
+
+    def note_waiting(self, waiting) -> None:
+        """Mark queued requests that will wait for a leader (admission was not reached)."""
+        if not self.flights.busy:
+            return
+        ps = self.page_size
+        for seq in waiting:
+            if seq.leader is not None:
+                continue
+            keys = self.cache.keys(seq, (seq.num_tokens - 1) // ps)[seq.num_computed // ps:]
+            leader = self.flights.leader_of(seq.id, keys)
+            if leader is not None:
+                self._follow(seq, leader)
+
+    def _follow(self, seq: Sequence, leader: str) -> None:
+        if self.flights.wait(seq.id, leader):
+            seq.follow_since = time.monotonic()
+            self._instant("follow", {"request": seq.id, "leader": leader})
+        seq.leader = leader
+
+    def undo(self, seq: Sequence) -> None:
+        """Admission did not happen after all: give restored pages back (still cached)."""
+        for page in reversed(seq.block_table):
+            self.pool.release(page)
+        seq.block_table = []
+        seq.num_computed = seq.num_cached = seq.num_published = 0
+
+    def admitted(self, seq: Sequence) -> None:
+        self.cache.count_lookup(seq.num_tokens, seq.num_cached)
+        if seq.num_cached:
+            self._instant("hit", {"request": seq.id, "tokens": seq.num_cached})
+        have = seq.num_computed // self.page_size
+        upto = (len(seq.prompt_ids) if self.prompt_only else seq.num_tokens) // self.page_size
+        self.flights.lead(seq.id, self.cache.keys(seq, upto)[have:])   # pages it will publish
+
+    def preempted(self, seq: Sequence) -> None:
+        self.flights.stop(seq.id)          # its followers pick a new leader or compute alone
+        seq.num_published = 0              # its published pages stay cached for the recompute
+
+    def finished(self, seq: Sequence) -> None:
+        self.flights.terminate(seq.id)
+        if seq.leader is not None and seq.follow_since is not None:
+            seq.follow_time += time.monotonic() - seq.follow_since
+            seq.leader = None
+
+    # --- worker hook ----------------------------------------------------------------------
+    def publish(self, plan, failed) -> None:
+        """After a successful step: publish each sequence's newly completed pages."""
+        for item in plan.items:
+            seq = item.seq
+            if seq.id in failed:
+                continue
+            before = seq.num_published
+            self.cache.publish(seq, self.prompt_only)
+            if seq.num_published > before:
+                self.flights.published(seq.id, seq.page_keys[before:seq.num_published])
+
+    # --- reporting ----------------------------------------------------------------------
+    def stats(self) -> dict:
+        c = self.cache
+        return {"prefix_cache_queries": c.queries, "prefix_cache_hits": c.hits,
+                "cached_pages": self.pool.num_cached, "evictions": c.evictions,
+                "published_pages": c.published, "single_flight_waits": self.flights.waits,
+                "waiting_on_leader": self.flights.num_waiting}

@@ -1,0 +1,379 @@
+"""Remote workers (`--device remote:URL[,name=NAME]`): an OpenAI-compatible server behind the router.
+
+The server can be another `tokentop serve`, a vLLM, an SGLang or a llama.cpp server. The
+worker is a thread of asyncio I/O in the facade's process that speaks the same messages as
+a local worker: Submit/Abort in, StepEvents/WorkerStats out. Each routed request becomes one
+streaming POST (httpx); aborting it closes the stream, which the server sees as a disconnect.
+
+* Prompts. When the server serves the model the facade tokenized with (same model id), the
+  prompt goes as token ids to /v1/completions: exact, and chat templates applied once. Else
+  chat messages go to /v1/chat/completions and plain prompts as text; the router's prompt
+  length is then the local tokenizer's count, labelled an estimate.
+* Rates. Prefill tok/s = prompt tokens / TTFT and decode tok/s = tokens / time after the first,
+  measured on every stream and smoothed; they replace the nominal rates in the cost router.
+* Load. The server's own running / waiting requests and KV usage are scraped from its
+  /metrics (vLLM's or llama.cpp's names) every second and shown; no KV page grid exists here.
+* Failure. A refused or dropped connection marks the worker down: requests that streamed
+  nothing yet are rerouted by the facade, the others fail with the reason; while down it gets
+  no new requests and /health is probed every second until it answers 200, then re-admitted.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import httpx
+
+from engine import messages as msg
+from engine.config import WorkerConfig
+from engine.errors import ConfigError
+
+STATS_INTERVAL = 0.2
+SCRAPE_INTERVAL = 1.0
+PROBE_INTERVAL = 1.0
+SMOOTHING = 0.3           # weight of the newest measurement in the smoothed rates
+RATE_WINDOW = 2.0
+
+# running, waiting, KV usage (0..1) as vLLM and llama.cpp's server name them
+SCRAPE_NAMES = {
+    "running": ("vllm:num_requests_running", "llamacpp:requests_processing", "sglang:num_running_reqs"),
+    "waiting": ("vllm:num_requests_waiting", "llamacpp:requests_deferred", "sglang:num_queue_reqs"),
+    "kv": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "llamacpp:kv_cache_usage_ratio",
+           "sglang:token_usage"),
+}
+
+
+def parse_remote(spec: str, base: WorkerConfig, count: int) -> WorkerConfig:
+    """remote:URL[,name=NAME] -> a WorkerConfig whose device is remote:URL."""
+    body = spec[len("remote:"):]
+    url, *fields = body.split(",")
+    url = url.rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise ConfigError(f"--device {spec}: write remote:http://HOST:PORT[,name=NAME], "
+                          "e.g. --device remote:http://127.0.0.1:8001")
+    name = f"remote{count or ''}"
+    for item in fields:
+        key, _, value = item.partition("=")
+        if key != "name" or not value:
+            raise ConfigError(f"--device {spec}: unknown field {item!r}; the only field is name=NAME")
+        name = value
+    return replace(base, device=f"remote:{url}", name=name, calibrate=False)
+
+
+class RemoteWorker:
+    def __init__(self, index: int, cfg: WorkerConfig, model_path: str, commands, events):
+        from engine.models.tokenizer import Tokenizer
+
+        self.index, self.cfg, self.commands, self.emit = index, cfg, commands, events.put
+        self.url = cfg.device[len("remote:"):]
+        self.tokenizer = Tokenizer.from_gguf(model_path)
+        self.local_model = cfg.model
+        self.remote_model: str | None = None
+        self.same_model = False
+        self.max_context = cfg.max_context
+        self.ready = False
+        self.tasks: dict[str, asyncio.Task] = {}
+        self.streamed: dict[str, int] = {}      # request id -> tokens streamed so far
+        self.prompt_len: dict[str, int] = {}
+        self.prefill_tps = 0.0
+        self.decode_tps = 0.0
+        self.history: list[tuple[float, int]] = []
+        self.scraped = {"running": None, "waiting": None, "kv": None}
+        self.stopping = False
+
+    # --- the loop ---------------------------------------------------------------------
+    def run(self) -> None:
+        asyncio.run(self._main())
+
+    async def _main(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.inbox: asyncio.Queue = asyncio.Queue()
+        limits = httpx.Limits(max_connections=512, max_keepalive_connections=64)
+        self.client = httpx.AsyncClient(base_url=self.url, limits=limits,
+                                        timeout=httpx.Timeout(10.0, read=None))
+        threading.Thread(target=self._pump, name=f"tokentop-remote-{self.index}-cmds", daemon=True).start()
+        self.emit(msg.WorkerLoading(self.index, f"connecting to {self.url}"))
+        background = [asyncio.ensure_future(f()) for f in (self._probe_loop, self._stats_loop, self._scrape_loop)]
+        try:
+            while not self.stopping:
+                self._handle(await self.inbox.get())
+        finally:
+            for t in background:
+                t.cancel()
+            for rid, task in list(self.tasks.items()):
+                task.cancel()
+            await asyncio.gather(*self.tasks.values(), *background, return_exceptions=True)
+            await self.client.aclose()
+
+    def _pump(self) -> None:
+        """Commands arrive on a thread queue; hand them to the event loop."""
+        while True:
+            cmd = self.commands.get()
+            self.loop.call_soon_threadsafe(self.inbox.put_nowait, cmd)
+            if isinstance(cmd, msg.Stop):
+                return
+
+    def _handle(self, cmd) -> None:
+        if isinstance(cmd, msg.Submit):
+            if not self.ready:
+                self.emit(msg.Reroute(self.index, cmd.request_id, f"{self.url} is down"))
+                return
+            self.streamed[cmd.request_id] = 0
+            self.prompt_len[cmd.request_id] = len(cmd.prompt_ids)
+            self.tasks[cmd.request_id] = asyncio.ensure_future(self._forward(cmd))
+        elif isinstance(cmd, msg.Abort):
+            task = self.tasks.get(cmd.request_id)
+            if task is not None:
+                task.cancel()         # closes the stream: the server aborts it too
+        elif isinstance(cmd, msg.Stop):
+            self.stopping = True
+        elif isinstance(cmd, msg.DrainTrace):
+            self.emit(msg.TraceEvents(self.index, []))
+
+    # --- health ---------------------------------------------------------------------------
+    async def _probe_loop(self) -> None:
+        while True:
+            if not self.ready:
+                problem = await self._probe()
+                if problem is None:
+                    self.ready = True
+                    self.emit(msg.WorkerReady(self.index, self._info()))
+                elif not hasattr(self, "_said_down") or self._said_down != problem:
+                    self._said_down = problem
+                    self.emit(msg.WorkerDown(self.index, problem))
+            await asyncio.sleep(PROBE_INTERVAL)
+
+    async def _probe(self) -> str | None:
+        try:
+            health = await self.client.get("/health", timeout=3)
+            if health.status_code != 200:
+                return f"{self.url}/health answers {health.status_code}"
+            models = (await self.client.get("/v1/models", timeout=3)).json().get("data") or []
+        except (httpx.HTTPError, ValueError) as exc:
+            return f"cannot reach {self.url}: {_reason(exc)}"
+        ids = [m.get("id") for m in models]
+        if not ids:
+            return f"{self.url}/v1/models lists no model"
+        mine = [n for n in (self.local_model, Path(self.local_model).stem) if n in ids]
+        self.same_model = bool(mine)
+        self.remote_model = mine[0] if mine else ids[0]
+        # vLLM and tokentop say max_model_len; llama.cpp's server says meta.n_ctx (per slot)
+        ctx = next((m.get("max_model_len") or (m.get("meta") or {}).get("n_ctx")
+                    for m in models if m.get("id") == self.remote_model), None)
+        self.max_context = int(ctx) if isinstance(ctx, int) and ctx > 0 else self.cfg.max_context
+        self._said_down = None
+        return None
+
+    def _info(self) -> dict:
+        note = ("prompt lengths: local tokenizer (same model)" if self.same_model else
+                f"prompt lengths: estimate (local {self.local_model} tokenizer; remote serves {self.remote_model})")
+        return {"name": self.cfg.name, "model": self.remote_model, "dtype": "remote", "weights": "remote",
+                "pages": 0, "page_size": 0, "max_context": self.max_context, "device": self.cfg.device,
+                "simulated": False, "remote": True, "url": self.url, "max_active": self.cfg.max_active,
+                "policy": "remote", "note": note, "profile_prefill_tps": self.prefill_tps,
+                "profile_decode_tps": self.decode_tps,
+                "summary": f"forwarding to {self.url} ({self.remote_model}; {note})"}
+
+    def _mark_down(self, reason: str) -> None:
+        if self.ready:
+            self.ready = False
+            self._said_down = reason
+            self.emit(msg.WorkerDown(self.index, reason))
+
+    # --- one request ------------------------------------------------------------------------
+    async def _forward(self, cmd: msg.Submit) -> None:
+        rid, p = cmd.request_id, cmd.params
+        sent = time.monotonic()
+        first = None
+        n_out, text_parts = 0, []
+        usage = None
+        finish = None
+        try:
+            path, body = self._body(cmd)
+            async with self.client.stream("POST", path, json=body) as r:
+                if r.status_code != 200:
+                    detail = await _error_text(r)
+                    if r.status_code in (429, 503) or r.status_code >= 500:
+                        if r.status_code >= 500 and r.status_code != 503:
+                            self._mark_down(f"{self.url} answered {r.status_code}: {detail}")
+                        self.emit(msg.Reroute(self.index, rid, f"{self.url} answered {r.status_code}: {detail}"))
+                    else:
+                        self._finish(rid, "error", f"{self.url} refused the request ({r.status_code}): {detail}",
+                                     cmd, sent, first, n_out, None)
+                    return
+                async for line in r.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        err = chunk["error"]
+                        raise _RemoteFailed(err.get("message") if isinstance(err, dict) else str(err))
+                    usage = chunk.get("usage") or usage
+                    for choice in chunk.get("choices") or ():
+                        text = choice.get("text")
+                        if text is None:
+                            text = (choice.get("delta") or {}).get("content") or ""
+                        ids = choice.get("token_ids") or []
+                        deltas = self._deltas(rid, text, ids)
+                        if deltas:
+                            if first is None:
+                                first = time.monotonic()
+                            n_out += max(1, len(ids)) if (text or ids) else 0
+                            self.streamed[rid] = n_out
+                            self.history.append((time.monotonic(), max(1, len(ids))))
+                            self.emit(msg.StepEvents(self.index, tuple(deltas), ()))
+                        finish = choice.get("finish_reason") or finish
+            if usage and usage.get("completion_tokens") is not None:
+                n_out = usage["completion_tokens"]
+            prompt_tokens = (usage or {}).get("prompt_tokens") or len(cmd.prompt_ids)
+            self._measure(prompt_tokens, sent, first, n_out)
+            self._finish(rid, finish if finish in ("stop", "length") else "stop", None, cmd, sent, first, n_out,
+                         prompt_tokens)
+        except asyncio.CancelledError:
+            self._finish(rid, "abort", None, cmd, sent, first, n_out, None)
+        except (httpx.HTTPError, OSError) as exc:
+            reason = f"lost {self.url}: {_reason(exc)}"
+            self._mark_down(reason)
+            if self.streamed.get(rid):
+                self._finish(rid, "error", f"remote worker {self.cfg.name} failed mid-stream ({reason})",
+                             cmd, sent, first, n_out, None)
+            else:
+                self.emit(msg.Reroute(self.index, rid, reason))
+        except (_RemoteFailed, ValueError, KeyError, TypeError) as exc:
+            self._finish(rid, "error", f"remote worker {self.cfg.name}: {exc}", cmd, sent, first, n_out, None)
+        finally:
+            self.tasks.pop(rid, None)
+            self.streamed.pop(rid, None)
+            self.prompt_len.pop(rid, None)
+
+    def _body(self, cmd: msg.Submit) -> tuple[str, dict]:
+        p = cmd.params
+        body = {"model": self.remote_model, "max_tokens": p.max_tokens, "temperature": p.temperature,
+                "top_p": p.top_p, "stream": True, "stream_options": {"include_usage": True}}
+        if p.top_k:
+            body["top_k"] = p.top_k
+        if p.min_p:
+            body["min_p"] = p.min_p
+        if p.repetition_penalty != 1.0:
+            body["repetition_penalty"] = p.repetition_penalty
+        if p.presence_penalty:
+            body["presence_penalty"] = p.presence_penalty
+        if p.frequency_penalty:
+            body["frequency_penalty"] = p.frequency_penalty
+        if p.seed is not None:
+            body["seed"] = p.seed
+        if p.stop:
+            body["stop"] = list(p.stop)
+        if p.ignore_eos:
+            body["ignore_eos"] = True
+        if self.same_model:
+            # the exact tokens, template applied once, here; ask for the generated ids back
+            return "/v1/completions", {**body, "prompt": list(cmd.prompt_ids), "return_token_ids": True}
+        if cmd.messages is not None:
+            return "/v1/chat/completions", {**body, "messages": list(cmd.messages)}
+        return "/v1/completions", {**body, "prompt": self.tokenizer.decode(list(cmd.prompt_ids))}
+
+    def _deltas(self, rid: str, text: str, ids: list[int]) -> list[msg.TokenDelta]:
+        if ids:
+            return [msg.TokenDelta(rid, t, text if i == 0 else "") for i, t in enumerate(ids)]
+        if text:
+            return [msg.TokenDelta(rid, -1, text)]     # a server that does not return ids
+        return []
+
+    def _finish(self, rid, reason, error, cmd, sent, first, n_out, prompt_tokens) -> None:
+        now = time.monotonic()
+        m = msg.RequestMetrics(
+            prompt_tokens=prompt_tokens or len(cmd.prompt_ids), cached_tokens=0, output_tokens=n_out,
+            queue_time=sent - cmd.arrival, ttft=None if first is None else first - cmd.arrival,
+            itl_mean=(now - first) / (n_out - 1) if first is not None and n_out > 1 else None,
+            itl_max=None, e2e=now - cmd.arrival)
+        self.emit(msg.StepEvents(self.index, (), (msg.Finished(rid, reason, error, m),)))
+
+    # --- rates and load ---------------------------------------------------------------------
+    def _measure(self, prompt_tokens: int, sent: float, first: float | None, n_out: int) -> None:
+        if first is None:
+            return
+        now = time.monotonic()
+        pre = prompt_tokens / max(first - sent, 1e-3)
+        self.prefill_tps = pre if not self.prefill_tps else (1 - SMOOTHING) * self.prefill_tps + SMOOTHING * pre
+        if n_out > 1 and now > first:
+            dec = (n_out - 1) / (now - first)
+            self.decode_tps = dec if not self.decode_tps else (1 - SMOOTHING) * self.decode_tps + SMOOTHING * dec
+        self.emit(msg.ProfileUpdate(self.index, self.prefill_tps, self.decode_tps))
+
+    async def _stats_loop(self) -> None:
+        while True:
+            await asyncio.sleep(STATS_INTERVAL)
+            now = time.monotonic()
+            self.history = [h for h in self.history if now - h[0] <= RATE_WINDOW]
+            span = max(now - self.history[0][0], 0.25) if self.history else 1.0
+            decode = sum(h[1] for h in self.history) / span if self.history else 0.0
+            mine_running = sum(1 for n in self.streamed.values() if n)
+            running = self.scraped["running"] if self.scraped["running"] is not None else mine_running
+            waiting = self.scraped["waiting"] if self.scraped["waiting"] is not None \
+                else len(self.streamed) - mine_running
+            # a request that streams has had its prompt computed: the router stops counting it
+            seqs = tuple(msg.SeqView(rid, "decode" if n else "waiting", self.prompt_len.get(rid, 0), 0,
+                                     self.prompt_len.get(rid, 0) if n else 0, n, 0)
+                         for rid, n in self.streamed.items())
+            self.emit(msg.WorkerStats(
+                worker=self.index, running=int(running), waiting=int(waiting), pages_total=0, pages_used=0,
+                page_states=b"", prefill_tps=0.0, decode_tps=decode, steps=0, tokens_in_last_step=0,
+                policy="remote", seqs=seqs, kv_usage=self.scraped["kv"]))
+
+    async def _scrape_loop(self) -> None:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        while True:
+            await asyncio.sleep(SCRAPE_INTERVAL)
+            if not self.ready:
+                continue
+            try:
+                r = await self.client.get("/metrics", timeout=3)
+                families = list(text_string_to_metric_families(r.text)) if r.status_code == 200 else []
+            except (httpx.HTTPError, ValueError):
+                families = []
+            values: dict[str, float] = {}
+            for fam in families:
+                for s in fam.samples:
+                    values[s.name] = values.get(s.name, 0.0) + s.value
+            for key, names in SCRAPE_NAMES.items():
+                found = [values[n] for n in names if n in values]
+                self.scraped[key] = found[0] if found else None
+            if self.scraped["kv"] is not None:
+                workers = sum(1 for fam in families if fam.name in SCRAPE_NAMES["kv"] for _ in fam.samples)
+                self.scraped["kv"] /= max(1, workers)    # a mean over the server's own workers
+
+
+class _RemoteFailed(Exception):
+    pass
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return text.splitlines()[0]
+
+
+async def _error_text(r: httpx.Response) -> str:
+    raw = await r.aread()
+    try:
+        err = json.loads(raw).get("error")
+        return (err.get("message") if isinstance(err, dict) else str(err)) or raw.decode()[:200]
+    except (ValueError, AttributeError):
+        return raw.decode("utf-8", "replace")[:200]
+
+
+def remote_worker_main(index: int, cfg: WorkerConfig, model_path: str, commands, events) -> None:
+    """Thread entry, like worker_main: never raises; death is an event."""
+    try:
+        RemoteWorker(index, cfg, model_path, commands, events).run()
+    except BaseException as exc:  # noqa: BLE001
+        events.put(msg.WorkerDead(index, f"{type(exc).__name__}: {exc}"))

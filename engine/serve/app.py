@@ -1,0 +1,267 @@
+"""The OpenAI-compatible HTTP API over one Engine: a Starlette app, served by uvicorn.
+
+Every request is checked in full before anything is queued; a refusal is a 4xx in OpenAI's
+error JSON shape with a message that says what to fix. A client that goes away (mid-stream
+or while waiting for a whole answer) aborts its request, which frees its KV pages.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from engine.engine import Engine, RequestFailed
+from engine.errors import InvalidRequest, TokentopError
+from engine.serve import protocol as P
+from engine.serve.metrics import CONTENT_TYPE, EngineMetrics
+
+LONG_PROMPT_CHARS = 20_000
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None            # Bearer token for /v1/* (health and metrics stay open)
+    max_queue: int = 256                  # requests waiting beyond what the workers can run at once
+    max_body: int = 4 * 2**20             # bytes
+
+
+def served_names(engine: Engine) -> list[str]:
+    """The model ids clients may ask for: the --model value; for a file, its stem first."""
+    model = engine.config.workers[0].model
+    return [Path(model).stem, model] if model.endswith(".gguf") else [model]
+
+
+class OpenAIServer:
+    def __init__(self, engine: Engine, config: ServeConfig = ServeConfig()):
+        self.engine = engine
+        self.config = config
+        self.names = served_names(engine)
+        self.model = self.names[0]
+        self.metrics = EngineMetrics(engine, self.model)
+        self.app = Starlette(routes=[
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.prometheus, methods=["GET"]),
+        ], exception_handlers={404: self._not_found, 405: self._not_allowed, Exception: self._internal})
+
+    # --- small endpoints ----------------------------------------------------------------
+    async def health(self, request: Request) -> Response:
+        if self.engine.ready:
+            return JSONResponse({"status": "ok"})
+        snap = self.engine.snapshot()
+        if snap.workers and all(w.state in ("dead", "stopped") for w in snap.workers):
+            return JSONResponse({"status": "dead", "message": "every worker has stopped"}, status_code=503)
+        return JSONResponse({"status": "loading"}, status_code=503)
+
+    async def prometheus(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self._auth(request)
+        except P.ApiError as exc:
+            return self._error(exc)
+        _, ctx = self.engine.capacity()
+        created = int(time.time())
+        return JSONResponse({"object": "list", "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "tokentop",
+             "max_model_len": ctx or None} for name in self.names]})
+
+    async def _not_found(self, request: Request, exc) -> Response:
+        return self._error(P.ApiError(404, f"no route {request.url.path}; this server offers POST "
+                                           "/v1/completions, POST /v1/chat/completions, GET /v1/models, "
+                                           "GET /health and GET /metrics", code="not_found"))
+
+    async def _internal(self, request: Request, exc: Exception) -> Response:
+        # a bug here must still answer in the API's shape, and show in the engine's log
+        self.engine.log("error", f"http: {request.url.path}: {type(exc).__name__}: {exc}")
+        return self._error(P.ApiError(500, f"internal error: {type(exc).__name__}: {exc}",
+                                      type="server_error", code="internal_error"))
+
+    async def _not_allowed(self, request: Request, exc) -> Response:
+        return self._error(P.ApiError(405, f"{request.method} is not allowed on {request.url.path}"))
+
+    # --- completions --------------------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, P.parse_completion)
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, P.parse_chat)
+
+    async def _generate(self, request: Request, parse) -> Response:
+        try:
+            self._auth(request)
+            parsed = parse(await self._read_json(request))
+            ids = await self._encode(parsed)
+            handle, parsed, n_prompt = self._submit(parsed, ids)
+        except P.ApiError as exc:
+            return self._error(exc)
+        rid, created = P.new_id(parsed.kind), P.now()
+        if parsed.stream:
+            return StreamingResponse(self._stream(handle, parsed, n_prompt, rid, created),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await self._whole(request, handle, parsed, n_prompt, rid, created)
+
+    async def _encode(self, p: P.Parsed) -> list[int]:
+        if p.model is not None and p.model not in self.names:
+            raise P.ApiError(404, f"model {p.model!r} does not exist here; GET /v1/models lists "
+                                  f"{', '.join(map(repr, self.names))}", "model", code="model_not_found")
+        if not self.engine.ready:
+            workers = self.engine.snapshot().workers
+            if workers and all(w.state in ("dead", "stopped") for w in workers):
+                raise P.ApiError(503, "every worker of this server has stopped; see its log",
+                                 type="service_unavailable", code="no_worker")
+            raise P.ApiError(503, "the model is still loading; retry when GET /health answers 200",
+                             type="service_unavailable", code="loading")
+        size = len(p.prompt or "") + sum(len(str(m.get("content", ""))) for m in p.messages or ()
+                                         if isinstance(m, dict))
+        try:
+            if size > LONG_PROMPT_CHARS:   # tokenizing a long prompt must not stall other streams
+                return await asyncio.to_thread(self.engine.encode, p.prompt, p.messages, p.prompt_ids)
+            return self.engine.encode(p.prompt, p.messages, p.prompt_ids)
+        except InvalidRequest as exc:
+            raise P.ApiError(400, str(exc), "messages" if p.kind == "chat" else "prompt") from None
+
+    def _submit(self, p: P.Parsed, ids: list[int]):
+        """Every check that depends on the engine's state, then submit: no await in between."""
+        capacity, ctx = self.engine.capacity()
+        room = ctx - len(ids)
+        if room < 1:
+            raise P.ApiError(400, f"the prompt has {len(ids)} tokens but the context is {ctx} tokens; "
+                                  "shorten the prompt", "messages" if p.kind == "chat" else "prompt",
+                             code="context_length_exceeded")
+        mt = p.params.max_tokens
+        if p.max_tokens_given and mt > room:
+            name = p.max_tokens_given if isinstance(p.max_tokens_given, str) else "max_tokens"
+            raise P.ApiError(400, f"{name} {mt} plus the prompt's {len(ids)} tokens exceed the context "
+                                  f"of {ctx} tokens; ask for at most {room}", name, code="context_length_exceeded")
+        if not p.max_tokens_given:
+            # OpenAI's defaults: 16 for completions, as much as fits for chat
+            mt = min(16, room) if p.kind == "completion" else room
+            p = replace(p, params=replace(p.params, max_tokens=mt))
+        waiting = max(0, self.engine.outstanding() - capacity)    # this one would wait behind them
+        if self.engine.outstanding() >= capacity and waiting + 1 > self.config.max_queue:
+            raise P.ApiError(429, f"{waiting} requests are already waiting for a free slot (--max-queue "
+                                  f"{self.config.max_queue}); retry later", type="rate_limit_error",
+                             code="queue_full")
+        try:
+            handle = self.engine.submit(prompt_ids=ids, params=p.params)
+        except InvalidRequest as exc:
+            raise P.ApiError(400, str(exc)) from None
+        except TokentopError as exc:
+            raise P.ApiError(503, str(exc), type="service_unavailable") from None
+        return handle, p, len(ids)
+
+    async def _stream(self, handle, p: P.Parsed, n_prompt: int, rid: str, created: int):
+        fmt = P.LogprobFormatter(self.engine.tokenizer, p.kind, p.top_logprobs) if p.logprobs else None
+        pending = []
+        first = True
+        try:
+            try:
+                async for d in handle:
+                    pending.append(d)
+                    if not d.text and not first:
+                        continue       # a token with no text yet (a held-back stop or split char)
+                    yield _sse(self._chunk(p, rid, created, pending, fmt, first, None))
+                    pending, first = [], False
+                result = handle.result(0)
+                finish = result.finish_reason
+                yield _sse(self._chunk(p, rid, created, pending, fmt, first, finish))
+                if p.include_usage:
+                    n_out = result.metrics.output_tokens if result.metrics else len(result.token_ids)
+                    yield _sse(P.usage_chunk(rid, self.model, created, p.kind, P.usage(n_prompt, n_out)))
+            except RequestFailed as exc:
+                yield _sse({"error": {"message": str(exc), "type": "server_error", "param": None,
+                                      "code": "request_failed"}})
+            yield "data: [DONE]\n\n"
+        finally:
+            if not handle.done:          # the client went away (or the server is stopping)
+                self.engine.abort(handle.id)
+
+    def _chunk(self, p, rid, created, deltas, fmt, first, finish) -> dict:
+        text = "".join(d.text for d in deltas)
+        lp = fmt.block(fmt.entries(deltas)) if fmt is not None else None
+        ids = [d.token_id for d in deltas if d.token_id >= 0] if p.return_token_ids else None
+        return P.chunk_body(rid, self.model, created, p.kind, text, finish, lp, first=first, token_ids=ids,
+                            with_usage_field=p.include_usage)
+
+    async def _whole(self, request: Request, handle, p: P.Parsed, n_prompt: int, rid: str, created: int):
+        watcher = asyncio.ensure_future(self._abort_on_disconnect(request, handle))
+        deltas = []
+        try:
+            async for d in handle:
+                deltas.append(d)
+        except RequestFailed as exc:
+            return self._error(P.ApiError(500, f"generation failed: {exc}", type="server_error",
+                                          code="request_failed"))
+        finally:
+            watcher.cancel()
+            if not handle.done:
+                self.engine.abort(handle.id)
+        result = handle.result(0)
+        fmt = P.LogprobFormatter(self.engine.tokenizer, p.kind, p.top_logprobs) if p.logprobs else None
+        lp = fmt.block(fmt.entries(deltas)) if fmt is not None else None
+        n_out = result.metrics.output_tokens if result.metrics else len(result.token_ids)
+        body = P.completion_body(rid, self.model, created, p.kind, result.text, result.finish_reason, lp,
+                                 P.usage(n_prompt, n_out, result.metrics.cached_tokens if result.metrics else 0),
+                                 token_ids=result.token_ids if p.return_token_ids else None)
+        return JSONResponse(body)
+
+    async def _abort_on_disconnect(self, request: Request, handle) -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                self.engine.abort(handle.id)
+                return
+
+    # --- checks -------------------------------------------------------------------------
+    def _auth(self, request: Request) -> None:
+        key = self.config.api_key
+        if not key:
+            return
+        given = request.headers.get("authorization", "")
+        if not (given.startswith("Bearer ") and hmac.compare_digest(given[7:].strip(), key)):
+            raise P.ApiError(401, "missing or wrong API key: send the header Authorization: Bearer <key> "
+                                  "with the key given to --api-key", type="authentication_error",
+                             code="invalid_api_key")
+
+    async def _read_json(self, request: Request):
+        limit = self.config.max_body
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise P.ApiError(413, f"the request body is {int(declared)} bytes; the limit is {limit} "
+                                  "(--max-body); send a shorter prompt", code="body_too_large")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise P.ApiError(413, f"the request body is over the limit of {limit} bytes (--max-body); "
+                                      "send a shorter prompt", code="body_too_large")
+        if not body:
+            raise P.ApiError(400, "the request body is empty; send a JSON object")
+        try:
+            return json.loads(body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise P.ApiError(400, f"the request body is not valid JSON ({exc}); send one JSON object "
+                                  "with Content-Type: application/json", code="invalid_json") from None
+
+    def _error(self, exc: P.ApiError) -> Response:
+        self.metrics.http_rejected.labels(self.model, str(exc.status)).inc()
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+
+def _sse(obj: dict) -> str:
+    return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"

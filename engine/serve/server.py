@@ -1,0 +1,92 @@
+"""Running the HTTP API: headless (`tokentop serve`) or beside the dashboard (`tokentop --serve`).
+
+The listening socket is bound before anything else starts, so a port in use is a one-line
+error, not a traceback from a server thread. uvicorn's own log lines go to the engine's event
+log (where the dashboard shows them) instead of the terminal.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+
+import uvicorn
+
+from engine.errors import ConfigError
+from engine.serve.app import OpenAIServer, ServeConfig
+
+
+def parse_bind(text: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
+    """'8000' or 'HOST:8000' -> (host, port)."""
+    host, _, port = text.rpartition(":")
+    try:
+        number = int(port)
+    except ValueError:
+        raise ConfigError(f"--serve {text!r}: write [HOST:]PORT, e.g. --serve 8000 or --serve 0.0.0.0:8000") from None
+    if not 0 <= number < 65536:
+        raise ConfigError(f"--serve {text!r}: the port must be 0..65535")
+    return (host.strip("[]") or default_host), number
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; "
+                          "pick another --port or stop what uses it") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+class _EngineLogHandler(logging.Handler):
+    def __init__(self, engine):
+        super().__init__(logging.WARNING)
+        self.engine = engine
+
+    def emit(self, record: logging.LogRecord) -> None:
+        level = "error" if record.levelno >= logging.ERROR else "warning"
+        self.engine.log(level, f"http: {record.getMessage().splitlines()[0]}")
+
+
+class HttpServer:
+    """An OpenAIServer on uvicorn, on a socket bound up front."""
+
+    def __init__(self, engine, config: ServeConfig, quiet: bool = False):
+        self.api = OpenAIServer(engine, config)
+        self.sock = bind(config.host, config.port)
+        self.host, self.port = self.sock.getsockname()[:2]
+        log_config = None if quiet else uvicorn.config.LOGGING_CONFIG
+        self.server = uvicorn.Server(uvicorn.Config(
+            self.api.app, log_config=log_config, log_level="warning", access_log=False,
+            timeout_graceful_shutdown=3, lifespan="off"))
+        if quiet:
+            handler = _EngineLogHandler(engine)
+            for name in ("uvicorn", "uvicorn.error"):
+                logger = logging.getLogger(name)
+                logger.handlers[:] = [handler]
+                logger.propagate = False
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def run(self) -> None:
+        """Serve on this thread until stop() (or Ctrl-C when this is the main thread)."""
+        self.server.run(sockets=[self.sock])
+
+    def start(self) -> "HttpServer":
+        self._thread = threading.Thread(target=self.run, name="tokentop-http", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self.server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout)

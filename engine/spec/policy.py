@@ -1,0 +1,235 @@
+"""How many tokens to draft: per request, every step.
+
+- fixed N.
+- adaptive:acceptance (the seeds' rule): start 4, +1 when a round's acceptance rate is
+  above 0.8, -1 below 0.4, bounds 1-8.
+- adaptive:length: EMA (alpha 0.2) of the accepted length; next k = round(EMA) + 1.
+- adaptive:cost (default): the k, including 0, that maximizes the expected tokens per second
+  of the whole step, from the worker's measured step costs (CostModel) and the request's
+  acceptance by position. Heavy batching (every extra row costs everyone) or failing drafts
+  (low acceptance) make k = 0 win; a rare short probe keeps the estimates alive.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+K_MIN, K_MAX = 1, 8
+
+
+class FixedK:
+    def __init__(self, k: int):
+        self.k = k
+
+    def next_k(self, ctx: "StepContext") -> int:
+        return self.k
+
+    def update(self, proposed: int, accepted: int) -> None:
+        pass
+
+
+class AcceptanceK:
+    def __init__(self):
+        self.k = 4
+
+    def next_k(self, ctx: "StepContext") -> int:
+        return self.k
+
+    def update(self, proposed: int, accepted: int) -> None:
+        if proposed <= 0:
+            return
+        rate = accepted / proposed
+        if rate > 0.8:
+            self.k = min(K_MAX, self.k + 1)
+        elif rate < 0.4:
+            self.k = max(K_MIN, self.k - 1)
+
+
+class LengthK:
+    ALPHA = 0.2
+
+    def __init__(self):
+        self.ema: float | None = None
+        self.k = 4
+
+    def next_k(self, ctx: "StepContext") -> int:
+        return self.k
+
+    def update(self, proposed: int, accepted: int) -> None:
+        if proposed <= 0:
+            return
+        self.ema = accepted if self.ema is None else (1 - self.ALPHA) * self.ema + self.ALPHA * accepted
+        self.k = max(K_MIN, min(K_MAX, round(self.ema) + 1))
+
+
+class RowCost:
+    """Seconds of a step by its exact row count: measured at start-up (calibrate), then kept
+    current by the steps the worker runs (EMA). Kernels change at row thresholds (this CPU's
+    int4 kernel costs about the same for 1-4 rows and 50% more from 5), so no straight line
+    would do; unseen counts are interpolated, or extrapolated from the last two."""
+
+    ALPHA = 0.2
+
+    def __init__(self):
+        self.table: dict[int, float] = {}
+
+    @property
+    def known(self) -> bool:
+        return bool(self.table)
+
+    def add(self, rows: int, seconds: float) -> None:
+        old = self.table.get(rows)
+        self.table[rows] = seconds if old is None else (1 - self.ALPHA) * old + self.ALPHA * seconds
+
+    def __call__(self, rows: float) -> float:
+        if not self.table:
+            return 0.0
+        if rows in self.table:
+            return self.table[rows]
+        xs = sorted(self.table)
+        if len(xs) == 1:
+            return self.table[xs[0]] * (1 + 0.05 * (rows - xs[0]))
+        lo = max((x for x in xs if x < rows), default=None)
+        hi = min((x for x in xs if x > rows), default=None)
+        if lo is None:
+            lo, hi = xs[0], xs[1]
+        elif hi is None:
+            lo, hi = xs[-2], xs[-1]
+        slope = (self.table[hi] - self.table[lo]) / (hi - lo)
+        return max(0.0, self.table[lo] + slope * (rows - lo))
+
+
+class CostModel:
+    """A worker's measured costs: a target step by its rows, a draft step by its rows."""
+
+    def __init__(self):
+        self.target = RowCost()
+        self.draft = RowCost()
+        self.draft_prefill_token = 0.0   # seconds per token of a draft catch-up chunk
+
+    def add_draft_prefill(self, tokens: int, seconds: float) -> None:
+        if tokens >= 16:   # short chunks cost what a decode step does: not per token
+            per = seconds / tokens
+            old = self.draft_prefill_token
+            self.draft_prefill_token = per if not old else 0.8 * old + 0.2 * per
+
+    def add_target(self, rows: int, seconds: float) -> None:
+        self.target.add(rows, seconds)
+
+    def add_draft(self, rows: int, seconds: float) -> None:
+        self.draft.add(rows, seconds)
+
+
+@dataclass
+class StepContext:
+    """What the chooser knows about the step being planned."""
+    cost: CostModel
+    base_rows: int          # rows of the step without this request's drafts
+    other_tokens: float     # tokens the step emits for everyone else
+    draft_rounds: int       # draft-model steps already planned by others (0 for n-gram)
+    draft_rows: int         # requests drafting with the model in this step (rows of a draft step)
+    uses_draft: bool        # the request drafts with a model (each k costs a draft step)
+    max_k: int
+    prior: PositionAcceptance | None = None   # the worker's recent acceptance for this proposer
+    catchup_tokens: int = 0  # tokens the draft model must read before it can draft
+    remaining: int = 1       # tokens the request may still emit
+
+
+
+class PositionAcceptance:
+    """Decayed counts of drafts tried and accepted at each position (recent rounds weigh more)."""
+
+    DECAY = 0.9
+
+    def __init__(self):
+        self.accepted = [0.0] * K_MAX
+        self.tried = [0.0] * K_MAX
+
+    def update(self, proposed: int, accepted: int) -> None:
+        for i in range(min(proposed, K_MAX)):
+            self.accepted[i] = self.DECAY * self.accepted[i] + (1.0 if i < accepted else 0.0)
+            self.tried[i] = self.DECAY * self.tried[i] + 1.0
+
+    def rate(self, i: int, default: float) -> float:
+        return self.accepted[i] / self.tried[i] if self.tried[i] > 0.5 else default
+
+
+class CostK:
+    """Expected-tokens-per-second chooser (see the module docstring).
+
+    A request's acceptance at position i is its own decayed record, shrunk toward the
+    worker's recent record for the same proposer (ctx.prior): a new request starts from what
+    the worker has seen instead of from optimism. A draft model that has fallen behind (its
+    pages released, or never started) must first catch up: that one-off prefill is charged
+    to the rounds the request has left.
+    """
+
+    PRIOR_ACCEPT, PRIOR_WEIGHT = 0.5, 2.0   # Beta prior at each position, without worker data
+    PROBE_FIRST, PROBE_MAX = 8, 128          # steps at k = 0 before a probe, doubling
+    PROBE_MAX_CATCHUP = 16                   # never probe a draft that must re-read more
+    MARGIN = 1.03                            # speculate only for a clear expected gain
+
+    def __init__(self):
+        self.own = PositionAcceptance()
+        self.k = 0
+        self._idle = 0
+        self._probe_every = self.PROBE_FIRST
+        self._probing = False
+        self._prior: PositionAcceptance | None = None
+
+    def alpha(self, i: int) -> float:
+        """P(draft i+1 accepted | drafts 1..i were)."""
+        p = self._prior.rate(i, self.PRIOR_ACCEPT) if self._prior is not None else self.PRIOR_ACCEPT
+        return (self.own.accepted[i] + p * self.PRIOR_WEIGHT) / (self.own.tried[i] + self.PRIOR_WEIGHT)
+
+    def expected_tokens(self, k: int) -> float:
+        e, run = 1.0, 1.0
+        for i in range(k):
+            run *= self.alpha(i)
+            e += run
+        return e
+
+    def next_k(self, ctx: StepContext) -> int:
+        cost = ctx.cost
+        self._prior = ctx.prior
+        max_k = min(ctx.max_k, K_MAX)
+        if max_k <= 0:
+            return 0
+        if not cost.target.known:
+            self.k = min(4, max_k)   # nothing measured yet: the first rounds teach the model
+            return self.k
+        base = (ctx.other_tokens + 1) / max(cost.target(ctx.base_rows), 1e-9)
+        best_k, best_rate = 0, base * self.MARGIN
+        for k in range(1, max_k + 1):
+            e = self.expected_tokens(k)
+            seconds = cost.target(ctx.base_rows + k)
+            if ctx.uses_draft:
+                seconds += max(0, k - ctx.draft_rounds) * cost.draft(ctx.draft_rows)
+                # the catch-up is paid once, over the rounds left (about remaining / e)
+                seconds += ctx.catchup_tokens * cost.draft_prefill_token * e / max(ctx.remaining, 1)
+            rate = (ctx.other_tokens + e) / max(seconds, 1e-9)
+            if rate > best_rate * 1.001:     # ties go to the shorter draft
+                best_k, best_rate = k, rate
+        self._probing = False
+        if best_k == 0:
+            self._idle += 1
+            if self._idle >= self._probe_every and (not ctx.uses_draft
+                                                     or ctx.catchup_tokens <= self.PROBE_MAX_CATCHUP):
+                self._idle, self._probing = 0, True   # a short probe so acceptance can recover
+                best_k = min(2, max_k)
+        else:
+            self._idle = 0
+        self.k = best_k
+        return best_k
+
+    def update(self, proposed: int, accepted: int) -> None:
+        self.own.update(proposed, accepted)
+        if self._probing:
+            ok = accepted > 0
+            self._probe_every = self.PROBE_FIRST if ok else min(self.PROBE_MAX, self._probe_every * 2)
+
+
+def make_policy(spec_k: str):
+    if spec_k.isdigit():
+        return FixedK(int(spec_k))
+    return {"adaptive:acceptance": AcceptanceK, "adaptive:length": LengthK,
+            "adaptive:cost": CostK}[spec_k]()

@@ -1,0 +1,54 @@
+"""Speculation counters, per request and per worker.
+
+Named so they map onto vLLM's metrics: drafts -> spec_decode_num_drafts, draft_tokens ->
+spec_decode_num_draft_tokens, accepted_tokens -> spec_decode_num_accepted_tokens,
+accepted_per_pos -> spec_decode_num_accepted_tokens_per_pos.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_POS = 16
+
+
+@dataclass
+class SpecStats:
+    drafts: int = 0              # verify rounds with at least one draft token
+    draft_tokens: int = 0        # draft tokens verified
+    accepted_tokens: int = 0     # draft tokens accepted
+    emitted_tokens: int = 0      # tokens emitted by those rounds (accepted + the target's)
+    accepted_per_pos: list[int] = field(default_factory=lambda: [0] * MAX_POS)
+    proposed_per_pos: list[int] = field(default_factory=lambda: [0] * MAX_POS)
+    k: int = 0                   # the draft length chosen last
+
+    def record(self, proposed: int, accepted: int, emitted: int) -> None:
+        if proposed <= 0:
+            return
+        self.drafts += 1
+        self.draft_tokens += proposed
+        self.accepted_tokens += accepted
+        self.emitted_tokens += emitted
+        for i in range(min(proposed, MAX_POS)):
+            self.proposed_per_pos[i] += 1
+            if i < accepted:
+                self.accepted_per_pos[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """vLLM's mean acceptance length: tokens per verify round, 1 + accepted / drafts."""
+        return 1 + self.accepted_tokens / self.drafts if self.drafts else None
+
+    def per_position(self) -> list[float]:
+        n = max((i + 1 for i, c in enumerate(self.proposed_per_pos) if c), default=0)
+        return [self.accepted_per_pos[i] / self.proposed_per_pos[i] for i in range(n)]
+
+    def as_dict(self) -> dict:
+        return {"drafts": self.drafts, "draft_tokens": self.draft_tokens,
+                "accepted_tokens": self.accepted_tokens, "emitted_tokens": self.emitted_tokens,
+                "acceptance_rate": self.acceptance_rate, "mean_accepted_length": self.mean_accepted_length,
+                "acceptance_per_position": self.per_position(),
+                "accepted_per_position": self.accepted_per_pos[:len(self.per_position())], "k": self.k}

@@ -1,0 +1,88 @@
+"""Engine flags are checked when the arguments are read (or, for the ones that depend on the
+model, as soon as its header is read): one line on stderr that names the flag and the fix,
+exit code 2, before any weights load or any request runs."""
+import json
+
+import pytest
+
+from engine.cli import main
+
+SIM = "sim:gpu0:prefill=5000,decode=2000"
+
+
+@pytest.fixture
+def model(tiny_model_path):
+    return str(tiny_model_path("qwen2"))   # 256-token context, 8 KiB per KV page of 16 tokens
+
+
+@pytest.fixture
+def no_weights(monkeypatch):
+    """Fail loudly if a model's weights start loading: the check must come before."""
+    from engine.runner import ModelRunner
+
+    def refuse(*a, **kw):
+        raise AssertionError("weights loaded before the flags were checked")
+    monkeypatch.setattr(ModelRunner, "__init__", refuse)
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--threads", "-1"], "--threads must be 0 (all cores) or a positive count, got -1"),
+    (["--max-context", "0"], "--max-context must be at least 2 tokens"),
+    (["--max-context", "10000000"], "--max-context 10000000 is more than"),
+    (["--kv-cache-memory", "1KiB"], "--kv-cache-memory 1 KiB is less than one KV page of"),
+    (["--kv-cache-memory", "99999TiB"], "--kv-cache-memory 99999 TiB would be"),
+    (["--kv-cache-memory", "infMiB"], "cannot read size 'infMiB'"),
+])
+@pytest.mark.parametrize("device", ["cpu", SIM])
+def test_bad_engine_flags_are_one_line_before_any_work(model, no_weights, capsys, flags, fragment, device):
+    code = main(["generate", "hello", "--model", model, "--device", device, *flags])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert fragment in err and "Traceback" not in err, err
+
+
+def test_trained_context_is_named(model, no_weights, capsys):
+    main(["generate", "hello", "--model", model, "--max-context", "257"])
+    assert "was trained for (256 tokens); use --max-context 256 or less" in capsys.readouterr().err
+
+
+def test_max_tokens_beyond_the_context_is_lowered_and_said_once(model, capsys):
+    code = main(["generate", "hello there", "--model", model, "--device", SIM,
+                 "--max-context", "8", "--max-tokens", "10", "--json"])
+    out, err = capsys.readouterr()
+    result = json.loads(out)
+    room = 8 - len(result["prompt_token_ids"])
+    assert code == 0 and len(result["token_ids"]) == room and result["finish_reason"] == "length"
+    assert err.count("\n") == 1 and f"note: max_tokens 10 lowered to {room}" in err
+
+
+def test_the_record_router_and_snapshot_use_the_real_limit(model):
+    from engine.config import EngineConfig, SamplingParams, WorkerConfig
+    from engine.devices import parse_devices
+    from engine.engine import Engine
+
+    workers = parse_devices([SIM], WorkerConfig(model=model, max_context=64))
+    with Engine(EngineConfig(workers=workers, worker_mode="thread")).start(timeout=60) as engine:
+        handles = [engine.submit(f"prompt {i}", params=SamplingParams(max_tokens=20000)) for i in range(3)]
+        room = 64 - len(engine.encode("prompt 0", None, None))
+        assert handles[0].notice.startswith(f"max_tokens 20000 lowered to {room}")
+        assert engine._routing[-1].candidates[0].decode_tokens <= 3 * room
+        snap = engine.snapshot()
+        assert {r.max_tokens for r in snap.requests} == {room}
+        results = [h.result(30) for h in handles]
+        assert all(len(r.token_ids) == room and r.notice for r in results)
+        lowered = [line.text for line in engine.snapshot().log if "lowered" in line.text]
+        assert len(lowered) == 1 and "×3 in" in lowered[0]
+
+
+def test_the_kv_pool_caps_the_context(tiny_model_path):
+    from engine.config import EngineConfig, SamplingParams, WorkerConfig
+    from engine.devices import parse_devices
+    from engine.engine import Engine
+
+    model = str(tiny_model_path("qwen2"))
+    workers = parse_devices([SIM], WorkerConfig(model=model, kv_cache_memory=4 * 8 * 1024))   # 4 pages
+    with Engine(EngineConfig(workers=workers, worker_mode="thread")).start(timeout=60) as engine:
+        result = engine.generate("hello", params=SamplingParams(max_tokens=200, ignore_eos=True))
+        assert result.finish_reason == "length" and len(result.prompt_token_ids) + len(result.token_ids) == 64
+        assert "context 64 tokens (all its KV pool holds" in " ".join(line.text for line in engine.snapshot().log)
