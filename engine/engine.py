@@ -523,9 +523,11 @@ class Engine:
                 w.state, w.info, w.message = "ready", event.info, ""
             capped = " (all its KV pool holds: raise --kv-cache-memory for more)" \
                 if event.info.get("context_capped_by_kv") else ""
+            kernels = f"; linear layers: {event.info['kernels']}" if event.info.get("kernels") else ""
             self._log_line("info", f"worker {event.worker} ({w.cfg.device}) ready: " + (
                 event.info.get("summary") or f"{event.info.get('pages')} KV pages of "
-                f"{event.info.get('page_size')} tokens, context {event.info.get('max_context')} tokens{capped}"))
+                f"{event.info.get('page_size')} tokens, context {event.info.get('max_context')} tokens{capped}")
+                + kernels)
         elif isinstance(event, msg.WorkerDown):
             with self._lock:
                 w = self._workers[event.worker]

@@ -11,12 +11,22 @@ from engine.trace import get_tracer
 
 
 def pick_activation_dtype(device: str, requested: str) -> torch.dtype:
-    """bf16 unless asked otherwise (the int4/dense kernels are fast with it, models.md); a dtype
-    measured unfaithful on this device type is refused (engine/devices.py)."""
+    """bf16 unless asked otherwise: the activation dtype of dense forms (float tensors, no
+    compiler; the GGUF kernels quantize activations to int8 themselves); a dtype measured
+    unfaithful on this device type is refused (engine/devices.py)."""
     from engine.devices import check_activation_dtype
 
     table = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     return table[check_activation_dtype(device, requested)]
+
+
+def _kernel_label(model) -> str:
+    """Which weight forms the linear layers use, e.g. 'gguf-avx512' or 'dense-bfloat16'."""
+    from engine import kernels
+    from engine.models.quant import QuantLinear
+
+    forms = sorted({f for m in model.modules() if isinstance(m, QuantLinear) for f in m.kernel_forms()})
+    return "+".join(f"gguf-{kernels.isa_name()}" if f == "gguf" else f for f in forms)
 
 
 class ModelRunner:
@@ -54,7 +64,8 @@ class ModelRunner:
         self.kv: KVStore | None = None
         self.spec_bonus = cfg.spec_bonus
         self.info = {"model": cfg.model, "arch": gf.config.arch, "dtype": str(dtype).replace("torch.", ""),
-                     "weights": cfg.weights, "simulated": False, "layers": gf.config.n_layers}
+                     "weights": cfg.weights, "simulated": False, "layers": gf.config.n_layers,
+                     "kernels": _kernel_label(self.model)}
 
     def allocate_kv(self, num_slots: int) -> None:
         self.kv = self.model.new_kv_store(num_slots, dtype=self.kv_dtype)

@@ -34,7 +34,11 @@ class Worker:
             from engine.sim import SimRunner
             self.runner = SimRunner(cfg, model_path)
         else:
+            from engine import kernels
             from engine.runner import ModelRunner
+            if cfg.device == "cpu" and not kernels.is_loaded():
+                emit(msg.WorkerLoading(index, "building the quantized kernels (first use only, ~1 min)"))
+                kernels.load()
             self.runner = ModelRunner(cfg, model_path)
         self.tokenizer = self.runner.tokenizer
         self.max_context = min(cfg.max_context or DEFAULT_MAX_CONTEXT, self.runner.model_context)
