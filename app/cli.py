@@ -56,8 +56,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--deterministic", action="store_true",
                    help="batch-invariant greedy output (fixed kernels and prefill chunks)")
     g.add_argument("--activation-dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto")
-    g.add_argument("--weights", choices=["faithful", "fast"], default="faithful",
-                   help="faithful keeps every GGUF type's precision; fast requantizes to int4 (lossy)")
+    g.add_argument("--weights", choices=["faithful"], default="faithful",
+                   help="faithful: every GGUF type is computed as stored (the only mode)")
     g.add_argument("--worker-mode", choices=["process", "thread"], default=None,
                    help="run each worker in its own process (default for several workers) or a thread")
     g.add_argument("--recalibrate", action="store_true",
@@ -274,6 +274,9 @@ def cmd_models(args) -> int:
     for m in models:
         flag = "assembled" if m.get("assembled") else "installed" if m.get("installed") else "not installed"
         print(f"{m['name']:22} {m.get('arch', ''):8} {m.get('size', 0) / 1e6:8.0f} MB  {flag}")
+    from engine import kernels   # imports torch: only here, not for every command
+    from engine.cpuinfo import cpu_summary
+    print(f"{kernels.describe()}; CPU: {cpu_summary()}")
     return 0
 
 

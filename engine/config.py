@@ -102,7 +102,7 @@ class WorkerConfig:
     policy: str = "fcfs"
     deterministic: bool = False
     activation_dtype: str = "auto"        # auto | bf16 | fp16 | fp32
-    weights: str = "faithful"             # faithful | fast (requantize to int4, labelled)
+    weights: str = "faithful"             # faithful (the only mode: GGUF types as stored)
     recalibrate: bool = False             # measure the speed profile again instead of the cached one
     calibrate: bool = True                # False: skip the profile (tests, benchmarks of one worker)
     # speculative decoding (engine/spec/)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from engine import kernels
 from engine.config import WorkerConfig
 from engine.devices import check_activation_dtype
 from engine.kv.pages import BlockManager
@@ -10,7 +11,7 @@ from engine.models.batch import ForwardBatch, KVStore, SeqSlice
 from engine.models.catalog import resolve_model
 from engine.models.decoder import Decoder
 from engine.models.gguf import load_gguf
-from engine.models.quant import LinearPolicy
+from engine.models.quant import LinearPolicy, QuantLinear
 from engine.models.selfcheck import check_linears
 from engine.models.tokenizer import IncrementalDetokenizer, Tokenizer
 from engine.output import SampledToken, StepOutput
@@ -23,10 +24,17 @@ from engine.trace import get_tracer
 
 
 def pick_activation_dtype(device: str, requested: str) -> torch.dtype:
-    """bf16 unless asked otherwise (torch's CPU int4/dense matmuls are fastest with it); a dtype
-    measured unfaithful on this device type is refused (engine/devices.py)."""
+    """bf16 unless asked otherwise: the activation dtype of dense forms (float tensors, no
+    compiler; the GGUF kernels quantize activations to int8 themselves); a dtype measured
+    unfaithful on this device type is refused (engine/devices.py)."""
     table = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     return table[check_activation_dtype(device, requested)]
+
+
+def _kernel_label(model) -> str:
+    """Which weight forms the linear layers use, e.g. 'gguf-avx512' or 'dense-bfloat16'."""
+    forms = sorted({f for m in model.modules() if isinstance(m, QuantLinear) for f in m.kernel_forms()})
+    return "+".join(f"gguf-{kernels.isa_name()}" if f == "gguf" else f for f in forms)
 
 
 class ModelRunner(Runner):
@@ -56,7 +64,8 @@ class ModelRunner(Runner):
         self.kv: KVStore | None = None
         self.spec_bonus = cfg.spec_bonus
         self.info = {"model": cfg.model, "arch": gf.config.arch, "dtype": str(dtype).replace("torch.", ""),
-                     "weights": cfg.weights, "simulated": False, "layers": gf.config.n_layers}
+                     "weights": cfg.weights, "simulated": False, "layers": gf.config.n_layers,
+                     "kernels": _kernel_label(self.model)}
 
     def allocate_kv(self, num_slots: int) -> None:
         self.kv = self.model.new_kv_store(num_slots, dtype=self.kv_dtype)

@@ -13,6 +13,7 @@ from contextlib import nullcontext
 
 import torch
 
+from engine import kernels
 from engine import messages as msg
 from engine.config import DEFAULT_MAX_CONTEXT, WorkerConfig
 from engine.errors import ConfigError, TokentopError, describe_error
@@ -40,6 +41,9 @@ class Worker:
         self.cfg = cfg
         self.emit = emit
         emit(msg.WorkerLoading(index, f"loading {cfg.model} on {cfg.device}"))
+        if not cfg.simulated and cfg.device == "cpu" and not kernels.is_loaded():
+            emit(msg.WorkerLoading(index, "building the quantized kernels (first use only, ~1 min)"))
+            kernels.load()
         self.runner: Runner = SimRunner(cfg, model_path) if cfg.simulated else ModelRunner(cfg, model_path)
         self.tokenizer = self.runner.tokenizer
         self.max_context = min(cfg.max_context or DEFAULT_MAX_CONTEXT, self.runner.model_context)

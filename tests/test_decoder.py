@@ -15,8 +15,10 @@ from engine.models.decoder import Decoder
 from engine.models.gguf import load_gguf
 from engine.models.quant import LinearPolicy
 
-FP32 = LinearPolicy(activation_dtype=torch.float32)
-FP32_DET = LinearPolicy(activation_dtype=torch.float32, deterministic=True)
+# exact: dense fp32 weights and activations (no GGUF kernels, whose activations are int8)
+FP32 = LinearPolicy(activation_dtype=torch.float32, use_kernels=False)
+FP32_DET = LinearPolicy(activation_dtype=torch.float32, deterministic=True, use_kernels=False)
+# the production path: GGUF kernels (bf16 only where a dense form remains)
 BF16 = LinearPolicy(activation_dtype=torch.bfloat16)
 BF16_DET = LinearPolicy(activation_dtype=torch.bfloat16, deterministic=True)
 

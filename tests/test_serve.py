@@ -74,11 +74,23 @@ def sim_server(real_model_path):
     ({"prompt": "hi", "top_p": 0}, "top_p", "(0, 1]"),
     ({"prompt": "hi", "logprobs": 21}, "logprobs", "between 0 and 20"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options", "only allowed"),
+    ({"prompt": "hi", "cache_salt": 7}, "cache_salt", "must be a string"),
+    ({"prompt": "hi", "cache_salt": ""}, "cache_salt", "non-empty"),
+    ({"prompt": "hi", "speculate": "magic"}, "speculate", "must be one of"),
+    ({"prompt": "hi", "spec_k": 99}, "spec_k", "0-16"),
+    ({"prompt": "hi", "spec_tv_budget": 2}, "spec_tv_budget", "[0, 1]"),
 ])
 def test_completion_parse_refuses_with_the_field_and_the_fix(body, param, words):
     with pytest.raises(ApiError) as e:
         parse_completion(body)
     assert e.value.status == 400 and e.value.param == param and words in e.value.message
+
+
+def test_speculation_settings_reach_the_request():
+    p = parse_completion({"prompt": "hi", "speculate": "ngram", "spec_k": 4, "spec_tv_budget": 0.5}).params
+    assert (p.speculate, p.spec_k, p.spec_tv_budget) == ("ngram", "4", 0.5)
+    p = parse_completion({"prompt": "hi", "spec_k": "adaptive:cost"}).params
+    assert p.spec_k == "adaptive:cost" and p.speculate == "" and p.spec_tv_budget is None
 
 
 def test_cache_salt_reaches_the_request():

@@ -381,7 +381,10 @@ def fidelity_of(model_path: Path, device: str, dtype: str, prompts: list[dict],
 
     table = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     t = time.monotonic()
-    model = Decoder.from_gguf(load_gguf(model_path), LinearPolicy(activation_dtype=table[dtype], device=device))
+    # fp32 means exact dense fp32 (on a CPU dry run too, where the GGUF kernels would
+    # otherwise quantize activations to int8)
+    policy = LinearPolicy(activation_dtype=table[dtype], device=device, use_kernels=dtype != "fp32")
+    model = Decoder.from_gguf(load_gguf(model_path), policy)
     load_s = time.monotonic() - t
     t = time.monotonic()
     outcomes = run_greedy(model, prompts, prefill_steps=24)
@@ -548,7 +551,7 @@ def kernel_choice(model_path: Path, device: str, quick: bool = False) -> dict:
     import numpy as np
 
     from engine.models.gguf import load_gguf
-    from engine.models.quant import (INT4_EXACT_TYPES, _int4_planes, _unpack, dequantize)
+    from engine.models.quant import _unpack, dequantize
 
     gf = load_gguf(model_path)
     kernel = Int4Kernel(device)
@@ -622,8 +625,64 @@ def kernel_choice(model_path: Path, device: str, quick: bool = False) -> dict:
 
 
 def _widen_part(part, k: int, planes: int):
-    from engine.models.quant import _widen
     return _widen(part, k, planes)
+
+
+
+# --- exact int4 nibble planes (for the CUDA int4 experiment only; the engine reads GGUF blocks
+# through engine/kernels on the CPU and keeps dense weights on CUDA) --------------------------
+
+import numpy as np  # noqa: E402
+from gguf import GGMLQuantizationType as _T  # noqa: E402
+
+INT4_EXACT_TYPES = (_T.Q4_0, _T.Q4_K, _T.Q5_0, _T.Q5_K, _T.Q8_0)
+INT4_GROUP = 32
+_Int4Part = tuple
+
+
+def _round_np(a: np.ndarray, dtype: torch.dtype) -> np.ndarray:
+    """fp32 values rounded (nearest even) to `dtype`'s precision, still as fp32."""
+    if dtype == torch.float32:
+        return a
+    if dtype == torch.float16:
+        return a.astype(np.float16).astype(np.float32)
+    if dtype == torch.bfloat16:
+        u = a.astype(np.float32).view(np.uint32)
+        return ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).astype(np.uint32).view(np.float32)
+    raise ModelError(f"activation dtype {dtype} is not supported (use bf16, fp16 or fp32)")
+
+
+def _int4_planes(c: _Codes, dtype: torch.dtype) -> _Int4Part:
+    """Exact nibble planes of codes.
+
+    Scales are rounded to `dtype` (the kernel's, e.g. bf16) and zeros are derived from the
+    rounded scales, so the only loss is that rounding. Every zero below is the rounded scale
+    times a power of two (exact), except K-quants' 8*s - dmin*m, which is rounded once more.
+    """
+    s = _round_np(c.scale, dtype)
+    minus = c.minus if c.minus is not None else np.float32(0)
+    if c.bits == 4:
+        # w = s*(q - offset) - minus = (q - 8)*s + [(8 - offset)*s - minus]
+        return c.q, s, _round_np((8 - c.offset) * s - minus, dtype)
+    # q = 16*hi + lo.  hi plane: (hi - 8)*16s + z_hi;  lo plane: (lo - 8)*s + z_lo;
+    # constants must add up to -offset*s - minus:  z_hi + z_lo = (136 - offset)*s - minus.
+    # Q5_0 (offset 16): z_hi = 128s, z_lo = -8s.  Q8_0 (128): z_hi = 0, z_lo = 8s.
+    # Q5_K (0): z_hi = 128s, z_lo = 8s - minus.
+    z_hi = 128 * s if c.offset < 128 else np.zeros_like(s)
+    z_lo = _round_np((136 - c.offset) * s - z_hi - minus, dtype)
+    return (np.concatenate([c.q & 0x0F, c.q >> 4], axis=1),
+            np.concatenate([s, 16 * s], axis=1), np.concatenate([z_lo, z_hi], axis=1))
+
+
+def _widen(part: _Int4Part, k: int, planes: int) -> _Int4Part:
+    """Append zero-weight planes (q4 = 8, s = z = 0) so stacked tensors share one plane count."""
+    q, s, z = part
+    extra = planes * k - q.shape[1]
+    if extra == 0:
+        return part
+    pad = np.zeros((s.shape[0], extra // INT4_GROUP), np.float32)
+    return (np.concatenate([q, np.full((q.shape[0], extra), 8, np.uint8)], axis=1),
+            np.concatenate([s, pad], axis=1), np.concatenate([z, pad], axis=1))
 
 
 # --- NVTX -------------------------------------------------------------------------------------

@@ -56,8 +56,10 @@ def machine() -> dict:
     """Every figure depends on the CPU: its model and instruction sets go in every report."""
     import os
     from engine.cpuinfo import cpu_info
+    from engine import kernels
     info = cpu_info()
-    return {"python": platform.python_version(), "torch": torch.__version__,
+    return {"quantized_kernels": kernels.isa_name() if kernels.available() else None,
+            "python": platform.python_version(), "torch": torch.__version__,
             "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "processor": platform.processor() or platform.machine(),
             "cpu_model": info["model"], "isa": info["isa"], "torch_cpu_capability": info["torch_capability"]}

@@ -80,11 +80,47 @@ def _single_child(worker: WorkerConfig, runs: int, prompt_len: int, out_tokens: 
                                       params=SamplingParams(max_tokens=out_tokens, ignore_eos=True))
                 m = res.metrics
                 decode.append((m.output_tokens - 1) / (m.e2e - m.ttft))
-            q.put({"prefill_tok_s": prefill, "decode_tok_s": decode, "peak_rss_mb": peak_rss_mb()})
+            rss = peak_rss_mb()
+            from engine import kernels
+            from engine.models.catalog import resolve_model
+            kernel_ms = _linear_ms_per_decode_step(str(resolve_model(worker.model)), worker)
+            step_ms = 1000 / median(decode)
+            q.put({"prefill_tok_s": prefill, "decode_tok_s": decode, "peak_rss_mb": rss,
+                   "decode_step_ms": round(step_ms, 2), "linear_kernels_ms_per_step": round(kernel_ms, 2),
+                   "framework_overhead_ms_per_step": round(step_ms - kernel_ms, 2),
+                   "linear_kernels": kernels.describe()})
         finally:
             engine.shutdown()
     except Exception as exc:  # report, don't hang the parent
         q.put({"error": describe_error(exc)})
+
+
+def _linear_ms_per_decode_step(path: str, worker: WorkerConfig, reps: int = 7) -> float:
+    """Median time of every linear layer of one decode step (one row each), run back to back
+    outside the engine: the rest of a step's time is framework overhead (norms, rope,
+    attention, sampling, Python). Measured after peak RSS: the weights are the same mmap'd
+    file pages, but this second model maps them again."""
+    import time
+
+    import torch
+
+    from engine.models.decoder import Decoder
+    from engine.models.gguf import load_gguf
+    from engine.models.quant import LinearPolicy, QuantLinear
+    from engine.runner import pick_activation_dtype
+
+    policy = LinearPolicy(activation_dtype=pick_activation_dtype(worker.device, worker.activation_dtype))
+    model = Decoder.from_gguf(load_gguf(path), policy)
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    xs = [torch.randn(1, m.in_features) for m in linears]
+    times = []
+    with torch.inference_mode():
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for m, x in zip(linears, xs):
+                m(x)
+            times.append(time.perf_counter() - t0)
+    return 1000 * median(times)
 
 
 def _llama_cpp(python: str, model: str, threads: int, runs: int, out_tokens: int) -> dict:

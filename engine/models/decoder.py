@@ -2,8 +2,8 @@
 
 Numerics: the residual stream, norms, rotary, attention and the KV store are fp32. Linear
 layers get fp32 inputs and give fp32 outputs; each casts to what the kernel it picks for the
-call wants (the int4 kernel: the policy's activation dtype; a dense fp32 copy: nothing), so
-a dense fp32 prefill never rounds its activations to bf16 and back. A forward step takes a flat batch of several sequences
+call wants (the GGUF kernel quantizes rows to int8 per 32 values itself; a dense copy: its
+dtype), so a dense fp32 layer never rounds its activations to bf16 and back. A forward step takes a flat batch of several sequences
 (engine/models/batch.py) and returns fp32 logits for the requested rows only: the lm_head is
 a quarter of a decode step, wasted on prompt rows.
 """
@@ -179,7 +179,7 @@ class Decoder(nn.Module):
             x = x.index_select(0, batch.logits_rows.to(dev))
             h = F.rms_norm(x, self.final_norm.shape, self.final_norm, c.norm_eps)
             logits = self.lm_head(h)
-            if self.act_dtype != torch.float32:
+            if not self.lm_head.exact:
                 logits = self._refine(logits, h)
             if self.final_softcap is not None:
                 logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
@@ -190,7 +190,8 @@ class Decoder(nn.Module):
 
         A bf16 lm_head rounds its outputs to 8 significant bits: 0.06-0.125 apart at the usual
         top-logit sizes, which turns near-ties into exact ties and flips greedy choices the
-        fp32 model would not. The few rows that can win cost well under a millisecond.
+        fp32 model would not; the GGUF kernel's int8 activations perturb logits by similar
+        amounts. The few rows that can win cost well under a millisecond.
         """
         R, hidden = h.shape
         cand = logits.topk(REFINED_CANDIDATES, dim=-1).indices

@@ -42,6 +42,9 @@ COMMON_FIELDS = {
     "seed": (int, type(None)), "n": (int, type(None)), "ignore_eos": (bool,),
     "stop_token_ids": (list, type(None)), "return_token_ids": (bool, type(None)), "user": (str,),
     "cache_salt": (str, type(None)),     # vLLM's field: share cached KV pages only within a salt
+    # speculative decoding per request (tokentop's own fields; absent = the worker's flags)
+    "speculate": (str, type(None)), "spec_k": (int, str, type(None)),
+    "spec_tv_budget": NUMBER + (type(None),),
 }
 COMPLETION_FIELDS = {**COMMON_FIELDS, "prompt": (str, list), "logprobs": (int, type(None)),
                      "echo": (bool, type(None)), "best_of": (int, type(None)), "suffix": (str, type(None))}
@@ -112,7 +115,11 @@ def _params(body: dict, max_tokens: int | None, logprobs: int) -> SamplingParams
             presence_penalty=float(num("presence_penalty", 0.0)),
             frequency_penalty=float(num("frequency_penalty", 0.0)), seed=body.get("seed"),
             stop=tuple(stop), stop_token_ids=tuple(ids), ignore_eos=bool(body.get("ignore_eos", False)),
-            logprobs=logprobs, cache_salt=body.get("cache_salt")).validate()
+            logprobs=logprobs, cache_salt=body.get("cache_salt"),
+            speculate=body.get("speculate") or "",
+            spec_k="" if body.get("spec_k") is None else str(body["spec_k"]),
+            spec_tv_budget=None if body.get("spec_tv_budget") is None else float(body["spec_tv_budget"]),
+        ).validate()
     except InvalidRequest as exc:
         raise ApiError(400, str(exc), _param_of(str(exc))) from None
 

@@ -1,0 +1,202 @@
+"""GGUF-native quantized matmul: the C++ op `tokentop::qmatmul`, built on first use.
+
+The op computes y = x W^T straight from the GGUF blocks of Q4_0, Q5_0, Q8_0, Q4_K, Q5_K and
+Q6_K matrices (the mmap'd file is the weight). It follows llama.cpp's scheme: each activation
+row is quantized once to int8 with one scale per 32 values, then integer dot products
+(AVX-512 VNNI vpdpbusd, AVX2 maddubs/madd, or portable C++), picked at run time from cpuid.
+TOKENTOP_KERNEL_ISA=scalar|avx2|avx512 caps the choice (tests force each path).
+
+The library is compiled once per torch version, source hash and CPU into the platformdirs
+cache (`nice -n 19`, in a child process, so a failed build cannot take the engine down).
+Without a compiler the model falls back to dense torch matmuls, with one log line saying so.
+
+Error bound (what tests/test_kernels.py checks). Row m of x is quantized per 32-group g to
+a_i = round(x_i / d_g), d_g = max|x_g| / 127, so x̂_i = d_g a_i and |x_i - x̂_i| <= d_g / 2
+(plus at most one rounding of x_i / d_g, |a_i| <= 127: d_g * 2^-17 more). Every weight is
+w_i = s * code_i - b with an integer code, so the kernel's integer dot products and per-lane
+scales evaluate sum_i w_i x̂_i exactly up to fp32 rounding of the scale products and the sums.
+Hence, with eps = 2^-24 and n the number of fp32 additions along K (at most K/16 + 32):
+    |y - W x̂| <= n * eps * sum_i (|w_i| + 2 |b_i|) |x̂_i|        (fp32 evaluation)
+    |y - W x| <= sum_i |w_i| d_g(i) (1/2 + 2^-17) + the line above (activation rounding)
+The first bound is ~1e-5 relative: it pins down every code, scale and offset exactly.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("tokentop.kernels")
+
+_DIR = Path(__file__).parent
+SOURCES = ("qmatmul_op.cpp", "qkernels.cpp")
+DEPENDS = ("qkernels.h", "qkernels_impl.inc")
+ISA_NAMES = ("scalar", "avx2", "avx512")
+# GGML type ids the op reads (gguf.GGMLQuantizationType values)
+KERNEL_TYPES = (2, 6, 8, 12, 13, 14)   # Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K
+BUILD_TIMEOUT_S = 600
+
+_state: dict = {"available": None, "reason": "", "build_s": None, "library": None}
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((ln for ln in f if ln.startswith("flags")), "")
+    except OSError:
+        return ""
+    want = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni")
+    have = set(line.split())
+    return ",".join(f for f in want if f in have)
+
+
+def _build_key() -> str:
+    h = hashlib.sha256()
+    for name in SOURCES + DEPENDS:
+        h.update(name.encode())
+        h.update((_DIR / name).read_bytes())
+    h.update(torch.__version__.encode())
+    h.update(_cpu_flags().encode())
+    h.update(sys.version.encode())
+    return h.hexdigest()[:16]
+
+
+def cache_dir() -> Path:
+    import platformdirs
+
+    root = os.environ.get("TOKENTOP_CACHE_DIR") or platformdirs.user_cache_dir("tokentop")
+    return Path(root) / "kernels"
+
+
+_BUILD_SCRIPT = """
+import sys, torch.utils.cpp_extension as ce
+name, build_dir, *sources = sys.argv[1:]
+ce.load(name=name, sources=sources, build_directory=build_dir, is_python_module=False,
+        extra_cflags=["-O3", "-std=c++17", "-fopenmp"], extra_ldflags=["-fopenmp"],
+        verbose=False)
+"""
+
+
+def _compile(name: str, build_dir: Path) -> Path:
+    """Build in a child process at the lowest CPU priority; returns the shared library."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, MAX_JOBS=os.environ.get("MAX_JOBS", "2"))
+    cmd = [sys.executable, "-c", _BUILD_SCRIPT, name, str(build_dir), *(str(_DIR / s) for s in SOURCES)]
+    if shutil.which("nice"):
+        cmd = ["nice", "-n", "19", *cmd]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    lib = build_dir / f"{name}.so"
+    if proc.returncode != 0 or not lib.exists():
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        raise RuntimeError("compile failed: " + " | ".join(tail))
+    return lib
+
+
+def _missing_tools() -> str | None:
+    from torch.utils.cpp_extension import get_cxx_compiler
+
+    try:
+        cxx = get_cxx_compiler()
+    except Exception:   # noqa: BLE001 - any failure here means no usable compiler
+        cxx = None
+    if not cxx or not shutil.which(cxx):
+        return "no C++ compiler (install g++)"
+    if not shutil.which("ninja"):
+        return "no ninja build tool (install ninja-build or `pip install ninja`)"
+    return None
+
+
+def load() -> bool:
+    """Build (first time) and load the op; False, with the reason logged once, if it cannot."""
+    if _state["available"] is not None:
+        return _state["available"]
+    if os.environ.get("TOKENTOP_KERNELS", "").lower() in ("0", "off", "torch"):
+        return _fail("disabled by TOKENTOP_KERNELS")
+    name = f"tokentop_qk_{_build_key()}"
+    build_dir = cache_dir() / name
+    lib = build_dir / f"{name}.so"
+    if not lib.exists():
+        missing = _missing_tools()
+        if missing:
+            return _fail(missing)
+    t0 = time.perf_counter()
+    try:
+        if not lib.exists():
+            log.info("compiling the quantized kernels (once, about a minute) into %s", build_dir)
+            lib = _compile(name, build_dir)
+        torch.ops.load_library(str(lib))
+    except Exception as exc:   # noqa: BLE001 - any build/load failure means: use the torch path
+        return _fail(str(exc))
+    _state.update(available=True, library=str(lib), build_s=round(time.perf_counter() - t0, 1))
+    _register_fake()
+    log.info("quantized kernels: %s (%s)", isa_name(), lib.name)
+    return True
+
+
+def _fail(reason: str) -> bool:
+    _state.update(available=False, reason=reason)
+    log.warning("quantized kernels unavailable (%s): linear layers use dense torch matmuls, "
+                "slower and larger in memory", reason)
+    return False
+
+
+def _register_fake() -> None:
+    @torch.library.register_fake("tokentop::qmatmul")
+    def _(x, weights, types, rows, bias=None, isa=-1):
+        return x.new_empty(x.shape[0], sum(rows))
+
+
+def available() -> bool:
+    return load()
+
+
+def is_loaded() -> bool:
+    """Whether load() already ran in this process (it may have to compile)."""
+    return _state["available"] is not None
+
+
+def describe() -> str:
+    """One line for `tokentop models` and the start-up log."""
+    if not load():
+        return f"quantized kernels: unavailable ({_state['reason']}); dense torch matmuls"
+    return (f"quantized kernels: GGUF-native, {isa_name()} (best on this CPU: "
+            f"{isa_name(best_isa())}); every call size runs on the GGUF bytes")
+
+
+def best_isa() -> int:
+    """Highest ISA level the CPU runs (0 scalar, 1 avx2, 2 avx512)."""
+    return int(torch.ops.tokentop.best_isa())
+
+
+def isa_name(level: int | None = None) -> str:
+    """The ISA the op uses by default (after TOKENTOP_KERNEL_ISA), or `level`'s name."""
+    if level is None:
+        level = int(torch.ops.tokentop.env_isa())
+    return ISA_NAMES[level]
+
+
+def status() -> dict:
+    """For `tokentop models` and the start-up log."""
+    ok = load()
+    return {"available": ok, "isa": isa_name() if ok else None, "reason": _state["reason"],
+            "build_s": _state["build_s"]}
+
+
+@functools.cache
+def _isa_level(name: str) -> int:
+    return ISA_NAMES.index(name)
+
+
+def qmatmul(x: torch.Tensor, weights: list[torch.Tensor], types: list[int], rows: list[int],
+            bias: torch.Tensor | None = None, isa: str | None = None) -> torch.Tensor:
+    """fp32 x [M, K] times the stacked GGUF matrices (uint8 [rows_i, row_bytes]) transposed."""
+    level = -1 if isa is None else _isa_level(isa)
+    return torch.ops.tokentop.qmatmul(x, weights, types, rows, bias, level)

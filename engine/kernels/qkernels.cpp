@@ -1,0 +1,124 @@
+// The kernels of qkernels.h, compiled once per instruction set in one translation unit
+// (`#pragma GCC target`), so one build serves every x86 CPU and the ISA is picked at run time.
+#include "qkernels.h"
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define TT_X86 1
+#else
+#define TT_X86 0
+#endif
+
+namespace tt {
+
+namespace isa_scalar {
+#define TT_LEVEL 0
+#include "qkernels_impl.inc"
+#undef TT_LEVEL
+}  // namespace isa_scalar
+
+#if TT_X86
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace isa_avx2 {
+#define TT_LEVEL 1
+#include "qkernels_impl.inc"
+#undef TT_LEVEL
+}  // namespace isa_avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
+namespace isa_avx512 {
+#define TT_LEVEL 2
+#include "qkernels_impl.inc"
+#undef TT_LEVEL
+}  // namespace isa_avx512
+#pragma GCC pop_options
+#endif
+
+int best_isa() {
+#if TT_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
+        return ISA_AVX512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return ISA_AVX2;
+#endif
+    return ISA_SCALAR;
+}
+
+int64_t block_weights(int type) {
+    switch (type) {
+    case Q4_0: case Q5_0: case Q8_0: return 32;
+    case Q4_K: case Q5_K: case Q6_K: return 256;
+    default: return 0;
+    }
+}
+
+int64_t block_bytes(int type) {
+    switch (type) {
+    case Q4_0: return 18;
+    case Q5_0: return 22;
+    case Q8_0: return 34;
+    case Q4_K: return 144;
+    case Q5_K: return 176;
+    case Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* a, float* dl, float* as16) {
+    for (int64_t m = 0; m < M; ++m) {
+        const float* xm = x + m * ldx;
+        int8_t* am = a + m * K;
+        for (int64_t g = 0; g < K / 32; ++g) {
+            const float* xg = xm + 32 * g;
+            float amax = 0.0f;
+            for (int i = 0; i < 32; ++i) amax = std::fmax(amax, std::fabs(xg[i]));
+            const float d = amax / 127.0f;
+            const float id = d > 0.0f ? 1.0f / d : 0.0f;
+            int32_t sums[2] = {0, 0};
+            for (int i = 0; i < 32; ++i) {
+                float q = std::nearbyint(xg[i] * id);        // round half to even
+                q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
+                const int32_t qi = int32_t(q);
+                am[32 * g + i] = int8_t(qi);
+                sums[i / 16] += qi;
+            }
+            for (int l = 0; l < 8; ++l) dl[m * (K / 4) + 8 * g + l] = d;
+            as16[m * (K / 16) + 2 * g] = d * float(sums[0]);
+            as16[m * (K / 16) + 2 * g + 1] = d * float(sums[1]);
+        }
+    }
+}
+
+void matmul_rows(int isa, int type, const uint8_t* w, int64_t K, int64_t n0, int64_t n1,
+                 const int8_t* a, const float* dl, const float* as16, int64_t M, float* y, int64_t ldy) {
+    const int64_t row_bytes = K / block_weights(type) * block_bytes(type);
+    const int64_t per_row = (2 * K + K / 4 + 63) / 64 * 64;
+    const int64_t R = M <= 4 ? 1 : 8;        // rows unpacked together: each serves all M
+    thread_local std::vector<uint8_t> scratch;
+#if TT_X86
+    if (isa == ISA_AVX512) {
+        const size_t need = isa_avx512::tile_scratch_bytes(M);
+        if (scratch.size() < need) scratch.resize(need);
+        return isa_avx512::matmul_tiles(type, w, row_bytes, K, n0, n1, a, dl, as16, M, y, ldy,
+                                        scratch.data());
+    }
+#endif
+    if (scratch.size() < size_t(R * per_row)) scratch.resize(R * per_row);
+#if TT_X86
+    if (isa == ISA_AVX2)
+        return isa_avx2::matmul_rows_impl(type, w, row_bytes, K, n0, n1, a, dl, as16, M, y, ldy,
+                                          type == Q8_0, R, scratch.data(), per_row);
+#endif
+    isa_scalar::matmul_rows_impl(type, w, row_bytes, K, n0, n1, a, dl, as16, M, y, ldy, false, R,
+                                 scratch.data(), per_row);
+}
+
+}  // namespace tt

@@ -1,0 +1,28 @@
+// Quantized matmul kernels over raw GGUF blocks: plain C++, no torch headers (fast to compile).
+#pragma once
+#include <cstdint>
+
+namespace tt {
+
+enum Isa : int { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+
+// GGML type ids (gguf.GGMLQuantizationType)
+enum QType : int { Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+int best_isa();                          // what this CPU runs (cpuid)
+int64_t block_weights(int type);         // weights per block: 32 or 256; 0 if unsupported
+int64_t block_bytes(int type);
+
+// Activation rows quantized once per call: per 32-group g, d_g = amax_g / 127 and
+// a_i = round(x_i / d_g) in [-127, 127]; dl holds d_g per 4-weight lane (K/4 floats), as16 holds
+// d_g * (sum of a_i over each 16 weights) (K/16 floats).
+void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K,
+                   int8_t* a, float* dl, float* as16);
+
+// y[m * ldy + n] = sum_k W[n, k] * xhat[m, k] for output rows n in [n0, n1) of one GGUF matrix
+// `w` (rows of block_bytes * K / block_weights bytes), every activation row m < M.
+void matmul_rows(int isa, int type, const uint8_t* w, int64_t K, int64_t n0, int64_t n1,
+                 const int8_t* a, const float* dl, const float* as16, int64_t M,
+                 float* y, int64_t ldy);
+
+}  // namespace tt

@@ -1,0 +1,90 @@
+// torch custom op tokentop::qmatmul: y = x W^T (+ bias) with W one or several raw GGUF matrices
+// stacked along the output dimension (e.g. q|k|v). The activation rows are quantized once, then
+// output rows are split over torch's intra-op threads.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "qkernels.h"
+
+namespace {
+
+int env_isa() {
+    static const int isa = [] {
+        const int best = tt::best_isa();
+        const char* s = std::getenv("TOKENTOP_KERNEL_ISA");
+        if (!s || !*s || std::strcmp(s, "auto") == 0) return best;
+        int want = std::strcmp(s, "scalar") == 0 ? tt::ISA_SCALAR
+                 : std::strcmp(s, "avx2") == 0   ? tt::ISA_AVX2
+                 : std::strcmp(s, "avx512") == 0 ? tt::ISA_AVX512 : best;
+        return want < best ? want : best;
+    }();
+    return isa;
+}
+
+at::Tensor qmatmul(const at::Tensor& x_in, at::TensorList weights, at::IntArrayRef types,
+                   at::IntArrayRef rows, const std::optional<at::Tensor>& bias, int64_t isa) {
+    TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "qmatmul: x must be 2-D float32");
+    TORCH_CHECK(weights.size() == types.size() && types.size() == rows.size() && !weights.empty(),
+                "qmatmul: weights, types and rows must have the same length");
+    const at::Tensor x = x_in.contiguous();
+    const int64_t M = x.size(0), K = x.size(1);
+    TORCH_CHECK(K % 32 == 0, "qmatmul: K must be a multiple of 32");
+    const int best = tt::best_isa();
+    const int use = isa < 0 ? env_isa() : int(isa);
+    TORCH_CHECK(use <= best, "qmatmul: ISA level ", use, " is not supported by this CPU (best ", best, ")");
+
+    std::vector<int64_t> offset(weights.size() + 1, 0);
+    for (size_t i = 0; i < weights.size(); ++i) {
+        const int64_t bw = tt::block_weights(int(types[i]));
+        TORCH_CHECK(bw > 0, "qmatmul: unsupported GGML type ", types[i]);
+        TORCH_CHECK(K % bw == 0, "qmatmul: K=", K, " is not a multiple of the block size ", bw);
+        const at::Tensor& w = weights[i];
+        TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous(), "qmatmul: weights must be contiguous uint8");
+        TORCH_CHECK(w.numel() == rows[i] * (K / bw) * tt::block_bytes(int(types[i])),
+                    "qmatmul: weight ", i, " has ", w.numel(), " bytes, expected ", rows[i], " rows of K=", K);
+        offset[i + 1] = offset[i] + rows[i];
+    }
+    const int64_t N = offset.back();
+    at::Tensor y = at::empty({M, N}, x.options());
+    if (M == 0 || N == 0) return y;
+
+    std::vector<int8_t> a(M * K);
+    std::vector<float> dl(M * (K / 4)), as16(M * (K / 16));
+    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+        tt::quantize_rows(x.data_ptr<float>() + m0 * K, K, m1 - m0, K, a.data() + m0 * K,
+                          dl.data() + m0 * (K / 4), as16.data() + m0 * (K / 16));
+    });
+    float* yp = y.data_ptr<float>();
+    // threads take whole tiles of 16 output rows (the AVX-512 kernel's unit of work)
+    at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t tb, int64_t te) {
+        const int64_t b = tb * 16, e = std::min(te * 16, N);
+        for (size_t i = 0; i < weights.size(); ++i) {
+            const int64_t lo = std::max(b, offset[i]), hi = std::min(e, offset[i + 1]);
+            if (lo >= hi) continue;
+            tt::matmul_rows(use, int(types[i]), weights[i].data_ptr<uint8_t>(), K, lo - offset[i],
+                            hi - offset[i], a.data(), dl.data(), as16.data(), M, yp + offset[i], N);
+        }
+    });
+    if (bias.has_value()) y.add_(*bias);
+    return y;
+}
+
+int64_t best_isa_op() { return tt::best_isa(); }
+int64_t env_isa_op() { return env_isa(); }
+
+}  // namespace
+
+TORCH_LIBRARY(tokentop, m) {
+    m.def("qmatmul(Tensor x, Tensor[] weights, int[] types, int[] rows, Tensor? bias, int isa=-1) -> Tensor");
+    m.def("best_isa() -> int", &best_isa_op);
+    m.def("env_isa() -> int", &env_isa_op);
+}
+
+TORCH_LIBRARY_IMPL(tokentop, CPU, m) { m.impl("qmatmul", &qmatmul); }

@@ -1,0 +1,188 @@
+"""tokentop::qmatmul against the exact dequantized fp32 reference, on every ISA path this CPU runs.
+
+The two bounds checked are derived in engine/kernels/__init__.py: against W x̂ (x̂ = the
+activations as the kernel quantizes them) only fp32 rounding may differ, which pins every code,
+scale and offset; against W x the activation rounding adds at most sum |w_i| d_g / 2.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+from engine import kernels
+from engine.models import quant
+from engine.models.gguf import TensorData, load_gguf
+from engine.models.quant import dequantize
+from tests.fixtures.tiny_gguf import random_k_blocks
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="quantized kernels could not be built")
+
+TYPES = (T.Q4_0, T.Q5_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
+K_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K)
+EPS32 = 2.0 ** -24
+
+
+def runnable_isas() -> list[str]:
+    return list(kernels.ISA_NAMES[:kernels.best_isa() + 1]) if kernels.available() else []
+
+
+def random_td(qtype: T, rows: int, cols: int, seed: int = 0) -> TensorData:
+    """Random bytes in every field (all codes, signs and K-quant scales occur, Q8_0's -128 too),
+    with finite fp16 scales of a realistic size."""
+    rng = np.random.default_rng(seed)
+    if qtype in K_TYPES:
+        raw = random_k_blocks((rows, cols), qtype, rng)
+    else:
+        block, size = GGML_QUANT_SIZES[qtype]
+        n = rows * cols // block
+        b = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
+        b[:, 0:2] = (rng.uniform(0.5, 1.5, (n, 1)) * 0.02 / 16).astype(np.float16).view(np.uint8)
+        raw = b
+    return TensorData("w", qtype, (rows, cols), np.ascontiguousarray(raw).reshape(rows, -1))
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x̂ and the scale d per weight, exactly as the kernel computes them (fp32 ops, fp64 result)."""
+    m, k = x.shape
+    g = x.view(m, k // 32, 32)
+    d = g.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    a = torch.round(g * inv).clamp(-127, 127)
+    return (a.double() * d.double()).view(m, k), d.double().expand(-1, -1, 32).reshape(m, k)
+
+
+def weight_bias(td: TensorData) -> torch.Tensor:
+    """|b_i| in w_i = s * code_i - b_i (the offset and K-quant minimum the kernel subtracts)."""
+    c = quant._unpack(td)
+    b = c.scale * c.offset + (c.minus if c.minus is not None else 0)
+    return torch.from_numpy(np.repeat(np.abs(b), c.group, axis=1)).double()
+
+
+def check(y: torch.Tensor, td: TensorData, x: torch.Tensor) -> None:
+    w = dequantize(td).double()
+    xhat, d = quantize_activations(x)
+    k = x.shape[1]
+    fp32_bound = (k / 16 + 32) * EPS32 * (xhat.abs() @ (w.abs() + 2 * weight_bias(td)).T)
+    err_hat = (y.double() - xhat @ w.T).abs()
+    assert (err_hat <= fp32_bound).all(), f"vs W x̂: worst excess {(err_hat - fp32_bound).max():.3g}"
+    act_bound = (d @ w.abs().T) * (0.5 + 2.0 ** -17) + fp32_bound
+    err = (y.double() - x.double() @ w.T).abs()
+    assert (err <= act_bound).all(), f"vs W x: worst excess {(err - act_bound).max():.3g}"
+
+
+def run(td_list: list[TensorData], x: torch.Tensor, isa: str | None = None, bias=None) -> torch.Tensor:
+    ws = [torch.from_numpy(td.raw).reshape(-1) for td in td_list]
+    return kernels.qmatmul(x, ws, [int(td.ggml_type) for td in td_list], [td.shape[0] for td in td_list],
+                           bias, isa)
+
+
+@pytest.mark.parametrize("isa", runnable_isas())
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_random_blocks_every_type_isa_and_row_count(qtype, isa):
+    k = 768 if qtype in K_TYPES else 224      # 224 = 3.5 x 64: the half-width tail step too
+    td = random_td(qtype, rows=37, cols=k, seed=int(qtype))
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(1))
+    x[:, 5] *= 40                               # an outlier channel, as real activations have
+    for m in (1, 2, 3, 5, 8, 16):
+        check(run([td], x[:m], isa), td, x[:m])
+
+
+@pytest.mark.parametrize("isa", runnable_isas())
+def test_rows_and_threads_do_not_change_any_bit(isa):
+    """Each output is computed the same way whatever M or the split over threads: the op is
+    batch-invariant by construction (deterministic mode relies on it)."""
+    td = random_td(T.Q4_K, rows=101, cols=512)
+    x = torch.randn(13, 512, generator=torch.Generator().manual_seed(2))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run([td], x, isa)
+        torch.set_num_threads(2)
+        two = run([td], x, isa)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    alone = torch.cat([run([td], x[i:i + 1], isa) for i in range(13)])
+    assert torch.equal(one, alone)
+    assert torch.equal(run([td], x[:5], isa), one[:5])
+
+
+def test_isa_paths_agree_within_their_bounds():
+    td = random_td(T.Q8_0, rows=33, cols=256)     # AVX2 takes Q8_0's sign trick: cover -128
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(3))
+    for isa in runnable_isas():
+        check(run([td], x, isa), td, x)
+
+
+def test_stacked_matrices_of_mixed_types_with_bias():
+    parts = [random_td(T.Q5_0, 24, 256, 1), random_td(T.Q5_0, 8, 256, 2), random_td(T.Q8_0, 9, 256, 3)]
+    bias = torch.randn(41)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(4))
+    fused = run(parts, x, bias=bias)
+    alone = torch.cat([run([p], x) for p in parts], dim=1) + bias
+    assert torch.equal(fused, alone)
+
+
+def test_bad_inputs_raise():
+    td = random_td(T.Q4_0, 4, 64)
+    w = torch.from_numpy(td.raw).reshape(-1)
+    with pytest.raises(RuntimeError, match="bytes"):
+        kernels.qmatmul(torch.randn(1, 64), [w[:-1]], [int(T.Q4_0)], [4])
+    with pytest.raises(RuntimeError, match="multiple"):
+        kernels.qmatmul(torch.randn(1, 48), [w], [int(T.Q4_0)], [4])
+    with pytest.raises(RuntimeError, match="unsupported"):
+        kernels.qmatmul(torch.randn(1, 64), [w], [int(T.Q2_K)], [4])
+
+
+def test_fake_kernel_gives_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(5, 64)
+        y = torch.ops.tokentop.qmatmul(x, [torch.empty(72, dtype=torch.uint8)], [int(T.Q4_0)], [2], None, -1)
+        assert y.shape == (5, 2)
+
+
+def test_env_var_caps_the_isa():
+    code = "from engine import kernels; kernels.load(); print(kernels.isa_name())"
+    env = dict(os.environ, TOKENTOP_KERNEL_ISA="scalar")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "scalar"
+
+
+def test_real_tensors_of_the_bundled_model(real_model_path):
+    gf = load_gguf(real_model_path)
+    by_type: dict[T, TensorData] = {}
+    for td in gf.tensors.values():
+        if len(td.shape) == 2 and td.ggml_type in TYPES:
+            by_type.setdefault(td.ggml_type, td)
+    assert {T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K} <= set(by_type)
+    for qtype, td in by_type.items():
+        sub = TensorData(td.name, qtype, (45, td.shape[1]), td.raw[:45])   # odd N
+        x = torch.randn(6, td.shape[1], generator=torch.Generator().manual_seed(5))
+        x[:, 7] *= 30
+        for isa in runnable_isas():
+            check(run([sub], x, isa), sub, x)
+
+
+def test_without_a_compiler_the_model_falls_back_with_one_log_line(tmp_path):
+    """A fresh cache and no g++ on PATH: load() says why in one warning, linears go dense."""
+    code = ("import logging; logging.basicConfig(level=logging.INFO, format='%(levelname)s %(message)s')\n"
+            "from engine import kernels\n"
+            "from engine.models.quant import LinearPolicy, make_linear\n"
+            "from tests.test_quant import make_td\n"
+            "from gguf import GGMLQuantizationType as T\n"
+            "lin = make_linear(make_td(T.Q4_K), bias=None, policy=LinearPolicy())\n"
+            "print('forms', sorted(lin.kernel_forms()), kernels.describe())\n")
+    env = dict(os.environ, TOKENTOP_CACHE_DIR=str(tmp_path), PATH=str(tmp_path),
+               PYTHONPATH=os.getcwd())
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    warnings = [ln for ln in out.stderr.splitlines() if ln.startswith("WARNING")]
+    assert len(warnings) == 1 and "no C++ compiler" in warnings[0] and "dense torch" in warnings[0]
+    assert "forms ['dense-" in out.stdout and "unavailable (no C++ compiler" in out.stdout
