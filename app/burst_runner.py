@@ -11,8 +11,10 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from app.widgets.fmt import describe_error
-from engine.bursts import BurstItem
+from engine.errors import describe_error
+from engine.pacing import paced
+from engine.stats import percentile
+from app.bursts import BurstItem
 
 
 @dataclass(frozen=True)
@@ -45,13 +47,6 @@ class BurstSummary:
                 f"{self.tokens_per_s:.0f} tok/s aggregate over {self.seconds:.1f} s")
 
 
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100) of a non-empty list."""
-    ordered = sorted(values)
-    rank = max(1, -(-len(ordered) * q // 100))
-    return ordered[int(rank) - 1]
-
-
 class BurstRun:
     """One burst in flight against an Engine; `done` once it has fired and every request ended."""
 
@@ -82,11 +77,7 @@ class BurstRun:
         return not self._thread.is_alive() and all(h.done for _, h in self.handles)
 
     def _fire(self) -> None:
-        start = time.monotonic()
-        for i in range(self.spec.count):
-            delay = start + i * self.spec.interval_ms / 1000 - time.monotonic()
-            if self._stop.wait(max(0.0, delay)):
-                return
+        for i in paced(self.spec.count, self.spec.interval_ms / 1000, self._stop):
             item = self.items[i % len(self.items)]
             overrides = {"max_tokens": self.spec.max_tokens, "temperature": self.spec.temperature}
             params = replace(item.params, **{k: v for k, v in overrides.items() if v is not None})

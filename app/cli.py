@@ -1,18 +1,336 @@
-"""`tokentop` entry point: no subcommand opens the dashboard; others go to engine.cli."""
+"""The whole command line: `tokentop` (the dashboard, app/main.py), `tokentop generate`,
+`tokentop bench SCENARIO`, `tokentop serve`, `tokentop models`, and the engine flags they share.
+
+The engine (engine/) is a library with no command line of its own: this module turns flags
+into its settings (EngineConfig, SamplingParams, ServeConfig). Every user error is one line on
+stderr and exit code 2. Heavy modules (torch, the engine's model code) are imported inside the
+command that needs them, so `tokentop --help` and a flag error answer at once.
+"""
 from __future__ import annotations
 
+import argparse
+import json
+import signal
 import sys
+import threading
+from dataclasses import replace
 
-ENGINE_COMMANDS = {"generate", "bench", "models", "serve"}
+from engine.config import (KV_MODES, PREFIX_CACHE, ROUTER_POLICIES, SCHED_POLICIES, SINGLE_FLIGHT, SPEC_MODES,
+                           EngineConfig, SamplingParams, WorkerConfig)
+from engine.devices import parse_devices, parse_size
+from engine.errors import ConfigError, TokentopError, describe_error
+from engine.trace import check_trace_dir
+
+EXIT_USAGE = 2
+COMMANDS = ("generate", "bench", "models", "serve")   # anything else: the dashboard's flags
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a bad flag is a single line (and exit code 2), not a usage dump."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(EXIT_USAGE, f"tokentop: error: {message} (see `{self.prog} --help`)\n")
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default="qwen2.5-coder-0.5b",
+                   help="catalog name (see `tokentop models`), a .gguf path, or owner/repo/file.gguf")
+    g.add_argument("--device", action="append", default=None, metavar="DEV",
+                   help="repeatable: cpu, cuda, cuda:N, sim:NAME[:prefill=R,decode=R] (default: cpu)")
+    g.add_argument("--threads", type=int, default=0, help="CPU threads per worker (0 = all)")
+    g.add_argument("--max-active", type=int, default=8, help="max running requests per worker")
+    g.add_argument("--max-batched-tokens", type=int, default=512, help="token budget per step")
+    g.add_argument("--max-context", type=int, default=None,
+                   help="max prompt + output tokens per request (default: the model's, at most 4096)")
+    g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    g.add_argument("--kv-cache-memory", default="256MiB", help="KV memory per worker, e.g. 256MiB")
+    g.add_argument("--kv-cache", choices=KV_MODES, default="paged")
+    g.add_argument("--policy", choices=SCHED_POLICIES, default="fcfs", help="scheduler policy")
+    g.add_argument("--router-policy", choices=ROUTER_POLICIES, default="cost")
+    g.add_argument("--prefix-cache", choices=PREFIX_CACHE, default="on",
+                   help="reuse KV pages of identical prompt prefixes (paged KV only)")
+    g.add_argument("--single-flight", choices=SINGLE_FLIGHT,
+                   default="after-prefill",
+                   help="a request whose prefix pages another request is computing waits for them")
+    g.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant greedy output (fixed kernels and prefill chunks)")
+    g.add_argument("--activation-dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto")
+    g.add_argument("--weights", choices=["faithful"], default="faithful",
+                   help="faithful: every GGUF type is computed as stored (the only mode)")
+    g.add_argument("--worker-mode", choices=["process", "thread"], default=None,
+                   help="run each worker in its own process (default for several workers) or a thread")
+    g.add_argument("--recalibrate", action="store_true",
+                   help="measure each worker's prefill/decode speed again (else cached after first use)")
+    g.add_argument("--speculate", choices=SPEC_MODES, default=None,
+                   help="speculative decoding of requests (default: draft with --draft-model, else off)")
+    g.add_argument("--draft-model", default="", metavar="NAME|PATH",
+                   help="draft model for --speculate draft, e.g. qwen2.5-coder-0.5b for the 1.5B")
+    g.add_argument("--spec-k", default="adaptive:cost", metavar="N|POLICY",
+                   help="draft length: N, adaptive:cost (default), adaptive:acceptance, adaptive:length")
+    g.add_argument("--spec-tv-budget", type=float, default=0.0, metavar="D",
+                   help="mentored decoding: accept drafts within total-variation budget D (0 = lossless)")
+    g.add_argument("--no-spec-bonus", action="store_true",
+                   help="no bonus token after a fully accepted draft (mini-vllm-rs's setting)")
+    g.add_argument("--ngram-min", type=int, default=1, help="prompt lookup: shortest n-gram matched")
+    g.add_argument("--ngram-max", type=int, default=4, help="prompt lookup: longest n-gram matched")
+    g.add_argument("--trace-dir", default=None, help="write a Perfetto (Chrome JSON) trace here")
+    g.add_argument("--routing-log", default=None, help="append every routing decision as JSON lines")
+
+
+def engine_config_from(args: argparse.Namespace, default_mode: str = "process") -> EngineConfig:
+    if args.max_context is not None and args.max_context < 2:   # 0 means "the model's" only inside
+        raise ConfigError(f"--max-context must be at least 2 tokens (a prompt token and an output "
+                          f"token), got {args.max_context}; e.g. --max-context 4096")
+    base = WorkerConfig(
+        model=args.model, threads=args.threads, max_active=args.max_active,
+        max_batched_tokens=args.max_batched_tokens, max_context=args.max_context or 0,
+        page_size=args.page_size, kv_cache_memory=parse_size(args.kv_cache_memory),
+        kv_cache=args.kv_cache, policy=args.policy, deterministic=args.deterministic,
+        activation_dtype=args.activation_dtype, weights=args.weights, recalibrate=args.recalibrate,
+        speculate=args.speculate or ("draft" if args.draft_model else "off"), draft_model=args.draft_model,
+        spec_k=args.spec_k, spec_tv_budget=args.spec_tv_budget, spec_bonus=not args.no_spec_bonus,
+        ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+        prefix_cache=args.prefix_cache, single_flight=args.single_flight,
+        # a speed profile only matters when a router has a choice to make
+        calibrate=len(args.device or ["cpu"]) > 1 or args.recalibrate)
+    workers = parse_devices(args.device or ["cpu"], base)
+    if args.trace_dir:
+        check_trace_dir(args.trace_dir)
+    return EngineConfig(workers=workers, router_policy=args.router_policy, trace_dir=args.trace_dir,
+                        routing_log=args.routing_log, worker_mode=args.worker_mode or default_mode)
+
+
+def build_parser() -> OneLineParser:
+    p = OneLineParser(prog="tokentop", description="htop for an LLM inference engine")
+    sub = p.add_subparsers(dest="command", parser_class=OneLineParser)
+
+    g = sub.add_parser("generate", help="generate text from a prompt (streams to stdout)")
+    g.add_argument("prompt", nargs="?", help="the prompt text")
+    g.add_argument("--prompt-file", help="read the prompt from this file ('-' = stdin)")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message (chat template)")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    add_engine_flags(g)
+
+    b = sub.add_parser("bench", help="benchmarks (JSON out)")
+    b.add_argument("scenario", choices=["single", "batching", "routing", "dashboard", "trace", "prefix", "serve",
+                                        "spec"])
+    b.add_argument("--models", default="qwen2.5-coder-0.5b", help="comma-separated (bench single)")
+    b.add_argument("--runs", type=int, default=3)
+    b.add_argument("--quick", action="store_true", help="fewer/shorter runs (smoke test)")
+    b.add_argument("--out", default=None, help="also write the JSON report here")
+    b.add_argument("--policies", default="forced-fastest,round-robin,least-loaded,cost",
+                   help="bench routing: which policies to compare")
+    b.add_argument("--sizes", default=None, metavar="N,N,...",
+                   help="bench batching: concurrent request counts (1 and 8 always included)")
+    b.add_argument("--no-sequential", action="store_true",
+                   help="bench batching: skip the one-after-another comparison")
+    b.add_argument("--llama-cpp", default=None, metavar="PYTHON",
+                   help="bench single: a python with llama-cpp-python, to measure llama.cpp side by side")
+    add_engine_flags(b)
+
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP API (with /metrics), headless")
+    add_serve_flags(s)
+    add_engine_flags(s)
+
+    m = sub.add_parser("models", help="list bundled models and whether they are installed")
+    m.add_argument("--json", action="store_true")
+    return p
+
+
+def build_dashboard_parser() -> OneLineParser:
+    p = OneLineParser(prog="tokentop", description="htop for an LLM inference engine: the dashboard. "
+                      "Subcommands generate, bench, serve and models run without it.")
+    add_engine_flags(p)
+    p.add_argument("--burst-file", metavar="FILE", default=None,
+                   help="fire this burst file (JSONL, see sample_prompts/README.md) once the "
+                        "workers have started: each line once, with its own sampling settings")
+    p.add_argument("--serve", default=None, metavar="[HOST:]PORT",
+                   help="also serve the OpenAI-compatible API here; its requests show in the panels")
+    add_serve_flags(p)
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in ENGINE_COMMANDS:
-        from engine.cli import main as engine_main
-        return engine_main(argv)
-    from app.main import run_dashboard
-    return run_dashboard(argv)
+    if not argv or argv[0] not in COMMANDS:
+        from app.main import run_dashboard
+        return run_dashboard(argv)
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            return cmd_generate(args)
+        if args.command == "bench":
+            from app.bench import APP_SCENARIOS
+            from engine.bench import run_bench
+            return run_bench(args, APP_SCENARIOS)
+        if args.command == "models":
+            return cmd_models(args)
+        if args.command == "serve":
+            return cmd_serve(args)
+        build_parser().print_help()
+        return EXIT_USAGE
+    except TokentopError as exc:
+        print(f"tokentop: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+def read_prompt(args) -> str:
+    if args.prompt is not None and args.prompt_file:
+        raise TokentopError("give the prompt as an argument or --prompt-file, not both")
+    if args.prompt_file:
+        try:
+            if args.prompt_file == "-":
+                return sys.stdin.read()
+            with open(args.prompt_file, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise TokentopError(f"cannot read --prompt-file {args.prompt_file}: {exc}") from None
+    if args.prompt is None:
+        raise TokentopError('no prompt: write tokentop generate "your prompt" or use --prompt-file')
+    return args.prompt
+
+
+def cmd_generate(args) -> int:
+    from engine.engine import Engine
+    from engine.models.catalog import tty_progress
+
+    prompt = read_prompt(args)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
+        stop=tuple(args.stop), ignore_eos=args.ignore_eos).validate()
+    if not prompt.strip():
+        raise TokentopError("the prompt is empty; type some text")
+    config = engine_config_from(args, default_mode="thread")
+    if len(config.workers) > 1:
+        config = replace(config, worker_mode=args.worker_mode or "process")
+    bars = {}
+
+    def progress(name, done, total):
+        bars.setdefault(name, tty_progress(f"assembling {name}"))(done, total)
+
+    engine = Engine(config, progress=progress)
+    try:
+        engine.start()
+        kw = {"messages": [{"role": "user", "content": prompt}]} if args.chat else {"prompt": prompt}
+        handle = engine.submit(params=params, **kw)
+        if handle.notice:
+            print(f"tokentop: note: {handle.notice}", file=sys.stderr)
+        if not args.json:
+            for delta in handle:
+                sys.stdout.write(delta.text)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+        result = handle.result()
+        if result.finish_reason == "error":
+            raise TokentopError(result.error or "generation failed")
+        if args.json:
+            print(json.dumps(result_json(engine, result, args.model), ensure_ascii=False))
+        if args.trace_dir:
+            path = engine.export_trace(args.trace_dir)
+            print(f"trace written to {path}", file=sys.stderr)
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def result_json(engine, result, model: str) -> dict:
+    m = result.metrics
+    prefill_time = m.ttft if m and m.ttft else None
+    decode_time = (m.e2e - m.ttft) if m and m.ttft is not None else None
+    n_out = len(result.token_ids)
+    return {
+        "model": model,
+        "prompt_token_ids": result.prompt_token_ids,
+        "token_ids": result.token_ids,
+        "text": result.text,
+        "finish_reason": result.finish_reason,
+        "prefill_tokens_per_s": (m.prompt_tokens - m.cached_tokens) / prefill_time if prefill_time else None,
+        "decode_tokens_per_s": (n_out - 1) / decode_time if decode_time and n_out > 1 else None,
+        "metrics": m.__dict__ if m else None,
+        "worker": result.worker,
+    }
+
+
+def cmd_models(args) -> int:
+    from engine.models.catalog import list_models
+
+    models = list_models()
+    if args.json:
+        print(json.dumps(models, indent=2))
+        return 0
+    for m in models:
+        flag = "assembled" if m.get("assembled") else "installed" if m.get("installed") else "not installed"
+        print(f"{m['name']:22} {m.get('arch', ''):8} {m.get('size', 0) / 1e6:8.0f} MB  {flag}")
+    from engine import kernels   # imports torch: only here, not for every command
+    from engine.cpuinfo import cpu_summary
+    print(f"{kernels.describe()}; CPU: {cpu_summary()}")
+    return 0
+
+
+# --- serve -------------------------------------------------------------------------------
+def add_serve_flags(p) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1/*")
+    g.add_argument("--max-queue", type=int, default=256,
+                   help="answer 429 when this many requests wait beyond what the workers can run")
+    g.add_argument("--max-body", default="4MiB", help="largest request body accepted")
+
+
+def serve_config_from(args, host: str | None = None, port: int | None = None):
+    from engine.serve.app import ServeConfig
+
+    if getattr(args, "max_queue", 256) < 0:
+        raise ConfigError("--max-queue must be >= 0")
+    return ServeConfig(host=host or getattr(args, "host", "127.0.0.1"),
+                       port=getattr(args, "port", 8000) if port is None else port,
+                       api_key=getattr(args, "api_key", None), max_queue=getattr(args, "max_queue", 256),
+                       max_body=parse_size(getattr(args, "max_body", "4MiB")))
+
+
+def cmd_serve(args) -> int:
+    from engine.engine import Engine
+    from engine.serve.server import HttpServer
+
+    config = engine_config_from(args, default_mode="process")
+    engine = Engine(config)
+    http = HttpServer(engine, serve_config_from(args))      # binds now: a busy port fails here
+    failed: list[str] = []
+
+    def start_engine() -> None:
+        try:
+            engine.start(wait=True)
+            print(f"tokentop: serving {http.api.model} on {http.url}/v1 (metrics at {http.url}/metrics)",
+                  file=sys.stderr, flush=True)
+        except Exception as exc:  # noqa: BLE001 - one line, then stop serving
+            failed.append(describe_error(exc))
+            http.server.should_exit = True
+
+    print(f"tokentop: listening on {http.url} (GET /health answers 503 until the model is loaded)",
+          file=sys.stderr, flush=True)
+    threading.Thread(target=start_engine, name="tokentop-start", daemon=True).start()
+    signal.signal(signal.SIGTERM, lambda *_: setattr(http.server, "should_exit", True))
+    try:
+        http.run()
+    finally:
+        engine.shutdown()
+    if failed:
+        raise TokentopError(failed[0])
+    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

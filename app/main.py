@@ -25,6 +25,8 @@ from textual.screen import Screen
 from textual.widgets import Footer
 
 from app.burst_runner import BurstRun, BurstSpec
+from app.bursts import default_prompts_dir, list_burst_files, load_burst
+from app.cli import EXIT_USAGE, build_dashboard_parser, engine_config_from, serve_config_from
 from app.screens.burst import BurstDialog, DEFAULTS
 from app.screens.detail import RequestDetail
 from app.screens.help import HelpScreen
@@ -32,19 +34,16 @@ from app.screens.prompt import PromptDialog
 from app.settings import load_settings, save_settings
 from app.widgets.backend import BackendPanel
 from app.widgets.event_log import EventLog
-from app.widgets.fmt import describe_error, fmt_rate, fmt_uptime
+from app.widgets.fmt import fmt_rate, fmt_uptime
 from app.widgets.line import Line
 from app.widgets.panel import Panel
 from app.widgets.requests import RequestsTable
 from app.widgets.routing import RoutingPanel
 from app.widgets.spec import SpecPanel
 from app.widgets.streams import StreamsPanel
-from engine.bursts import default_prompts_dir, list_burst_files, load_burst
-from engine.cli import EXIT_USAGE, OneLineParser, add_engine_flags, engine_config_from
-from engine.config import SCHED_POLICIES, EngineConfig, SamplingParams
+from engine.config import ROUTER_POLICIES, SCHED_POLICIES, EngineConfig, SamplingParams
 from engine.engine import Engine
-from engine.errors import TokentopError
-from engine.router import POLICIES as ROUTER_POLICIES
+from engine.errors import TokentopError, describe_error
 from engine.snapshot import EngineSnapshot
 from themes import KV_DEFAULTS, STYLESHEET, THEMES
 
@@ -56,8 +55,8 @@ THEME_CYCLE = tuple(t.name for t in THEMES)
 ACTIONS = (
     Binding("b", "burst", "Burst", tooltip="Fire a burst of requests from a burst file (a sample or your own)"),
     Binding("n", "prompt", "Prompt", tooltip="Submit one prompt you type"),
-    Binding("p", "cycle_scheduler", "Sched", tooltip="Cycle the scheduler policy (fcfs, spf)"),
-    Binding("r", "cycle_router", "Router", tooltip="Cycle the router policy (round-robin, least-loaded, cost)"),
+    Binding("p", "cycle_scheduler", "Sched", tooltip=f"Cycle the scheduler policy ({', '.join(SCHED_POLICIES)})"),
+    Binding("r", "cycle_router", "Router", tooltip=f"Cycle the router policy ({', '.join(ROUTER_POLICIES)})"),
     Binding("s", "cycle_spec", "Spec", tooltip="Cycle speculative decoding of new requests "
                                                "(off, ngram, draft when a draft model is loaded)"),
     Binding("x,delete", "abort", "Abort", tooltip="Abort the request selected in the request table"),
@@ -83,20 +82,6 @@ def reported(command: Callable) -> Callable:
     return run
 
 
-def build_parser() -> OneLineParser:
-    p = OneLineParser(prog="tokentop", description="htop for an LLM inference engine: the dashboard. "
-                      "Subcommands generate, bench and models run without it.")
-    add_engine_flags(p)
-    p.add_argument("--burst-file", metavar="FILE", default=None,
-                   help="fire this burst file (JSONL, see sample_prompts/README.md) once the "
-                        "workers have started: each line once, with its own sampling settings")
-    p.add_argument("--serve", default=None, metavar="[HOST:]PORT",
-                   help="also serve the OpenAI-compatible API here; its requests show in the panels")
-    from engine.serve.cli import add_serve_flags
-    add_serve_flags(p)
-    return p
-
-
 def startup_burst(path: str) -> BurstSpec:
     """--burst-file: checked now (a bad file is a one-line error before anything loads);
     fired once every worker has started."""
@@ -106,10 +91,13 @@ def startup_burst(path: str) -> BurstSpec:
 
 
 def run_dashboard(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_dashboard_parser().parse_args(argv)
     try:
         burst = startup_burst(args.burst_file) if args.burst_file else None
         config = engine_config_from(args, default_mode="process")
+        # the routing panel shows the cost router's estimates: every worker gets a speed
+        # profile (cached after its first start-up; measured then, as a start-up stage)
+        config = replace(config, workers=tuple(replace(w, calibrate=True) for w in config.workers))
         log = Path(platformdirs.user_log_dir("tokentop")) / "workers.log"
         app = TokentopApp(replace(config, worker_log=str(log)), startup_burst=burst)
         http = _start_http(app, args) if args.serve else None
@@ -127,7 +115,6 @@ def run_dashboard(argv: list[str]) -> int:
 
 def _start_http(app: "TokentopApp", args):
     """`--serve`: the HTTP API on the app's own engine, so its requests appear in the panels."""
-    from engine.serve.cli import serve_config_from
     from engine.serve.server import HttpServer, parse_bind
 
     host, port = parse_bind(args.serve, default_host=args.host)
@@ -294,7 +281,7 @@ class TokentopApp(App[int]):
         snap = self.last_snapshot
         workers = snap.workers if snap else ()
         ready = sum(w.state == "ready" for w in workers)
-        active = sum(r.state in ("queued", "prefill", "decode") for r in snap.requests) if snap else 0
+        active = sum(r.state.live for r in snap.requests) if snap else 0
         tracing = "[b $success]on[/]" if self.engine.tracing else "off"
         parts = [(0, "[b $accent]tokentop[/]")]
         for run in self.bursts:

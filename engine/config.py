@@ -67,8 +67,23 @@ SPEC_K_POLICIES = ("adaptive:cost", "adaptive:acceptance", "adaptive:length")
 KV_MODES = ("paged", "contiguous")
 DEFAULT_MAX_CONTEXT = 4096   # when --max-context is not given (and the model allows that much)
 SCHED_POLICIES = ("fcfs", "spf")
+ROUTER_POLICIES = ("round-robin", "least-loaded", "cost", "cache-aware")
 PREFIX_CACHE = ("on", "off")
 SINGLE_FLIGHT = ("off", "after-prefill", "at-completion")
+
+
+def check_scheduler_policy(policy: str) -> str:
+    if policy not in SCHED_POLICIES:
+        raise ConfigError(f"unknown scheduler policy {policy!r}: use --policy "
+                          f"{' or '.join(SCHED_POLICIES)}")
+    return policy
+
+
+def check_router_policy(policy: str) -> str:
+    if policy not in ROUTER_POLICIES:
+        raise ConfigError(f"unknown router policy {policy!r}: use --router-policy "
+                          f"{', '.join(ROUTER_POLICIES[:-1])} or {ROUTER_POLICIES[-1]}")
+    return policy
 
 
 @dataclass(frozen=True)
@@ -88,7 +103,6 @@ class WorkerConfig:
     deterministic: bool = False
     activation_dtype: str = "auto"        # auto | bf16 | fp16 | fp32
     weights: str = "faithful"             # faithful (the only mode: GGUF types as stored)
-    compile: bool = False
     recalibrate: bool = False             # measure the speed profile again instead of the cached one
     calibrate: bool = True                # False: skip the profile (tests, benchmarks of one worker)
     # speculative decoding (engine/spec/)
@@ -130,8 +144,7 @@ class WorkerConfig:
             raise ConfigError(f"--max-batched-tokens must be >= 1, got {self.max_batched_tokens}")
         if self.kv_cache not in KV_MODES:
             raise ConfigError(f"--kv-cache must be one of {', '.join(KV_MODES)}, got {self.kv_cache!r}")
-        if self.policy not in SCHED_POLICIES:
-            raise ConfigError(f"--policy must be one of {', '.join(SCHED_POLICIES)}, got {self.policy!r}")
+        check_scheduler_policy(self.policy)
         if self.prefix_cache not in PREFIX_CACHE:
             raise ConfigError(f"--prefix-cache must be on or off, got {self.prefix_cache!r}")
         if self.single_flight not in SINGLE_FLIGHT:

@@ -4,8 +4,9 @@
   cuda | cuda:N               a GPU worker; each bare `cuda` claims the next free index
   sim:NAME[:prefill=R,decode=R[,jitter=J]]
                               a simulated worker (no model run; labelled simulated).
-                              NAME starting with gpu/cpu uses the seeds' measured M2 rates
-                              when no rates are given (gpu: 2551/293 tok/s, cpu: 73/45).
+                              NAME starting with gpu/cpu uses mini-vllm-rs's published
+                              Apple M2 rates when no rates are given (gpu: 2551/293 tok/s,
+                              cpu: 73/45).
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from engine.errors import ConfigError
 # is refused at start-up with the reason; 'auto' never picks one. Filled from measured runs only.
 UNFAITHFUL_ACTIVATION_DTYPES: dict[str, dict[str, str]] = {}
 
-# Isolated backend profiles from the seeds (Qwen2.5 0.5B, Apple M2): prefill, decode tok/s
+# Isolated backend profiles published by mini-vllm-rs ("From a Rust Inference Engine to
+# Heterogeneous Serving": Qwen2.5 0.5B on an Apple M2, Metal GPU and CPU): prefill, decode tok/s
 SIM_PRESETS = {"gpu": (2551.0, 293.0), "cpu": (73.0, 45.0)}
 
 

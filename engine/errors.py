@@ -19,3 +19,9 @@ class ConfigError(TokentopError):
 
 class WorkerDied(TokentopError):
     """The worker that owned a request stopped; the request failed with it."""
+
+
+def describe_error(exc: BaseException) -> str:
+    """One line for a user: a TokentopError is written for users as is; anything else also
+    names its type, so an unexpected failure is still recognisable."""
+    return str(exc) if isinstance(exc, TokentopError) else f"{type(exc).__name__}: {exc}"

@@ -53,9 +53,49 @@ class WorkerLoading:
 
 
 @dataclass(frozen=True)
+class WorkerInfo:
+    """What a worker tells the facade once it is ready: its model, memory and settings."""
+    name: str
+    model: str
+    device: str
+    dtype: str = "?"
+    weights: str = "?"
+    arch: str = ""
+    layers: int = 0
+    simulated: bool = False
+    pages: int = 0                 # KV pages in its pool (0: a remote worker has none here)
+    page_size: int = 0
+    max_context: int = 0           # per request, prompt + output
+    context_capped_by_kv: bool = False
+    kv_bytes: int = 0
+    max_active: int = 0
+    policy: str = ""
+    kv_cache: str = ""
+    prefix_cache: str = "off"      # on | off
+    single_flight: str = "off"
+    profile_prefill_tps: float = 0.0   # the speed profile (0: not calibrated)
+    profile_decode_tps: float = 0.0
+    profile_source: str = "none"
+    sim_prefill_tps: float = 0.0   # a simulated worker's declared rates
+    sim_decode_tps: float = 0.0
+    remote: bool = False
+    url: str | None = None         # a remote worker's server
+    spec_modes: tuple[str, ...] = ("off",)   # speculative decoding modes it can serve
+    draft_model: str = ""          # its draft model, when it has one
+    kernels: str = ""              # which weight forms its linear layers use, when it says
+    note: str = ""
+    summary: str = ""              # the ready line for the log, when the default one does not fit
+
+    @classmethod
+    def before_ready(cls, cfg) -> "WorkerInfo":
+        """What is known of a worker from its WorkerConfig alone, until it reports ready."""
+        return cls(name=cfg.name or cfg.device, model=cfg.model, device=cfg.device, page_size=cfg.page_size)
+
+
+@dataclass(frozen=True)
 class WorkerReady:
     worker: int
-    info: dict                     # model name, arch, dtype, pages, page_size, max_context...
+    info: WorkerInfo
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ import httpx
 
 from engine import messages as msg
 from engine.config import WorkerConfig
-from engine.errors import ConfigError
+from engine.errors import ConfigError, describe_error
 
 STATS_INTERVAL = 0.2
 SCRAPE_INTERVAL = 1.0
@@ -169,15 +169,15 @@ class RemoteWorker:
         self._said_down = None
         return None
 
-    def _info(self) -> dict:
+    def _info(self) -> msg.WorkerInfo:
         note = ("prompt lengths: local tokenizer (same model)" if self.same_model else
                 f"prompt lengths: estimate (local {self.local_model} tokenizer; remote serves {self.remote_model})")
-        return {"name": self.cfg.name, "model": self.remote_model, "dtype": "remote", "weights": "remote",
-                "pages": 0, "page_size": 0, "max_context": self.max_context, "device": self.cfg.device,
-                "simulated": False, "remote": True, "url": self.url, "max_active": self.cfg.max_active,
-                "policy": "remote", "note": note, "profile_prefill_tps": self.prefill_tps,
-                "profile_decode_tps": self.decode_tps,
-                "summary": f"forwarding to {self.url} ({self.remote_model}; {note})"}
+        return msg.WorkerInfo(
+            name=self.cfg.name, model=self.remote_model, dtype="remote", weights="remote", pages=0,
+            page_size=0, max_context=self.max_context, device=self.cfg.device, simulated=False,
+            remote=True, url=self.url, max_active=self.cfg.max_active, policy="remote", note=note,
+            profile_prefill_tps=self.prefill_tps, profile_decode_tps=self.decode_tps,
+            summary=f"forwarding to {self.url} ({self.remote_model}; {note})")
 
     def _mark_down(self, reason: str) -> None:
         if self.ready:
@@ -376,4 +376,4 @@ def remote_worker_main(index: int, cfg: WorkerConfig, model_path: str, commands,
     try:
         RemoteWorker(index, cfg, model_path, commands, events).run()
     except BaseException as exc:  # noqa: BLE001
-        events.put(msg.WorkerDead(index, f"{type(exc).__name__}: {exc}"))
+        events.put(msg.WorkerDead(index, describe_error(exc)))

@@ -7,7 +7,8 @@ Policies:
                   (prefill tokens pending + incoming prompt - reusable prefix) / prefill rate
                 + (decode budget pending + incoming max_tokens) / decode rate
                 counting running and queued requests. Queued requests keep the prefix
-                discount they were routed with (the seeds' accounting bug, avoided).
+                discount they were routed with (dropping it undercounts their work: the
+                accounting bug mini-vllm-rs's heterogeneous-serving post describes).
   cache-aware   the worker with the longest reusable prefix, unless load is imbalanced
                 (SGLang's gateway rule: max - min outstanding work above an absolute AND a
                 relative threshold), then the least-loaded worker. Outstanding work is in
@@ -25,7 +26,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-POLICIES = ("round-robin", "least-loaded", "cost", "cache-aware")
+from engine.config import check_router_policy
+
+
+NOMINAL_RATES = (100.0, 10.0)   # prefill, decode tok/s assumed for a worker with no profile yet
 BALANCE_ABS_S = 2.0      # cache-aware: imbalanced if max - min outstanding work > 2 s ...
 BALANCE_REL = 1.5        # ... and max > 1.5 x min
 
@@ -43,6 +47,7 @@ class Candidate:
     decode_rate: float
     score: float               # policy's score; lower is better
     work: float = 0.0          # outstanding seconds before the incoming request
+    nominal: bool = False      # the rates are placeholders: the worker has no speed profile yet
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,7 @@ class WorkerLoad:
     waiting: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    nominal: bool = False      # no measured profile: the rates are NOMINAL_RATES
 
 
 class Router:
@@ -90,9 +96,7 @@ class Router:
         self.balance_rel = balance_rel
 
     def set_policy(self, policy: str) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"unknown router policy {policy!r}; choose one of {', '.join(POLICIES)}")
-        self.policy = policy
+        self.policy = check_router_policy(policy)
 
     def choose(self, request_id: str, prompt_tokens: int, max_tokens: int,
                loads: list[WorkerLoad], cached: dict[int, int] | None = None,
@@ -115,7 +119,7 @@ class Router:
             else:
                 score = 0.0
             cands.append(Candidate(w.worker, w.name, w.running, w.waiting, pre, dec, reuse,
-                                   w.prefill_rate, w.decode_rate, score, work))
+                                   w.prefill_rate, w.decode_rate, score, work, w.nominal))
         reason = ""
         if force is not None:
             chosen = force

@@ -3,10 +3,23 @@ from __future__ import annotations
 
 import torch
 
+from engine import kernels
 from engine.config import WorkerConfig
+from engine.devices import check_activation_dtype
 from engine.kv.pages import BlockManager
 from engine.models.batch import ForwardBatch, KVStore, SeqSlice
+from engine.models.catalog import resolve_model
+from engine.models.decoder import Decoder
+from engine.models.gguf import load_gguf
+from engine.models.quant import LinearPolicy, QuantLinear
+from engine.models.selfcheck import check_linears
+from engine.models.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.output import SampledToken, StepOutput
+from engine.runner_api import Runner
+from engine.sampling import RequestSampler, SamplingError, sample
 from engine.scheduler import StepPlan
+from engine.spec.draft import DraftModel
+from engine.spec.verify import verify
 from engine.trace import get_tracer
 
 
@@ -14,29 +27,18 @@ def pick_activation_dtype(device: str, requested: str) -> torch.dtype:
     """bf16 unless asked otherwise: the activation dtype of dense forms (float tensors, no
     compiler; the GGUF kernels quantize activations to int8 themselves); a dtype measured
     unfaithful on this device type is refused (engine/devices.py)."""
-    from engine.devices import check_activation_dtype
-
     table = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     return table[check_activation_dtype(device, requested)]
 
 
 def _kernel_label(model) -> str:
     """Which weight forms the linear layers use, e.g. 'gguf-avx512' or 'dense-bfloat16'."""
-    from engine import kernels
-    from engine.models.quant import QuantLinear
-
     forms = sorted({f for m in model.modules() if isinstance(m, QuantLinear) for f in m.kernel_forms()})
     return "+".join(f"gguf-{kernels.isa_name()}" if f == "gguf" else f for f in forms)
 
 
-class ModelRunner:
+class ModelRunner(Runner):
     def __init__(self, cfg: WorkerConfig, model_path: str):
-        from engine.models.decoder import Decoder
-        from engine.models.gguf import load_gguf
-        from engine.models.quant import LinearPolicy
-        from engine.models.selfcheck import check_linears
-        from engine.models.tokenizer import Tokenizer
-
         self.cfg = cfg
         self.device = torch.device(cfg.device)
         dtype = pick_activation_dtype(cfg.device, cfg.activation_dtype)
@@ -50,8 +52,6 @@ class ModelRunner:
             check_linears(self.model, cfg.weights)   # refuses a layout this CPU computes wrongly
         self.draft = None   # speculative decoding's draft model, on this worker (engine/spec/draft.py)
         if cfg.draft_model:
-            from engine.models.catalog import resolve_model
-            from engine.spec.draft import DraftModel
             with get_tracer().scope("load draft", model=cfg.draft_model):
                 self.draft = DraftModel(cfg, str(resolve_model(cfg.draft_model)), self.policy,
                                         self.tokenizer, gf.config.vocab_size)
@@ -73,9 +73,6 @@ class ModelRunner:
             self.draft.allocate_kv(num_slots)
 
     def start_sequence(self, seq) -> None:
-        from engine.models.tokenizer import IncrementalDetokenizer
-        from engine.sampling import RequestSampler
-
         seq.sampler = RequestSampler(seq.params, seq.prompt_ids)
         seq.detok = IncrementalDetokenizer(self.tokenizer)
 
@@ -83,8 +80,8 @@ class ModelRunner:
         seq.sampler = None
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan, blocks: BlockManager) -> tuple[dict, dict]:
-        """Returns ({seq id: (token, logprob, top) or a spec Verdict}, {seq id: error})."""
+    def execute(self, plan: StepPlan, blocks: BlockManager) -> StepOutput:
+        """A SampledToken per sampling sequence, a spec Verdict per verifying one; or its error."""
         batch, samplers, sample_ids, verifies = self.build_batch(plan, blocks)
         if verifies:
             with get_tracer().scope("verify", requests=len(verifies), tokens=batch.num_tokens):
@@ -93,8 +90,6 @@ class ModelRunner:
             logits = self.model(batch, self.kv)
         sampled, errors = {}, {}
         if sample_ids:
-            from engine.sampling import sample
-
             with get_tracer().scope("sampler", rows=len(samplers)):
                 result = sample(logits[:len(sample_ids)], samplers)
             for row in range(len(sample_ids)):
@@ -103,11 +98,8 @@ class ModelRunner:
                     errors[seq_id] = str(result.errors[row])
                     continue
                 top = result.top_logprobs[row] if result.top_logprobs else ()
-                sampled[seq_id] = (int(result.tokens[row]), float(result.logprobs[row]), top)
+                sampled[seq_id] = SampledToken(int(result.tokens[row]), float(result.logprobs[row]), top)
         if verifies:
-            from engine.sampling import SamplingError
-            from engine.spec.verify import verify
-
             with get_tracer().scope("spec accept", requests=len(verifies)):
                 for seq, first, n in verifies:
                     try:
@@ -117,7 +109,7 @@ class ModelRunner:
                             bonus=self.spec_bonus)
                     except SamplingError as exc:
                         errors[seq.id] = str(exc)
-        return sampled, errors
+        return StepOutput(sampled, errors)
 
     def build_batch(self, plan: StepPlan, blocks: BlockManager):
         """The flat batch; logits rows: one per sampling sequence, then every row of each
@@ -156,9 +148,3 @@ class ModelRunner:
             seqs=seqs,
             logits_rows=torch.tensor(logits_rows, dtype=torch.int64))
         return batch, samplers, sample_ids, verifies
-
-    def set_tracing(self, enabled: bool) -> None:
-        get_tracer().set_enabled(enabled)
-
-    def drain_trace(self) -> list:
-        return get_tracer().drain()

@@ -20,10 +20,11 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from engine.config import check_scheduler_policy
 from engine.kv.pages import BlockManager
 from engine.sequence import Sequence, SeqState
 
-POLICIES = ("fcfs", "spf")
+
 DECODE_HEADROOM = 128   # tokens of growth reserved per sequence when admitting (paged mode)
 
 
@@ -93,9 +94,7 @@ class Scheduler:
             self.reuse.finished(seq)
 
     def set_policy(self, policy: str) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"unknown scheduler policy {policy!r}; choose one of {', '.join(POLICIES)}")
-        self.policy = policy
+        self.policy = check_scheduler_policy(policy)
 
     @property
     def idle(self) -> bool:

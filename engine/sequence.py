@@ -4,8 +4,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from engine.config import SamplingParams
+
+if TYPE_CHECKING:   # for annotations only: sampling imports torch
+    from engine.output import Detokenizer
+    from engine.sampling import RequestSampler
 
 
 class SeqState(str, Enum):
@@ -46,9 +51,9 @@ class Sequence:
     itl_max: float = 0.0
     finish_reason: str | None = None   # stop | length | abort | error
     error: str | None = None
-    # filled by the worker
-    sampler: object | None = None
-    detok: object | None = None
+    # filled by the worker's runner (a simulated one has no sampler)
+    sampler: RequestSampler | None = None
+    detok: Detokenizer | None = None
     text: str = ""
     held_text: str = ""     # decoded text held back while it could still start a stop string
     # speculative decoding (engine/spec/): this step's proposal, the draft model's own KV

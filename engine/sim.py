@@ -20,12 +20,14 @@ from engine.errors import ConfigError
 from engine.models.batch import KVStore
 from engine.models.gguf import load_gguf
 from engine.models.tokenizer import Tokenizer
+from engine.output import SampledToken, StepOutput
+from engine.runner_api import Runner
 from engine.scheduler import StepPlan
 
 PLACEHOLDER_TEXT = " sim"
 
 
-class SimRunner:
+class SimRunner(Runner):
     def __init__(self, cfg: WorkerConfig, model_path: str):
         if cfg.sim_prefill_tps <= 0 or cfg.sim_decode_tps <= 0:
             raise ConfigError(f"simulated worker {cfg.device!r} needs both rates, e.g. "
@@ -53,23 +55,15 @@ class SimRunner:
     def end_sequence(self, seq) -> None:
         pass
 
-    def execute(self, plan: StepPlan, blocks) -> tuple[dict, dict]:
+    def execute(self, plan: StepPlan, blocks) -> StepOutput:
         decode = plan.num_decode
         prefill = plan.num_tokens - decode
         seconds = prefill / self.cfg.sim_prefill_tps + decode / self.cfg.sim_decode_tps
         if self.cfg.sim_jitter:
             seconds *= 1 + self.rng.uniform(-self.cfg.sim_jitter, self.cfg.sim_jitter)
         time.sleep(max(0.0, seconds))
-        sampled = {i.seq.id: (self.placeholder, None, ()) for i in plan.items if i.samples}
-        return sampled, {}
-
-    def set_tracing(self, enabled: bool) -> None:
-        from engine.trace import get_tracer
-        get_tracer().set_enabled(enabled)
-
-    def drain_trace(self) -> list:
-        from engine.trace import get_tracer
-        return get_tracer().drain()
+        sampled = {i.seq.id: SampledToken(self.placeholder) for i in plan.items if i.samples}
+        return StepOutput(sampled, {})
 
 
 class _PlaceholderText:

@@ -6,16 +6,44 @@ holds an engine lock while it renders.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from engine.config import SamplingParams
 from engine.router import RouteDecision
+
+
+class RequestState(StrEnum):
+    """Where a request is, as the engine, its snapshots, its traces and the UI name it."""
+    QUEUED = "queued"        # routed, waiting on its worker (or preempted, waiting to recompute)
+    PREFILL = "prefill"
+    DECODE = "decode"
+    FINISHED = "finished"    # stop or length
+    ABORTED = "aborted"
+    ERROR = "error"
+
+    @property
+    def live(self) -> bool:
+        return self in (RequestState.QUEUED, RequestState.PREFILL, RequestState.DECODE)
+
+    @classmethod
+    def of_worker(cls, seq_state: str) -> "RequestState":
+        """From a worker's sequence state (engine/sequence.py: waiting, prefill, decode, finished)."""
+        return cls.QUEUED if seq_state == "waiting" else cls(seq_state)
+
+    @classmethod
+    def of_finish(cls, reason: str | None) -> "RequestState":
+        """From a finish reason: stop | length | abort | error."""
+        return {"abort": cls.ABORTED, "error": cls.ERROR}.get(reason, cls.FINISHED)
+
+
+LIVE_STATES = tuple(s for s in RequestState if s.live)
 
 
 @dataclass(frozen=True)
 class RequestView:
     id: str
     worker: int | None
-    state: str               # queued | prefill | decode | finished | error | aborted
+    state: RequestState
     prompt_tokens: int
     cached_tokens: int
     output_tokens: int
@@ -35,6 +63,9 @@ class RequestView:
     notice: str | None = None   # how the request was taken, said once (e.g. max_tokens lowered)
     spec: dict | None = None    # speculative decoding: mode, drafts, acceptance, k (None = off)
     drafted_spans: tuple[tuple[int, int], ...] = ()   # [start, end) of text_tail from accepted drafts
+
+    def __post_init__(self) -> None:   # a state given by name is checked and typed
+        object.__setattr__(self, "state", RequestState(self.state))
 
 
 @dataclass(frozen=True)

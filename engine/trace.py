@@ -26,9 +26,6 @@ Usage::
 
     # args and counter values must be plain JSON values (str, int, float, bool)
 
-    @trace.traced("sampler")                 # decorator form, tracer looked up per call
-    def sample(logits): ...
-
     events = tracer.drain()                  # list[dict], picklable: send over a Queue
     path = trace.write_chrome_trace("traces/", events)   # traces/tokentop-20261129-093012-123.json
 
@@ -48,13 +45,13 @@ Design notes:
 - Bounded memory: a ring buffer of `max_events` per recording thread; the oldest events
   are overwritten and the number dropped is reported in the written file's metadata.
 - NVTX: with `nvtx=True` every scope also pushes/pops an NVTX range, coloured per scope name.
-  The push's return value is never looked at (Nsight returns -1 while still recording the
-  range, see seeds/004): the pop runs exactly once, when the wrapped code ends, even if it
-  raises. Never uses torch.cuda.nvtx, which raises on CPU builds.
+  The push's return value is never looked at (under Nsight it returns -1 while still
+  recording the range, as mini-vllm-rs's post "When 'Just Enable the CUDA Feature' Met Two
+  Free GPUs" found with guards that trusted it): the pop runs exactly once, when the wrapped
+  code ends, even if it raises. Never uses torch.cuda.nvtx, which raises on CPU builds.
 """
 from __future__ import annotations
 
-import functools
 import json
 import os
 import tempfile
@@ -63,12 +60,12 @@ import time
 import zlib
 from collections import deque
 from datetime import datetime
-from typing import Any, Callable, Protocol, TypeVar
+from typing import Any, Protocol
 
 _now_ns = time.perf_counter_ns   # CLOCK_MONOTONIC on Linux: shared by all processes
 
 DEFAULT_MAX_EVENTS = 2_000_000
-TERMINAL_PHASES = frozenset({"finished", "aborted", "failed"})
+TERMINAL_PHASES = frozenset({"finished", "aborted", "error"})   # engine.snapshot.RequestState
 _REQUEST_TID_BASE = 1 << 30      # above any Linux thread id (pid_max <= 2**22)
 _DROPPED_MARKER = "tokentop_dropped_events"
 
@@ -452,22 +449,6 @@ def set_tracer(tracer: Tracer | None) -> Tracer:
     else:
         _local.tracer = tracer
     return previous
-
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def traced(name: str | None = None, **args: Any) -> Callable[[F], F]:
-    """Decorator form of scope(); the tracer is looked up at each call, not at import."""
-    def decorate(fn: F) -> F:
-        label = name or fn.__qualname__
-
-        @functools.wraps(fn)
-        def wrapper(*a: Any, **kw: Any) -> Any:
-            with get_tracer().scope(label, **args):
-                return fn(*a, **kw)
-        return wrapper  # type: ignore[return-value]
-    return decorate
 
 
 # -- writing and checking ----------------------------------------------------------------------

@@ -11,13 +11,24 @@ import traceback
 from collections import deque
 from contextlib import nullcontext
 
+import torch
+
+from engine import kernels
 from engine import messages as msg
 from engine.config import DEFAULT_MAX_CONTEXT, WorkerConfig
-from engine.errors import ConfigError, TokentopError
+from engine.errors import ConfigError, TokentopError, describe_error
 from engine.kv.pages import BlockManager, PagePool
+from engine.kv.prefix_cache import model_identity
+from engine.kv.reuse import PrefixReuse
+from engine.output import OutputProcessor, SampledToken, spec_dict
 from engine.profile import worker_profile
+from engine.runner import ModelRunner
+from engine.runner_api import Runner
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SeqState
+from engine.sim import SimRunner
+from engine.spec.controller import SpecController
+from engine.spec.verify import Verdict
 from engine.trace import get_tracer
 
 STATS_INTERVAL = 0.2     # seconds between WorkerStats events (5 Hz)
@@ -30,16 +41,10 @@ class Worker:
         self.cfg = cfg
         self.emit = emit
         emit(msg.WorkerLoading(index, f"loading {cfg.model} on {cfg.device}"))
-        if cfg.simulated:
-            from engine.sim import SimRunner
-            self.runner = SimRunner(cfg, model_path)
-        else:
-            from engine import kernels
-            from engine.runner import ModelRunner
-            if cfg.device == "cpu" and not kernels.is_loaded():
-                emit(msg.WorkerLoading(index, "building the quantized kernels (first use only, ~1 min)"))
-                kernels.load()
-            self.runner = ModelRunner(cfg, model_path)
+        if not cfg.simulated and cfg.device == "cpu" and not kernels.is_loaded():
+            emit(msg.WorkerLoading(index, "building the quantized kernels (first use only, ~1 min)"))
+            kernels.load()
+        self.runner: Runner = SimRunner(cfg, model_path) if cfg.simulated else ModelRunner(cfg, model_path)
         self.tokenizer = self.runner.tokenizer
         self.max_context = min(cfg.max_context or DEFAULT_MAX_CONTEXT, self.runner.model_context)
         num_pages = cfg.kv_cache_memory // (self.runner.bytes_per_slot * cfg.page_size)
@@ -53,6 +58,7 @@ class Worker:
         elif num_pages * cfg.page_size < self.max_context:
             # no sequence can outgrow the pool: its size is the real context limit
             self.max_context, capped_by_kv = num_pages * cfg.page_size, True
+        self.output = OutputProcessor(self.tokenizer.eog_ids, self.max_context)
         self.runner.allocate_kv(num_pages * cfg.page_size)
         self.pool = PagePool(num_pages, cfg.page_size)
         self.blocks = BlockManager(self.pool, cfg.kv_cache, region_pages)
@@ -63,15 +69,12 @@ class Worker:
         # speculative decoding (engine/spec/): real runners only
         self.spec = None
         if not cfg.simulated:
-            from engine.spec.controller import SpecController
             self.spec = SpecController(cfg, self.runner, self.blocks)
             if cfg.speculate != "off" or self.spec.draft is not None:
                 emit(msg.WorkerLoading(index, "measuring verify and draft step costs"))
                 self.spec.calibrate()   # else on the first speculating request
         self.reuse = None
         if cfg.prefix_cache == "on" and cfg.kv_cache == "paged":
-            from engine.kv.prefix_cache import model_identity
-            from engine.kv.reuse import PrefixReuse
             self.reuse = PrefixReuse(
                 self.pool, model_identity(cfg.model, cfg.weights, cfg.activation_dtype, cfg.simulated),
                 cfg.single_flight, align=self.scheduler.prefill_chunk, tracer=get_tracer())
@@ -88,7 +91,7 @@ class Worker:
         self._history: deque[tuple[float, int, int]] = deque()
         self._last_stats = 0.0
         self.stopping = False
-        emit(msg.WorkerReady(index, {
+        emit(msg.WorkerReady(index, msg.WorkerInfo(**{
             **self.runner.info, "pages": num_pages, "page_size": cfg.page_size,
             "max_context": self.max_context, "context_capped_by_kv": capped_by_kv,
             "kv_bytes": num_pages * cfg.page_size * self.runner.bytes_per_slot,
@@ -100,7 +103,7 @@ class Worker:
             "profile_source": profile.get("source", "none"),
             "spec_modes": self.spec.modes if self.spec else ("off",),
             "draft_model": cfg.draft_model if self.spec and self.spec.draft else "",
-        }))
+        })))
 
     # --- loop -------------------------------------------------------------------------
     def run(self, commands) -> None:
@@ -111,8 +114,8 @@ class Worker:
             if not self.scheduler.idle:
                 self.step()
             self._maybe_send_stats()
-        for seq in list(self.seqs.values()):
-            self._finish(seq, "abort", "the engine shut down", [])
+        # the facade fails what is still open itself once its workers are gone
+        self._end([(seq, "abort", "the engine shut down") for seq in self.seqs.values()], emit=False)
         self._maybe_send_stats(force=True)
 
     def _drain_commands(self, commands, block: bool) -> None:
@@ -131,8 +134,7 @@ class Worker:
         elif isinstance(cmd, msg.Abort):
             seq = self.seqs.get(cmd.request_id)
             if seq is not None:
-                self._finish(seq, "abort", None, [])
-                self.emit(msg.StepEvents(self.index, (), (self._finished_event(seq),)))
+                self._end([(seq, "abort", None)])
         elif isinstance(cmd, msg.SetPolicy):
             self.scheduler.set_policy(cmd.policy)
         elif isinstance(cmd, msg.SetTracing):
@@ -158,9 +160,7 @@ class Worker:
             if self.spec is not None:
                 self.spec.start(seq)
         except Exception as exc:  # refuse this one request, keep serving
-            seq.finish_reason, seq.error = "error", _describe(exc)
-            seq.finished_at = time.monotonic()
-            self.emit(msg.StepEvents(self.index, (), (self._finished_event(seq),)))
+            self._end([(seq, "error", describe_error(exc))])
             return
         self.seqs[seq.id] = seq
         self.scheduler.add(seq)
@@ -195,11 +195,8 @@ class Worker:
             if self.spec is not None:
                 self.spec.record_step(plan, time.perf_counter() - t0)
         except Exception as exc:   # a fault in the forward fails this step's requests only
-            reason = _describe(exc)
-            finished = []
-            for item in plan.items:
-                self._finish(item.seq, "error", f"model step failed: {reason}", finished)
-            self.emit(msg.StepEvents(self.index, (), tuple(finished), cache_delta=self._cache_delta()))
+            reason = f"model step failed: {describe_error(exc)}"
+            self._end([(item.seq, "error", reason) for item in plan.items])
             return
         decode = plan.num_decode
         self.scheduler.advance(plan)
@@ -211,122 +208,70 @@ class Worker:
         self._account(now, plan.num_tokens - plan.num_decode - plan.num_draft, decode, plan.num_tokens)
 
         tokens: list[msg.TokenDelta] = []
-        finished: list[msg.Finished] = []
+        ends: list[tuple[Sequence, str, str | None]] = []
         for item in plan.items:
             seq = item.seq
             if seq.id in errors:
-                self._finish(seq, "error", errors[seq.id], finished)
+                ends.append((seq, "error", errors[seq.id]))
             elif item.samples and seq.spec is not None:
-                self._append_spec(item, sampled[seq.id], now, tokens, finished)
+                reason = self._append_spec(item, sampled[seq.id], now, tokens)
+                if reason:
+                    ends.append((seq, reason, None))
             elif item.samples:
-                self._append(seq, sampled[seq.id], now, tokens, finished)
-        self.emit(msg.StepEvents(self.index, tuple(tokens), tuple(finished),
-                                 tuple(s.id for s in plan.preempted), self._cache_delta()))
+                deltas, reason = self.output.on_token(seq, sampled[seq.id], now)
+                tokens += deltas
+                if reason:
+                    ends.append((seq, reason, None))
+        self._end(ends, tokens, tuple(s.id for s in plan.preempted))
 
     def _cache_delta(self) -> tuple:
         return self.reuse.cache.take_delta() if self.reuse is not None else ()
 
-    def _append_spec(self, item, result, now: float, tokens: list, finished: list) -> None:
-        """A speculating request: roll back what was rejected, then append the emitted tokens
-        one by one exactly as plain decoding would (a stop inside the run ends it there)."""
-        from engine.spec.verify import Verdict
+    def _end(self, ends, tokens=(), preempted: tuple[str, ...] = (), emit: bool = True) -> None:
+        """The one way requests finish: each (seq, reason, error) leaves the scheduler, gives
+        its pages back and becomes a Finished event, emitted in one StepEvents with `tokens`.
+        A request refused at submission never entered the scheduler: it only gets its event."""
+        finished = []
+        for seq, reason, error in list(ends):
+            if seq.state == SeqState.FINISHED:
+                continue
+            if seq.id in self.seqs:
+                self.scheduler.remove(seq)
+                self.runner.end_sequence(seq)
+            seq.state = SeqState.FINISHED
+            seq.finish_reason, seq.error = reason, error
+            seq.finished_at = time.monotonic()
+            self.seqs.pop(seq.id, None)
+            finished.append(self.output.finished_event(seq))
+        if emit and (tokens or finished or preempted):
+            self.emit(msg.StepEvents(self.index, tuple(tokens), tuple(finished), preempted,
+                                     self._cache_delta()))
 
+    def _append_spec(self, item, result, now: float, tokens: list) -> str | None:
+        """A speculating request: roll back what was rejected, then process the emitted tokens
+        one by one exactly as plain decoding would (a stop inside the run ends it there).
+        Returns the finish reason when one of them ends the request."""
         seq = item.seq
         verdict = result if isinstance(result, Verdict) else None
         self.spec.settle(item, verdict, self.blocks)
-        if verdict is None:
-            self._append(seq, result, now, tokens, finished)
-            return
-        for i, token in enumerate(verdict.tokens):
-            if seq.state == SeqState.FINISHED:
-                break
-            top = verdict.top[i] if verdict.top else ()
-            self._append(seq, (token, verdict.logprobs[i], top), now, tokens, finished,
-                         drafted=i < verdict.accepted)
-
-    def _append(self, seq: Sequence, sample, now: float, tokens: list, finished: list,
-                drafted: bool = False) -> None:
-        token_id, logprob, top = sample
-        seq.record_token(now)
-        p = seq.params
-        is_eog = token_id in self.tokenizer.eog_ids and not p.ignore_eos
-        if is_eog or token_id in p.stop_token_ids:
-            seq.output_ids.append(token_id)
-            tail = seq.detok.flush() if seq.detok else ""
-            self._emit_text(seq, tail, None, tokens, final=True)
-            self._finish(seq, "stop", None, finished)
-            return
-        seq.output_ids.append(token_id)
-        if seq.sampler is not None:
-            seq.sampler.observe(token_id)
-        delta = seq.detok.push(token_id) if seq.detok else ""
-        stopped = self._emit_text(seq, delta, (token_id, logprob, top), tokens, final=False, drafted=drafted)
-        if stopped:
-            self._finish(seq, "stop", None, finished)
-        elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_context:
-            self._emit_text(seq, seq.detok.flush() if seq.detok else "", None, tokens, final=True)
-            self._finish(seq, "length", None, finished)
-
-    def _emit_text(self, seq: Sequence, delta: str, token, tokens: list, final: bool,
-                   drafted: bool = False) -> bool:
-        """Append text, honouring stop strings (held back until they can't start a stop)."""
-        stops = seq.params.stop
-        pending = seq.held_text + delta
-        stopped = False
-        if stops:
-            hits = [(pending.find(s), s) for s in stops if s in pending]
-            if hits:
-                cut = min(h for h, _ in hits)
-                pending, stopped = pending[:cut], True
-                out, held = pending, ""
-            elif final:
-                out, held = pending, ""
-            else:
-                cut = max(0, len(pending) - (max(len(s) for s in stops) - 1))
-                out, held = pending[:cut], pending[cut:]
-        else:
-            out, held = pending, ""
-        seq.held_text = held
-        seq.text += out
-        if token is not None or out:
-            token_id, logprob, top = token if token is not None else (-1, None, ())
-            tokens.append(msg.TokenDelta(seq.id, token_id, out, logprob, tuple(top), drafted))
-        return stopped
-
-    def _finish(self, seq: Sequence, reason: str, error: str | None, finished: list) -> None:
-        if seq.state == SeqState.FINISHED:
-            return
-        self.scheduler.remove(seq)
-        self.runner.end_sequence(seq)
-        seq.state = SeqState.FINISHED
-        seq.finish_reason, seq.error = reason, error
-        seq.finished_at = time.monotonic()
-        self.seqs.pop(seq.id, None)
-        finished.append(self._finished_event(seq))
-
-    def _finished_event(self, seq: Sequence) -> msg.Finished:
-        n_out = len(seq.output_ids)
-        m = msg.RequestMetrics(
-            prompt_tokens=len(seq.prompt_ids), cached_tokens=seq.num_cached, output_tokens=n_out,
-            queue_time=None if seq.first_scheduled is None else seq.first_scheduled - seq.arrival,
-            ttft=None if seq.first_token_at is None else seq.first_token_at - seq.arrival,
-            itl_mean=seq.itl_sum / (n_out - 1) if n_out > 1 else None,
-            itl_max=seq.itl_max if n_out > 1 else None,
-            e2e=(seq.finished_at or time.monotonic()) - seq.arrival, preemptions=seq.preemptions,
-            follow_start=None if seq.follow_since is None else seq.follow_since - seq.arrival,
-            follow_time=seq.follow_time, spec=_spec_dict(seq))
-        return msg.Finished(seq.id, seq.finish_reason or "error", seq.error, m)
+        runs = [(result, False)] if verdict is None else [
+            (SampledToken(token, verdict.logprobs[i], verdict.top[i] if verdict.top else ()), i < verdict.accepted)
+            for i, token in enumerate(verdict.tokens)]
+        for sample, drafted in runs:
+            deltas, reason = self.output.on_token(seq, sample, now, drafted=drafted)
+            tokens += deltas
+            if reason:
+                return reason
+        return None
 
     def _fail_unschedulable(self) -> None:
         """Nothing fits although nothing runs: the head request can never fit this pool."""
         if self.scheduler.running or not self.scheduler.waiting:
             return
         seq = self.scheduler.waiting[0]
-        finished: list[msg.Finished] = []
         pages = f"{self.pool.num_pages} page{'s' if self.pool.num_pages != 1 else ''}"
-        self._finish(seq, "error", f"the request needs more KV pages than this worker has ({pages} of "
-                     f"{self.cfg.page_size} tokens); raise --kv-cache-memory or lower max_tokens", finished)
-        self.emit(msg.StepEvents(self.index, (), tuple(finished)))
+        self._end([(seq, "error", f"the request needs more KV pages than this worker has ({pages} of "
+                    f"{self.cfg.page_size} tokens); raise --kv-cache-memory or lower max_tokens")])
 
     # --- stats ------------------------------------------------------------------------
     def _account(self, now: float, prefill: int, decode: int, total: int) -> None:
@@ -354,7 +299,7 @@ class Worker:
         self._last_stats = now
         prefill_tps, decode_tps = self._rates()
         seqs = tuple(msg.SeqView(s.id, s.state.value, len(s.prompt_ids), s.num_cached, s.num_computed,
-                                 len(s.output_ids), s.params.max_tokens, leader=s.leader, spec=_spec_dict(s))
+                                 len(s.output_ids), s.params.max_tokens, leader=s.leader, spec=spec_dict(s))
                      for s in self.seqs.values())
         self.emit(msg.WorkerStats(
             worker=self.index, running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
@@ -368,28 +313,15 @@ class Worker:
             spec=self.spec.stats.as_dict() if self.spec is not None else None))
 
 
-def _spec_dict(seq: Sequence) -> dict | None:
-    if seq.spec is None:
-        return None
-    return {"mode": seq.spec.mode, **seq.spec.stats.as_dict()}
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, TokentopError):
-        return str(exc)
-    return f"{type(exc).__name__}: {exc}"
-
-
 def worker_main(index: int, cfg: WorkerConfig, model_path: str, commands, events) -> None:
     """Entry point of a worker process or thread. Never raises: death is an event."""
     try:
         if cfg.threads:
-            import torch
             torch.set_num_threads(cfg.threads)
         worker = Worker(index, cfg, model_path, events.put)
         worker.run(commands)
     except BaseException as exc:  # noqa: BLE001 - report, then die quietly
-        detail = _describe(exc)
+        detail = describe_error(exc)
         if not isinstance(exc, TokentopError):
             detail += "\n" + traceback.format_exc(limit=8)
         events.put(msg.WorkerDead(index, detail))

@@ -1,7 +1,6 @@
 """Fixtures shared by the test suite: tiny random GGUF models and the real bundled models."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Callable
 
@@ -9,31 +8,21 @@ import pytest
 import torch
 
 from engine.errors import ModelError
+from engine.models.catalog import resolve_model
 from tests.fixtures.tiny_gguf import write_tiny_model
 
 # Two cores are shared by everyone running tests here.
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 DEFAULT_REAL_MODEL = "qwen2.5-coder-0.5b"
-_DEV_FALLBACKS = {"qwen2.5-coder-0.5b": "/tmp/models/qwen0.5.gguf"}
 
 
 def resolve_real_model(name: str = DEFAULT_REAL_MODEL) -> Path:
     """Path of a real catalog model, or pytest.skip with the reason it is unavailable."""
     try:
-        from engine.models.catalog import resolve_model
-    except ImportError:
-        resolve_model = None
-    if resolve_model is not None:
-        try:
-            return Path(resolve_model(name))
-        except ModelError as e:
-            pytest.skip(f"real model {name!r} is not available: {e}")
-    fallback = Path(os.environ.get("TOKENTOP_TEST_MODEL", _DEV_FALLBACKS.get(name, "")))
-    if name not in _DEV_FALLBACKS or not fallback.is_file():
-        pytest.skip(f"real model {name!r} is not available: engine.models.catalog is not importable "
-                    f"and no file at TOKENTOP_TEST_MODEL")
-    return fallback
+        return Path(resolve_model(name))
+    except ModelError as e:
+        pytest.skip(f"real model {name!r} is not available: {e}")
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ from dataclasses import replace
 
 from textual.content import Content
 
-from app.burst_runner import percentile
+from engine.stats import percentile
 from app.main import TokentopApp, run_dashboard, startup_burst
 from app.screens.burst import BurstDialog
 from app.screens.detail import RequestDetail, detail_markup, prompt_markup
@@ -218,8 +218,8 @@ async def test_quit_mid_burst_is_quick(tiny_model, tmp_path):
     assert time.monotonic() - started < 5
     assert not app._shutdown_thread.is_alive()
     submitted = run.submitted
-    time.sleep(0.1)
-    assert run.submitted == submitted < 1000    # the burst stopped submitting
+    run._thread.join(1)
+    assert not run._thread.is_alive() and run.submitted == submitted < 1000   # it stopped submitting
     assert all(w.state in ("stopped", "dead") for w in app.engine.snapshot().workers)
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.bursts import BurstFileError, default_prompts_dir, list_burst_files, load_burst
+from app.bursts import BurstFileError, default_prompts_dir, list_burst_files, load_burst
 from engine.config import SamplingParams
 from engine.errors import InvalidRequest
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from engine.cli import main
+from app.cli import main
 
 SIM = "sim:gpu0:prefill=5000,decode=2000"
 

@@ -4,6 +4,7 @@ import time
 
 import pytest
 
+import engine.runner as runner
 import engine.sampling as sampling
 from engine.config import EngineConfig, SamplingParams, WorkerConfig
 from engine.engine import Engine
@@ -89,7 +90,7 @@ def test_fault_in_one_requests_sampling_fails_only_it(tiny_model_path, monkeypat
                 logits[row] = float("nan")
         return real_sample(logits, samplers)
 
-    monkeypatch.setattr(sampling, "sample", poisoned)
+    monkeypatch.setattr(runner, "sample", poisoned)   # the name the runner calls
     with start(tiny_model_path("qwen2")) as engine:
         good = [engine.submit(p, params=SamplingParams(max_tokens=12, ignore_eos=True)) for p in PROMPTS[:3]]
         bad = engine.submit("poison", params=SamplingParams(max_tokens=12, seed=666, temperature=1.0))

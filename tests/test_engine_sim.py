@@ -1,6 +1,7 @@
 """Engine facade, worker loop and router, on simulated workers (real scheduler and KV
 accounting, timed waits instead of a model). Fast: no forward pass runs here."""
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ from engine.config import EngineConfig, SamplingParams, WorkerConfig
 from engine.devices import parse_devices
 from engine.engine import Engine, RequestFailed
 from engine.errors import ConfigError, InvalidRequest
+from tests.waiting import wait_until
 
 
 def sim_engine(model, specs, mode="thread", **kw):
@@ -80,10 +82,9 @@ def test_abort(model, when):
         blockers = [engine.submit(f"busy {i}", params=SamplingParams(max_tokens=30)) for i in range(4)]
         victim = engine.submit("victim", params=SamplingParams(max_tokens=400))
         if when == "decoding":
-            blockers[0].result(10)
-            deadline = time.monotonic() + 5
-            while victim._record.state != "decode" and time.monotonic() < deadline:
-                time.sleep(0.01)
+            wait_until(lambda: victim._record.state == "decode", 10, "the victim to reach decode")
+        else:
+            assert victim._record.state == "queued"   # behind four blockers, max_active 4
         assert engine.abort(victim.id)
         assert victim.result(5).finish_reason == "abort"
         assert all(b.result(10).finish_reason == "length" for b in blockers)
@@ -94,7 +95,8 @@ def test_worker_death_fails_only_its_requests(model):
     with sim_engine(model, ["sim:gpu0:prefill=2000,decode=50", "sim:gpu1:prefill=2000,decode=50"],
                     mode="process", router_policy="round-robin") as engine:
         handles = [engine.submit(f"req {i}", params=SamplingParams(max_tokens=60)) for i in range(4)]
-        time.sleep(0.3)
+        wait_until(lambda: all(w.running for w in engine.snapshot().workers), 10,
+                   "both workers to run their requests")
         os.kill(engine._workers[1].process.pid, signal.SIGKILL)
         results = [h.result(30) for h in handles]
         by_worker = {0: [], 1: []}
@@ -146,12 +148,13 @@ def test_policies_switch_at_run_time(model):
         h.result(5)
         snap = engine.snapshot()
         assert snap.router_policy == "least-loaded" and snap.routing[-1].policy == "least-loaded"
-        time.sleep(0.5)
-        assert all(w.policy == "spf" for w in engine.snapshot().workers)
+        wait_until(lambda: all(w.policy == "spf" for w in engine.snapshot().workers), 5,
+                   "every worker to report the spf policy")
         with pytest.raises(ConfigError):
             engine.set_scheduler_policy("lifo")
-        with pytest.raises(ValueError):
+        with pytest.raises(ConfigError, match="--router-policy round-robin, least-loaded, cost or cache-aware"):
             engine.set_router_policy("random")
+        assert engine.snapshot().router_policy == "least-loaded"   # a refused policy changes nothing
 
 
 @pytest.mark.parametrize("spec, fragment", [
@@ -172,7 +175,7 @@ def test_snapshot_is_immutable(model):
     with sim_engine(model, ["sim:gpu0"]) as engine:
         engine.submit("hi", params=SamplingParams(max_tokens=2)).result(5)
         snap = engine.snapshot()
-        with pytest.raises(Exception):
+        with pytest.raises(dataclasses.FrozenInstanceError):
             snap.workers[0].running = 5
         assert snap.workers[0].simulated and snap.workers[0].pages_total > 0
 
@@ -202,11 +205,9 @@ def test_memory_pressure_preempts_each_request_a_bounded_number_of_times(tiny_mo
         assert all(r.finish_reason == "length" and len(r.token_ids) == 1000 for r in results)
         preemptions = [r.metrics.preemptions for r in results]
         assert max(preemptions) <= 3, preemptions
-        snap = wait_pages_free(engine)
-        deadline = time.monotonic() + 5
-        while snap.workers[0].preemptions != sum(preemptions) and time.monotonic() < deadline:
-            time.sleep(0.05)
-            snap = engine.snapshot()
+        wait_pages_free(engine)
+        snap = wait_until(lambda: (s := engine.snapshot()).workers[0].preemptions == sum(preemptions) and s,
+                          5, "the worker's preemption total to arrive with its stats")
         worker = snap.workers[0]
         assert worker.pages_total == 128 and worker.preemptions == sum(preemptions) > 0
         assert 0 < worker.recomputed_tokens < 8 * 1000
@@ -218,8 +219,8 @@ def test_repeated_preemptions_are_one_log_line(model):
     from engine import messages as msg
     engine = Engine(EngineConfig(workers=parse_devices(["sim:gpu0"], WorkerConfig(model=str(model)))))
     for _ in range(12):
-        engine._on_step(msg.StepEvents(1, (), (), ("r43",)))
-    engine._on_step(msg.StepEvents(1, (), (), ("r44",)))
+        engine.dispatcher.on_step(msg.StepEvents(1, (), (), ("r43",)))
+    engine.dispatcher.on_step(msg.StepEvents(1, (), (), ("r44",)))
     lines = [line.text for line in engine.snapshot().log]
     assert len(lines) == 2 and lines[0].startswith("r43 preempted ×12 in ") and "worker 1" in lines[0]
     assert lines[1] == "r44 preempted on worker 1 (will recompute)"

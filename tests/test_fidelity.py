@@ -43,7 +43,7 @@ FP32_DENSE = LinearPolicy(activation_dtype=torch.float32, dense_threshold=1)
 FP32_NEAR_TIE = 0.01
 FP32_FIRST_ATOL = 0.01
 
-# llama.cpp 0.3.36 (n_threads=2, greedy) on the same 0.5B file, from /work/shared/models.md.
+# llama-cpp-python 0.3.36 (n_threads=2, greedy) on the same 0.5B file.
 LLAMA_CPP_FRANCE = " Paris. The capital of the United States is Washington D. C."
 
 

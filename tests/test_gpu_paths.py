@@ -18,7 +18,7 @@ NO_GPU = not torch.cuda.is_available()
 
 @pytest.mark.skipif(not NO_GPU, reason="a GPU is visible")
 def test_cuda_workers_refused_cleanly_without_a_gpu():
-    from engine.cli import main
+    from app.cli import main
 
     for spec in ("cuda", "cuda:0", "cuda:3"):
         with pytest.raises(ConfigError, match="no CUDA GPU is visible"):
@@ -61,7 +61,7 @@ def test_auto_never_picks_a_refused_dtype(monkeypatch):
 
 def test_benches_run_on_the_given_device():
     from engine.bench.scenarios import base_worker
-    from engine.cli import build_parser
+    from app.cli import build_parser
 
     args = build_parser().parse_args(["bench", "single", "--device", "sim:gpu0"])
     assert base_worker(args).device == "sim:gpu0"

@@ -224,7 +224,7 @@ def test_bench_prefix_runs_end_to_end_on_a_tiny_model(tmp_path, capsys):
     """The benchmark's plumbing (not its figures): every scenario reports, outputs are equal."""
     import json
 
-    from engine.cli import main
+    from app.cli import main
     from tests.fixtures.tiny_gguf import write_tiny_model
     path = write_tiny_model(tmp_path / "tiny.gguf", context_length=2048)
     out = tmp_path / "prefix.json"

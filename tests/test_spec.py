@@ -461,7 +461,7 @@ def test_draft_pages_are_given_up_before_any_request_is_preempted():
 def test_cli_flags(tiny_model_path, capsys):
     import json
 
-    from engine.cli import main
+    from app.cli import main
 
     model = str(tiny_model_path("qwen2"))
     assert main(["generate", "zebra zebra zebra zebra", "--model", model, "--threads", "1", "--json",

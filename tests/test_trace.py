@@ -49,10 +49,10 @@ def fake_forward(layers: int = 2) -> None:
     sample()
 
 
-@trace.traced("sampler")
 def sample() -> int:
-    busy(5)
-    return 7
+    with trace.get_tracer().scope("sampler"):   # the tracer is looked up at each call
+        busy(5)
+        return 7
 
 
 def worker_loop(tracer: Tracer, thread_name: str, steps: int) -> None:

@@ -53,7 +53,7 @@ def test_traced_burst_has_every_scope_lifecycle_and_counter(tiny_model_path, tmp
 
 
 def test_unwritable_trace_dir_is_refused_before_any_work(tiny_model_path, tmp_path, capsys):
-    from engine.cli import main
+    from app.cli import main
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
     code = main(["generate", "hello", "--model", str(tiny_model_path("qwen2")),

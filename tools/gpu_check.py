@@ -156,7 +156,7 @@ class Check:
     def _bench(self, name: str, argv: list[str], timeout: float) -> dict:
         """Run `tokentop bench ...` as its own process (a hang or crash stays contained)."""
         report = self.work / f"bench-{name}.json"
-        cmd = [sys.executable, "-m", "engine.cli", "bench", *argv, "--model", str(self.model_path),
+        cmd = [sys.executable, "-m", "app.cli", "bench", *argv, "--model", str(self.model_path),
                "--out", str(report)]
         if self.args.tiny:
             cmd.append("--quick")
@@ -794,7 +794,7 @@ def nvtx_balance(model_path: Path, device: str, out: Path, force: bool = False) 
 def _nsys(model_path: Path, device: str, out: Path) -> str:
     """nsys profile of a short generate, then its NVTX summary (first lines)."""
     rep = Path(tempfile.mkdtemp()) / "gen"
-    cmd = ["nsys", "profile", "-t", "nvtx,cuda", "-o", str(rep), sys.executable, "-m", "engine.cli", "generate",
+    cmd = ["nsys", "profile", "-t", "nvtx,cuda", "-o", str(rep), sys.executable, "-m", "app.cli", "generate",
            "The capital of France is", "--max-tokens", "16", "--device", device, "--model", str(model_path)]
     try:
         p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)

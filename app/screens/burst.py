@@ -18,7 +18,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select, Static
 
 from app.burst_runner import BurstSpec
-from engine.bursts import BurstFileError, load_burst
+from app.bursts import BurstFileError, load_burst
 
 DEFAULTS = {"count": "16", "interval": "100", "max_tokens": "64", "temperature": "0.0"}
 DEFAULT_FILE = "mixed.jsonl"

@@ -1,7 +1,5 @@
-"""Short, fixed-width-friendly renderings of rates, durations and errors for the panels."""
+"""Short, fixed-width-friendly renderings of rates, durations and sizes for the panels."""
 from __future__ import annotations
-
-from engine.errors import TokentopError
 
 
 def fmt_rate(tps: float) -> str:
@@ -30,11 +28,6 @@ def fmt_seconds(seconds: float | None) -> str:
 def short_model(model: str) -> str:
     """A catalog name stays; a path shows only its file name."""
     return model.replace("\\", "/").rsplit("/", 1)[-1]
-
-
-def describe_error(exc: BaseException) -> str:
-    """A TokentopError is written for users as is; anything else also names its type."""
-    return str(exc) if isinstance(exc, TokentopError) else f"{type(exc).__name__}: {exc}"
 
 
 def fmt_mib(num_bytes: int | float) -> str:

@@ -12,13 +12,12 @@ from rich.style import Style
 from rich.text import Text
 from textual.widget import Widget
 
-# engine/kv/pages.py: 0 free, 1 used, 2 shared, 3 cached
-FREE, USED, SHARED, CACHED = 0, 1, 2, 3
-STATE_NAMES = {FREE: "free", USED: "used", SHARED: "shared", CACHED: "cached"}
+from engine.kv.states import CACHED, FREE, SHARED, STATE_NAMES, USED
+
 GLYPHS = {FREE: "·", USED: "█", SHARED: "▓", CACHED: "▒"}
 # Ranking used when one cell covers several pages: the highest rank wins.
-_RANK_OF_STATE = np.array([0, 2, 3, 1], dtype=np.uint8)
 _STATE_OF_RANK = (FREE, CACHED, USED, SHARED)
+_RANK_OF_STATE = np.array([_STATE_OF_RANK.index(s) for s in range(4)], dtype=np.uint8)
 
 
 def pages_per_cell(num_pages: int, cells: int) -> int:

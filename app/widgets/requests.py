@@ -21,16 +21,16 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
 from app.widgets.fmt import fmt_seconds, short_worker
-from engine.snapshot import RequestView
+from engine.snapshot import LIVE_STATES, RequestState, RequestView
 
 # (header, width). The columns that matter most come first: on a narrow terminal the last
 # ones are cut off (left / right scroll, z zooms the panel).
 COLUMNS = (("id", 5), ("w", 5), ("state", 10), ("out", 9), ("TTFT", 6), ("ITL", 5), ("e2e", 6),
            ("end", 24), ("prompt", 6), ("cached", 6), ("spec", 11))
 TABLE_WIDTH = sum(w for _, w in COLUMNS) + len(COLUMNS) - 1
-STATE_COLOUR = {"prefill": "warning", "decode": "success", "error": "error"}
-DIM_STATES = ("queued", "aborted")
-LIVE = ("queued", "prefill", "decode")
+STATE_COLOUR = {RequestState.PREFILL: "warning", RequestState.DECODE: "success", RequestState.ERROR: "error"}
+DIM_STATES = (RequestState.QUEUED, RequestState.ABORTED)
+LIVE = LIVE_STATES
 
 
 def end_text(r: RequestView) -> str:
@@ -42,7 +42,7 @@ def end_text(r: RequestView) -> str:
 
 def state_of(cell: str) -> str:
     """The state behind a state cell ('follow r5' is a queued request waiting on r5)."""
-    return "queued" if cell.startswith("follow ") else cell
+    return RequestState.QUEUED if cell.startswith("follow ") else cell
 
 
 def request_cells(r: RequestView, names: dict[int, str] | None = None) -> tuple[str, ...]:

@@ -38,11 +38,14 @@ def format_candidate(c: Candidate, decision: RouteDecision, width: int) -> str:
     name = escape(short_worker(c.name))
     head = f"{mark} [bold]{name}[/]" if chosen else f"{mark} {name}"
     score = format_score(decision.policy, c.score)
+    if score and c.nominal:   # no speed profile yet: the estimate rests on placeholder rates
+        score += " [$warning]nominal[/]"
     parts = [(0, f"{head} [b]{score}[/]" if score else f"{head} [$text-muted](no score)[/]"),
              (1, f"reuse ~{c.cached_tokens} tok"),     # estimated reusable prefix
              (1, f"run {c.running} wait {c.waiting}"),
              (2, f"prefill {c.prefill_tokens} tok"), (2, f"decode {c.decode_tokens} tok"),
-             (4, f"[$text-muted]at {fmt_rate(c.prefill_rate)}/{fmt_rate(c.decode_rate)} tok/s[/]")]
+             (4, f"[$text-muted]at {fmt_rate(c.prefill_rate)}/{fmt_rate(c.decode_rate)} tok/s"
+                 f"{' nominal (not calibrated yet)' if c.nominal else ''}[/]")]
     return " " + fit_parts(parts, width - 1)
 
 

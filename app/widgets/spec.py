@@ -13,11 +13,11 @@ from textual.widgets import Static
 
 from app.widgets.fmt import short_worker
 from app.widgets.rate_sparkline import spark_bars
-from engine.snapshot import RequestView, WorkerView
+from engine.snapshot import LIVE_STATES, RequestView, WorkerView
 
 BAR_WIDTH = 12
 MAX_POSITIONS = 8
-LIVE = ("queued", "prefill", "decode")
+LIVE = LIVE_STATES
 
 
 def pct(x: float | None) -> str:

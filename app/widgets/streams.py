@@ -14,9 +14,9 @@ from textual.widgets import Static
 
 from app.widgets.fmt import short_worker
 from app.widgets.requests import request_number
-from engine.snapshot import RequestView
+from engine.snapshot import LIVE_STATES, RequestState, RequestView
 
-ACTIVE = ("queued", "prefill", "decode")
+ACTIVE = LIVE_STATES
 KEEP_FINISHED = 4
 MAX_STREAMS = 24
 TAIL_LINES = 3          # lines of text per stream at most
@@ -68,7 +68,7 @@ def stream_content(r: RequestView, width: int, names: dict[int, str] | None = No
     worker = "-" if r.worker is None else short_worker((names or {}).get(r.worker, f"w{r.worker}"))
     label = f" {r.id} {worker} "
     body = r.text_tail or f"({r.state})"
-    if r.state == "error":
+    if r.state == RequestState.ERROR:
         body += f"  {r.error or 'error'}"
     elif r.state not in ACTIVE and r.text_tail:
         body += f"  ({r.state})"
@@ -79,7 +79,7 @@ def stream_content(r: RequestView, width: int, names: dict[int, str] | None = No
         for a, b in drafted_ranges(r, label, wrap):
             content = content.stylize(DRAFTED_STYLE, a, b)
     content = content.stylize(f"bold reverse {PALETTE[request_number(r.id) % len(PALETTE)]}", 0, len(label))
-    if r.state == "error":
+    if r.state == RequestState.ERROR:
         content = content.stylize("$error", len(label) + 1, len(content))
     elif r.state not in ACTIVE or not r.text_tail:
         content = content.stylize("$text-muted", len(label) + 1, len(content))

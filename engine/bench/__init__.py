@@ -7,17 +7,18 @@ from __future__ import annotations
 
 import json
 import platform
-import statistics
 import sys
 import time
 
 import torch
 
 
-def run_bench(args) -> int:
+def run_bench(args, extra: dict | None = None) -> int:
+    """Run `args.scenario`: one of engine/bench/scenarios.py, or of `extra` (name -> function),
+    how the command line adds the scenarios that measure the dashboard."""
     from engine.bench import scenarios
 
-    fn = getattr(scenarios, f"bench_{args.scenario}")
+    fn = (extra or {}).get(args.scenario) or getattr(scenarios, f"bench_{args.scenario}")
     scenarios.TRACE_DIR = args.trace_dir
     started = time.time()
     report = fn(args)
@@ -62,18 +63,6 @@ def machine() -> dict:
             "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "processor": platform.processor() or platform.machine(),
             "cpu_model": info["model"], "isa": info["isa"], "torch_cpu_capability": info["torch_capability"]}
-
-
-def median(xs):
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
-
-
-def p95(xs):
-    xs = sorted(x for x in xs if x is not None)
-    if not xs:
-        return None
-    return xs[min(len(xs) - 1, int(round(0.95 * (len(xs) - 1))))]
 
 
 def peak_rss_mb() -> float:

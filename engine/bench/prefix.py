@@ -1,11 +1,11 @@
-"""`tokentop bench prefix`: the seeds' prefix-reuse workloads on this engine, measured.
+"""`tokentop bench prefix`: mini-vllm-rs's prefix-reuse workloads on this engine, measured.
 
 1 warm vs cold   a ~900-token document, then a request sharing it: TTFT warm / cold
 2 identical      2 / 4 / 8 simultaneous identical requests (532-token prompt, 128 output
                  tokens) in four modes: independent (cache off), incremental publication
                  only, single flight at-completion, single flight after-prefill
 3 partial        8 requests sharing an 800-token document, each with its own question,
-                 same four modes (nothing like it in the seeds)
+                 same four modes (not in mini-vllm-rs's measurements)
 4 cyclic         a working set larger than the KV cache, cycled: hit rate, no error
 5 equality       greedy tokens with the cache on vs off, --deterministic
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from engine.bench import median
+from engine.stats import median
 from engine.bench.scenarios import FILLER, base_worker, start_engine, stop_engine
 from engine.config import SamplingParams
 

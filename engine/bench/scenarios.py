@@ -1,7 +1,8 @@
 """Benchmark scenarios. Every figure here is measured by running the engine; nothing is assumed.
 
 single    prefill tok/s (500-token prompt) and one-stream decode tok/s (128 tokens), peak RSS,
-          per model, as ratios to llama.cpp's figures measured on this machine (models.md)
+          per model, as ratios to llama.cpp's figures (side by side with --llama-cpp, else the
+          reference figures below)
 batching  N concurrent requests vs the same requests one after another; paged vs contiguous;
           memory pressure: 8 x 1000 tokens on a simulated worker with 48 MiB vs 1 GiB of KV
           (preemptions and recomputed tokens)
@@ -13,10 +14,14 @@ import multiprocessing as mp
 import time
 from dataclasses import replace
 
-from engine.bench import median, peak_rss_mb
+from engine.bench import peak_rss_mb
 from engine.config import EngineConfig, SamplingParams, WorkerConfig
+from engine.errors import describe_error
+from engine.pacing import paced
+from engine.stats import median, percentile
 
-# llama.cpp 0.3.36 (-march=native, n_threads=2) on this machine, from models.md: prefill, decode tok/s
+# llama-cpp-python 0.3.36 (-march=native, n_threads=2) on an AMD EPYC AVX-512 machine:
+# prefill, decode tok/s. Only used without --llama-cpp, and labelled as not side by side.
 LLAMA_CPP = {"qwen2.5-coder-0.5b": (190.0, 37.0), "qwen2.5-coder-1.5b": (88.0, 23.0),
              "gemma-3-270m": (630.0, 60.0)}
 GOALS = {"qwen2.5-coder-0.5b": (1.5, 1.2), "qwen2.5-coder-1.5b": (1.3, 1.0)}
@@ -87,7 +92,7 @@ def _single_child(worker: WorkerConfig, runs: int, prompt_len: int, out_tokens: 
         finally:
             engine.shutdown()
     except Exception as exc:  # report, don't hang the parent
-        q.put({"error": f"{type(exc).__name__}: {exc}"})
+        q.put({"error": describe_error(exc)})
 
 
 def _linear_ms_per_decode_step(path: str, worker: WorkerConfig, reps: int = 7) -> float:
@@ -163,7 +168,8 @@ def bench_single(args) -> dict:
         elif model in LLAMA_CPP:
             lp, ld = LLAMA_CPP[model]
             ref = {"prefill_tok_s_median": lp, "decode_tok_s_median": ld,
-                   "source": "models.md (measured on an AVX-512 machine; not side by side)"}
+                   "source": "llama-cpp-python 0.3.36 reference figures "
+                             "(AMD EPYC AVX-512 machine; not side by side)"}
         else:
             ref = None
         row["llama_cpp"] = ref
@@ -293,16 +299,10 @@ def _memory_pressure(args, kv_memory: str, n: int = 8, out_tokens: int = 1000) -
 
 # --- routing -----------------------------------------------------------------------------
 def _routing_burst(engine, prompts, interval_s: float, out_tokens: int, force: int | None) -> dict:
-    from engine.bench import p95
     params = SamplingParams(max_tokens=out_tokens, ignore_eos=True)
     t0 = time.perf_counter()
-    handles = []
-    for i, ids in enumerate(prompts):
-        target = t0 + i * interval_s
-        delay = target - time.perf_counter()
-        if delay > 0:
-            time.sleep(delay)
-        handles.append(engine.submit(prompt_ids=ids, params=params, worker=force, burst="routing"))
+    handles = [engine.submit(prompt_ids=prompts[i], params=params, worker=force, burst="routing")
+               for i in paced(len(prompts), interval_s)]
     results = [h.result() for h in handles]
     wall = time.perf_counter() - t0
     failed = [r.error for r in results if r.finish_reason != "length"]
@@ -315,15 +315,15 @@ def _routing_burst(engine, prompts, interval_s: float, out_tokens: int, force: i
         per_worker[str(r.worker)] = per_worker.get(str(r.worker), 0) + 1
     out = sum(r.metrics.output_tokens for r in results)
     return {"completion_s": wall, "throughput_tok_s": out / wall, "ttft_p50": median(ttft),
-            "ttft_p95": p95(ttft), "e2e_p50": median(e2e), "e2e_p95": p95(e2e),
+            "ttft_p95": percentile(ttft, 95), "e2e_p50": median(e2e), "e2e_p95": percentile(e2e, 95),
             "requests_per_worker": per_worker}
 
 
 def bench_routing(args) -> dict:
-    """The seeds' burst: requests 50 ms apart, ~516-token prompts sharing a ~512-token
+    """mini-vllm-rs's heterogeneous-serving burst: requests 50 ms apart, ~516-token prompts sharing a ~512-token
     prefix, 128 output tokens, up to 4 active per worker; forced-fastest vs each policy.
 
-    Devices default to one real CPU worker plus one simulated GPU with the seeds' measured
+    Devices default to one real CPU worker plus one simulated GPU with mini-vllm-rs's published
     Metal rates (labelled simulated in the report)."""
     from engine.devices import parse_devices
     from engine.engine import Engine
@@ -431,53 +431,6 @@ def bench_trace(args) -> dict:
             "disabled_cost_fraction_of_step": round(disabled_s * scopes_per_step / step_s, 5),
             "goals": {"off_costs_le_1pct": disabled_s * scopes_per_step / step_s <= 0.01,
                       "on_costs_le_10pct": median(on) / median(off) >= 0.90}}
-
-
-# --- dashboard cost ----------------------------------------------------------------------
-def bench_dashboard(args) -> dict:
-    """The same burst through the engine headless, and with the dashboard open (rendering
-    at 200x60 in a headless Textual driver). Workers run in their own processes in both."""
-    import asyncio
-
-    from engine.devices import parse_devices
-
-    runs = 1 if args.quick else args.runs
-    n, out_tokens = 8, (16 if args.quick else 64)
-    workers = parse_devices(args.device or ["cpu"], base_worker(args))
-    config = EngineConfig(workers=workers, worker_mode="process")
-
-    def headless() -> float:
-        from engine.engine import Engine
-        with Engine(config).start() as engine:
-            _burst(engine, 2, 4, True, "warm")
-            return _decode_burst_tok_s(engine, n, out_tokens, "headless")
-
-    def with_dashboard() -> float:
-        from app.main import TokentopApp
-        app = TokentopApp(config)
-        result = {}
-
-        async def drive():
-            async with app.run_test(headless=True, size=(200, 60)) as pilot:
-                while not app.engine.ready:
-                    await pilot.pause(0.1)
-                await asyncio.to_thread(_burst, app.engine, 2, 4, True, "warm")
-                result["tok_s"] = await asyncio.to_thread(
-                    _decode_burst_tok_s, app.engine, n, out_tokens, "dashboard")
-                await pilot.press("q")
-        asyncio.run(drive())
-        app.wait_for_shutdown()
-        return result["tok_s"]
-
-    a, b = [], []
-    for _ in range(runs):
-        a.append(headless())
-        b.append(with_dashboard())
-    return {"requests": n, "output_tokens": out_tokens, "runs": runs,
-            "headless_tok_s": median(a), "dashboard_tok_s": median(b),
-            "dashboard_over_headless": round(median(b) / median(a), 3),
-            "headless_runs": a, "dashboard_runs": b,
-            "goals": {"dashboard_costs_le_5pct": median(b) / median(a) >= 0.95}}
 
 
 # --- prefix -------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 Workloads (the seed article's): a code-refactoring prompt (greedy) and a creative-writing
 prompt (temperature 0.7, three seeds, EOS ignored, 256 tokens); and a burst of 8 concurrent
 requests, speculation on vs off. Configurations: the target alone; with the draft model:
-fixed k 4/6/8, each adaptive policy, mentored D = 0.5/0.75/1 (fixed k 8, as the seeds); n-gram
+fixed k 4/6/8, each adaptive policy, mentored D = 0.5/0.75/1 (fixed k 8, as mini-vllm-rs measured it); n-gram
 prompt lookup on the target and on the draft-sized model. Every configuration of a model
 runs in one engine, interleaved round by round (per-request speculation settings), so they
 share the machine's state. Reported per configuration: decode tokens/s (output after the
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 
-from engine.bench import median
+from engine.stats import median
 from engine.config import SamplingParams
 
 CODE_TASK = '''Refactor this Python code: rename the class `Inventory` to `Stock` and the method

@@ -1,1 +1,1 @@
-"""KV cache memory: page pool and block tables (prefix index comes later)."""
+"""KV cache memory: page pool and block tables, page states, the prefix cache and its reuse."""

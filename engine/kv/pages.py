@@ -13,9 +13,8 @@ from typing import Callable
 
 import torch
 
+from engine.kv.states import CACHED, FREE, SHARED, USED
 from engine.sequence import Sequence
-
-FREE, USED, SHARED, CACHED = 0, 1, 2, 3   # page states shown by the dashboard's grid
 
 
 class OutOfPages(Exception):

@@ -1,16 +1,16 @@
 """Single flight: one request computes a shared prefix page, the others wait for it.
 
-Pages, not whole prompts, are the unit of coordination, which answers the seeds' open
-question about partial prefixes: a request waits only while one of *its* uncomputed full
-prompt pages is being computed right now by a running request (the leader); once those
-pages are published it is admitted, restores them from the cache and computes its own
-tail. Eight requests sharing an 800-token document with different questions: one computes
+Pages, not whole prompts, are the unit of coordination, which answers the open question
+about partial prefixes left by mini-vllm-rs's post "Why My Prefix Cache Missed Identical
+Requests": a request waits only while one of *its* uncomputed full prompt pages is being
+computed right now by a running request (the leader); once those pages are published it is
+admitted, restores them from the cache and computes its own tail. Eight requests sharing an 800-token document with different questions: one computes
 the document, seven wait for exactly those pages, then each computes its question.
 
 Modes (`--single-flight`):
   off            never wait (incremental publication alone)
   after-prefill  a follower waits until the pages it needs are published (default)
-  at-completion  a follower waits until its leader's request ends (the seeds' first policy)
+  at-completion  a follower waits until its leader's request ends (mini-vllm-rs's first policy)
 
 Who is tracked: every request from arrival (`arrive`) to termination (`terminate`); a
 termination notice for an id that never arrived, or arrived and already terminated, is an
@@ -18,7 +18,7 @@ error. A page leaves the flight when it is published (a request arriving later r
 it instead of waiting); a flight (leader -> its keys) is dropped as soon as it stops
 mattering (after-prefill: all its pages published; at-completion: the leader's request
 ended; both: the leader was preempted), and released followers are kept apart
-from them (`released`) until they terminate, as in the seeds' final design. A leader that
+from them (`released`) until they terminate, as in mini-vllm-rs's final design. A leader that
 is aborted, fails or is preempted drops its flight: its followers are re-examined at the
 next scheduling pass and one of them becomes the new leader (or each computes alone).
 """

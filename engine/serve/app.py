@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from engine.engine import Engine, RequestFailed
-from engine.errors import InvalidRequest, TokentopError
+from engine.errors import InvalidRequest, TokentopError, describe_error
 from engine.serve import protocol as P
 from engine.serve.metrics import CONTENT_TYPE, EngineMetrics
 
@@ -86,8 +86,8 @@ class OpenAIServer:
 
     async def _internal(self, request: Request, exc: Exception) -> Response:
         # a bug here must still answer in the API's shape, and show in the engine's log
-        self.engine.log("error", f"http: {request.url.path}: {type(exc).__name__}: {exc}")
-        return self._error(P.ApiError(500, f"internal error: {type(exc).__name__}: {exc}",
+        self.engine.log("error", f"http: {request.url.path}: {describe_error(exc)}")
+        return self._error(P.ApiError(500, f"internal error: {describe_error(exc)}",
                                       type="server_error", code="internal_error"))
 
     async def _not_allowed(self, request: Request, exc) -> Response:

@@ -14,7 +14,7 @@ import time
 
 import httpx
 
-from engine.bench import median, p95
+from engine.stats import median, percentile
 from engine.config import SamplingParams
 
 FILLER = "Continuous batching admits new requests between decode steps so that no slot idles. "
@@ -103,7 +103,7 @@ def bench_serve(args) -> dict:
 
     def summary(v: dict) -> dict:
         return {"throughput_tok_s": median(v["tok_s"]), "throughput_runs": v["tok_s"],
-                "ttft_p50_s": median(v["ttft"]), "ttft_p95_s": p95(v["ttft"])}
+                "ttft_p50_s": median(v["ttft"]), "ttft_p95_s": percentile(v["ttft"], 95)}
 
     inp, web = summary(res["in_process"]), summary(res["http"])
     overhead = 100.0 * (1.0 - web["throughput_tok_s"] / inp["throughput_tok_s"])

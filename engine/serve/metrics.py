@@ -140,8 +140,7 @@ class _GaugeCollector:
         outstanding = GaugeMetricFamily("tokentop:requests_outstanding",
                                         "Requests submitted and not finished, all workers.",
                                         labels=["model_name"])
-        outstanding.add_metric([self.m.model], sum(r.state in ("queued", "prefill", "decode")
-                                                   for r in snap.requests))
+        outstanding.add_metric([self.m.model], sum(r.state.live for r in snap.requests))
         return [running, waiting, kv, pages, state, info, prefill, decode, outstanding, *spec]
 
     def _spec_families(self, snap, lab: list[str]) -> list:

@@ -1,7 +1,7 @@
 """How many tokens to draft: per request, every step.
 
 - fixed N.
-- adaptive:acceptance (the seeds' rule): start 4, +1 when a round's acceptance rate is
+- adaptive:acceptance (mini-vllm-rs's rule): start 4, +1 when a round's acceptance rate is
   above 0.8, -1 below 0.4, bounds 1-8.
 - adaptive:length: EMA (alpha 0.2) of the accepted length; next k = round(EMA) + 1.
 - adaptive:cost (default): the k, including 0, that maximizes the expected tokens per second

@@ -79,7 +79,7 @@ def list_burst_files(directory: str | Path) -> list[Path]:
 def default_prompts_dir() -> Path:
     """The sample_prompts/ folder shipped with tokentop.
 
-    Looked up inside the engine package first (where an installed wheel carries it, see the
+    Looked up inside the app package first (where an installed wheel carries it, see the
     README there) and then next to the package, where a source checkout has it.
     """
     package_dir = Path(__file__).resolve().parent

@@ -1,0 +1,230 @@
+"""The dispatcher: one thread that applies workers' events to the facade's state.
+
+Events arrive on one queue from every worker (engine/messages.py): tokens and finished
+requests (delivered to their handles), stats, readiness, deaths, reroutes, trace events. It
+also notices a worker process that exited without a word, and fails its requests.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from engine import messages as msg
+from engine.errors import WorkerDied
+from engine.requests import TEXT_TAIL, seen_timings
+from engine.snapshot import RequestState
+
+if TYPE_CHECKING:
+    from engine.engine import Engine
+
+
+class Dispatcher:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._thread = threading.Thread(target=self.run, name="tokentop-dispatch", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+    def run(self) -> None:
+        while True:
+            try:
+                event = self.engine._events.get(timeout=0.2)
+            except queue.Empty:
+                event = None
+            except (EOFError, OSError):
+                return
+            if event is not None:
+                self.apply(event)
+            self._check_liveness()
+            if self.engine._stopping and all(not _alive(w.process) for w in self.engine._workers):
+                try:
+                    while True:
+                        self.apply(self.engine._events.get_nowait())
+                except (queue.Empty, EOFError, OSError):
+                    pass
+                return
+
+    def _check_liveness(self) -> None:
+        for w in self.engine._workers:
+            if w.state in ("dead", "stopped") or _alive(w.process):
+                continue
+            if self.engine._stopping:
+                w.state = "stopped"
+                continue
+            code = getattr(w.process, "exitcode", None)
+            self.apply(msg.WorkerDead(w.index, f"worker process exited (exit code {code})"))
+
+    def apply(self, event) -> None:
+        if isinstance(event, msg.StepEvents):
+            self.on_step(event)
+        elif isinstance(event, msg.WorkerStats):
+            self._on_stats(event)
+        elif isinstance(event, msg.WorkerReady):
+            with self.engine._lock:
+                w = self.engine._workers[event.worker]
+                w.state, w.info, w.message = "ready", event.info, ""
+                if w.profile == (0.0, 0.0):   # unless set_worker_profile came first
+                    w.profile = (event.info.profile_prefill_tps, event.info.profile_decode_tps)
+            info = event.info
+            capped = " (all its KV pool holds: raise --kv-cache-memory for more)" \
+                if info.context_capped_by_kv else ""
+            kernels = f"; linear layers: {info.kernels}" if info.kernels else ""
+            self.engine._log_line("info", f"worker {event.worker} ({w.cfg.device}) ready: " + (
+                info.summary or f"{info.pages} KV pages of {info.page_size} tokens, "
+                f"context {info.max_context} tokens{capped}") + kernels)
+        elif isinstance(event, msg.WorkerDown):
+            with self.engine._lock:
+                w = self.engine._workers[event.worker]
+                w.state, w.message = "down", event.message
+            self.engine._log_line("error", f"worker {event.worker} ({w.cfg.device}) down: {event.message}")
+        elif isinstance(event, msg.Reroute):
+            self._reroute(event)
+        elif isinstance(event, msg.ProfileUpdate):
+            with self.engine._lock:
+                self.engine._workers[event.worker].profile = (event.prefill_tps, event.decode_tps)
+        elif isinstance(event, msg.WorkerLoading):
+            with self.engine._lock:
+                w = self.engine._workers[event.worker]
+                w.state, w.message = "loading", event.message
+        elif isinstance(event, msg.WorkerDead):
+            self._on_dead(event)
+        elif isinstance(event, msg.TraceEvents):
+            with self.engine._trace_cv:
+                self.engine._trace_wait[event.worker] = event.events
+                self.engine._trace_cv.notify_all()
+
+    def on_step(self, event: msg.StepEvents) -> None:
+        deliveries = []
+        with self.engine._lock:
+            if event.cache_delta:
+                keys = self.engine._workers[event.worker].cache_keys
+                for added, key in event.cache_delta:
+                    if added:
+                        keys.add(key)
+                    else:
+                        keys.discard(key)
+            for d in event.tokens:
+                rec = self.engine.requests.get(d.request_id)
+                if rec is None or rec.finish_reason is not None:
+                    continue   # e.g. tokens a dying worker sent after its requests were failed
+                if d.token_id >= 0:
+                    rec.output_ids.append(d.token_id)
+                    rec.last_token_at = time.monotonic()
+                    if rec.first_token_at is None:
+                        rec.first_token_at = rec.last_token_at
+                if d.drafted and d.text:
+                    start = len(rec.text)
+                    if rec.drafted and rec.drafted[-1][1] == start:
+                        rec.drafted[-1][1] += len(d.text)
+                    else:
+                        rec.drafted.append([start, start + len(d.text)])
+                    while rec.drafted and rec.drafted[0][1] < start - TEXT_TAIL:
+                        rec.drafted.pop(0)
+                rec.text += d.text
+                rec.state = RequestState.DECODE
+                deliveries.append((rec.id, d))
+            for f in event.finished:
+                rec = self.engine.requests.get(f.request_id)
+                if rec is None:
+                    continue
+                rec.finish_reason, rec.error, rec.metrics = f.reason, f.error, f.metrics
+                if f.metrics is not None and f.metrics.spec is not None:
+                    rec.spec = f.metrics.spec
+                rec.state = RequestState.of_finish(f.reason)
+                rec.finished_at = time.monotonic()
+                self.engine.requests.finished(rec)
+                deliveries.append((rec.id, f))
+                if f.reason == "error":
+                    self.engine._log_line("error", f"{rec.id}: {f.error}", locked=True)
+                deliveries.append((None, (rec.worker, f)))
+            for rid in event.preempted:
+                self.engine._log_repeated(("preempted", event.worker, rid), "warning",
+                                   f"{rid} preempted{{times}} on worker {event.worker} (will recompute)")
+                if self.engine._tracer is not None and self.engine._tracer.enabled:
+                    self.engine._tracer.instant("preempted", request=rid, worker=event.worker)
+        for rid, d in deliveries:
+            if rid is None:
+                self.engine._notify("finished", d)
+                continue
+            handle = self.engine.requests.handles.get(rid)
+            if handle is not None:
+                handle._deliver(d)
+
+    def _on_stats(self, s: msg.WorkerStats) -> None:
+        with self.engine._lock:
+            w = self.engine._workers[s.worker]
+            w.stats = s
+            w.prefill_hist.append(s.prefill_tps)
+            w.decode_hist.append(s.decode_tps)
+            if s.spec is not None:
+                drafted, accepted = s.spec["draft_tokens"], s.spec["accepted_tokens"]
+                if drafted > w.spec_seen[0]:
+                    w.spec_hist.append((accepted - w.spec_seen[1]) / (drafted - w.spec_seen[0]))
+                w.spec_seen = (drafted, accepted)
+            if s.prefix:
+                w.prefix_hist.append((s.prefix["prefix_cache_queries"], s.prefix["prefix_cache_hits"]))
+            for v in s.seqs:
+                rec = self.engine.requests.get(v.request_id)
+                if rec is None or rec.finish_reason is not None:
+                    continue
+                rec.computed, rec.cached, rec.leader = v.computed_tokens, v.cached_tokens, v.leader
+                if v.leader and rec.follow_at is None:
+                    rec.follow_at = time.monotonic()
+                rec.spec = v.spec
+                rec.state = RequestState.of_worker(v.state)
+                if rec.state != RequestState.QUEUED and rec.prefill_at is None:
+                    rec.prefill_at = time.monotonic()
+
+    def _on_dead(self, event: msg.WorkerDead) -> None:
+        with self.engine._lock:
+            w = self.engine._workers[event.worker]
+            if w.state == "dead":
+                return
+            w.state, w.message = "dead", event.message.splitlines()[0] if event.message else "died"
+            failed = self.engine.requests.open_on(event.worker)
+            self.engine._log_line("error", f"worker {event.worker} ({w.cfg.device}) died: {w.message}; "
+                                    f"{len(failed)} request(s) failed", locked=True)
+        for rid in failed:
+            rec = self.engine.requests.records[rid]
+            err = WorkerDied(f"worker {event.worker} ({w.cfg.device}) died: {w.message}")
+            metrics = msg.RequestMetrics(len(rec.prompt_ids), rec.cached, len(rec.output_ids),
+                                         *seen_timings(rec), time.monotonic() - rec.arrival)
+            self.on_step(msg.StepEvents(event.worker, (), (msg.Finished(rid, "error", str(err), metrics),)))
+
+    def _reroute(self, event: msg.Reroute) -> None:
+        """A request its remote worker could not start (nothing streamed yet) goes elsewhere once."""
+        with self.engine._lock:
+            rec = self.engine.requests.get(event.request_id)
+            if rec is None or rec.finish_reason is not None or rec.worker != event.worker:
+                return
+            loads = [ld for ld in self.engine._loads() if ld.worker != event.worker and ld.alive]
+            error = None
+            if rec.output_ids or rec.text:
+                error = f"worker {event.worker} failed mid-stream: {event.reason}"
+            elif not loads:
+                error = f"worker {event.worker} failed ({event.reason}) and no other worker is ready"
+            if error is None:
+                decision = self.engine.router.choose(rec.id, len(rec.prompt_ids), rec.params.max_tokens, loads)
+                rec.worker, rec.state = decision.chosen, RequestState.QUEUED
+                self.engine._routing.append(decision)
+                slot = self.engine._workers[decision.chosen]
+                self.engine._log_line("warning", f"{rec.id} rerouted from worker {event.worker} to "
+                                          f"{decision.chosen}: {event.reason}", locked=True)
+        if error is not None:
+            m = msg.RequestMetrics(len(rec.prompt_ids), 0, len(rec.output_ids), None, None, None, None,
+                                   time.monotonic() - rec.arrival)
+            self.on_step(msg.StepEvents(event.worker, (), (msg.Finished(rec.id, "error", error, m),)))
+            return
+        slot.commands.put(msg.Submit(rec.id, tuple(rec.prompt_ids), rec.params, rec.arrival,
+                                     rec.messages if slot.cfg.remote else None))
+        self.engine._notify("route", decision)
+
+
+def _alive(proc) -> bool:
+    return proc is not None and proc.is_alive()

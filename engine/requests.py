@@ -1,0 +1,203 @@
+"""Requests as the facade keeps them: records, handles, and the load they put on workers.
+
+The table is not locked itself: the facade's lock guards it (engine/engine.py), and the
+dispatcher (engine/dispatch.py) takes that lock to apply workers' events to it.
+"""
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+from engine import messages as msg
+from engine.config import SamplingParams
+from engine.errors import TokentopError
+from engine.router import WorkerLoad
+from engine.snapshot import RequestState
+
+KEEP_FINISHED = 200   # finished requests kept in snapshots
+TEXT_TAIL = 2000      # characters of each request's text kept for the dashboard
+
+
+class RequestFailed(TokentopError):
+    """Raised by a handle's iterator/result when its request ended in error."""
+
+
+@dataclass
+class RequestResult:
+    id: str
+    text: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str
+    error: str | None
+    metrics: msg.RequestMetrics | None
+    worker: int | None
+    notice: str | None = None
+
+
+@dataclass
+class RequestRecord:
+    """The facade's account of one request: what was asked, where it runs, what came back."""
+    id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float
+    worker: int | None = None
+    state: RequestState = RequestState.QUEUED
+    cached_estimate: int = 0
+    computed: int = 0
+    cached: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    messages: tuple | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    metrics: msg.RequestMetrics | None = None
+    burst: str | None = None
+    prompt_text: str = ""
+    prefill_at: float | None = None        # when the worker was first seen computing it
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    finished_at: float | None = None
+    leader: str | None = None       # single flight: waiting for this request's pages
+    follow_at: float | None = None  # when the facade first saw it waiting on a leader
+    notice: str | None = None      # said once about how the request was taken (max_tokens lowered)
+    spec: dict | None = None       # speculative decoding counters, as the worker last sent them
+    drafted: list = field(default_factory=list)   # [start, end) of text from accepted drafts
+
+
+class RequestHandle:
+    """Streams one request's TokenDelta events; `result()` waits for the end."""
+
+    def __init__(self, record: RequestRecord, abort: Callable[[str], bool]):
+        self._abort = abort
+        self.id = record.id
+        self._record = record
+        self._q: queue.Queue = queue.Queue()
+        self._done = threading.Event()
+        self._aloop: asyncio.AbstractEventLoop | None = None
+        self._aq: asyncio.Queue | None = None
+        self._lock = threading.Lock()
+
+    # called by the dispatcher thread
+    def _deliver(self, event) -> None:
+        if isinstance(event, msg.Finished):
+            # done before the event is seen: whoever iterated to the end may call result(0)
+            self._done.set()
+        with self._lock:
+            if self._aq is not None:
+                self._aloop.call_soon_threadsafe(self._aq.put_nowait, event)
+            else:
+                self._q.put(event)
+
+    def __iter__(self) -> Iterator[msg.TokenDelta]:
+        while True:
+            event = self._q.get()
+            if isinstance(event, msg.Finished):
+                self._raise_if_failed(event)
+                return
+            yield event
+
+    async def __aiter__(self):
+        with self._lock:
+            self._aloop = asyncio.get_running_loop()
+            self._aq = asyncio.Queue()
+            while not self._q.empty():
+                self._aq.put_nowait(self._q.get_nowait())
+        while True:
+            event = await self._aq.get()
+            if isinstance(event, msg.Finished):
+                self._raise_if_failed(event)
+                return
+            yield event
+
+    def _raise_if_failed(self, event: msg.Finished) -> None:
+        if event.reason == "error":
+            raise RequestFailed(event.error or "request failed")
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self, timeout: float | None = None) -> RequestResult:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
+        r = self._record
+        return RequestResult(r.id, r.text, list(r.prompt_ids), list(r.output_ids),
+                             r.finish_reason or "error", r.error, r.metrics, r.worker, r.notice)
+
+    @property
+    def notice(self) -> str | None:
+        """A note on how the request was taken (e.g. max_tokens lowered to the context), or None."""
+        return self._record.notice
+
+    def abort(self) -> None:
+        self._abort(self.id)
+
+
+
+def seen_timings(rec: RequestRecord) -> tuple[float | None, float | None, float | None, None]:
+    """(queue time, TTFT, mean ITL, max ITL) as the facade saw them, for a request the
+    worker never reported metrics for (it died): the figures it had are kept."""
+    queue_time = rec.prefill_at - rec.arrival if rec.prefill_at is not None else None
+    ttft = rec.first_token_at - rec.arrival if rec.first_token_at is not None else None
+    n = len(rec.output_ids)
+    itl = ((rec.last_token_at - rec.first_token_at) / (n - 1)
+           if n > 1 and rec.first_token_at is not None and rec.last_token_at is not None else None)
+    return queue_time, ttft, itl, None
+
+
+class RequestTable:
+    """Every request the facade knows: live ones, and the last KEEP_FINISHED finished ones."""
+
+    def __init__(self):
+        self.records: dict[str, RequestRecord] = {}
+        self.handles: dict[str, RequestHandle] = {}
+        self._finished: deque[str] = deque()
+
+    def add(self, rec: RequestRecord, handle: RequestHandle) -> None:
+        self.records[rec.id] = rec
+        self.handles[rec.id] = handle
+
+    def get(self, request_id: str) -> RequestRecord | None:
+        return self.records.get(request_id)
+
+    def live(self, request_id: str) -> RequestRecord | None:
+        """The record, while its request has not finished."""
+        rec = self.records.get(request_id)
+        return rec if rec is not None and rec.finish_reason is None else None
+
+    def finished(self, rec: RequestRecord) -> None:
+        """Count a request as finished; the oldest finished ones beyond KEEP_FINISHED go."""
+        self._finished.append(rec.id)
+        while len(self._finished) > KEEP_FINISHED:
+            rid = self._finished.popleft()
+            self.records.pop(rid, None)
+            self.handles.pop(rid, None)
+
+    def outstanding(self) -> int:
+        return sum(r.finish_reason is None for r in self.records.values())
+
+    def open_on(self, worker: int) -> list[str]:
+        """Ids of the unfinished requests routed to `worker`."""
+        return [r.id for r in self.records.values() if r.worker == worker and r.finish_reason is None]
+
+    def loads(self, workers: list[WorkerLoad]) -> list[WorkerLoad]:
+        """Add each unfinished request's outstanding work to its worker's load: prompt tokens not
+        yet computed (nor expected from the prefix cache) and its decode budget left."""
+        loads = {w.worker: w for w in workers}
+        for rec in self.records.values():
+            if rec.finish_reason is not None or rec.worker is None:
+                continue
+            load = loads[rec.worker]
+            if rec.state == RequestState.QUEUED:
+                load.waiting += 1
+            else:
+                load.running += 1
+            load.prefill_tokens += max(0, len(rec.prompt_ids) - max(rec.computed, rec.cached_estimate))
+            load.decode_tokens += max(0, rec.params.max_tokens - len(rec.output_ids))
+        return list(loads.values())

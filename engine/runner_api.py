@@ -1,0 +1,38 @@
+"""The interface between a worker loop and what runs its steps: the real model
+(engine/runner.py, ModelRunner) or a simulated device (engine/sim.py, SimRunner)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+from engine.trace import get_tracer
+
+if TYPE_CHECKING:
+    from engine.kv.pages import BlockManager
+    from engine.models.tokenizer import Tokenizer
+    from engine.output import StepOutput
+    from engine.scheduler import StepPlan
+    from engine.sequence import Sequence
+
+
+class Runner(Protocol):
+    tokenizer: Tokenizer
+    model_context: int         # the model's own context length
+    bytes_per_slot: int        # KV bytes per token position, for sizing the page pool
+    info: dict                 # WorkerInfo fields the runner knows (model, arch, dtype, ...)
+
+    def allocate_kv(self, num_slots: int) -> None: ...
+
+    def start_sequence(self, seq: Sequence) -> None:
+        """Give a new sequence what sampling and detokenization need (seq.sampler, seq.detok)."""
+
+    def end_sequence(self, seq: Sequence) -> None: ...
+
+    def execute(self, plan: StepPlan, blocks: BlockManager) -> StepOutput:
+        """Run one step of the scheduler's plan; a token per sequence that samples."""
+
+    # tracing goes through the thread's tracer, the same for every runner
+    def set_tracing(self, enabled: bool) -> None:
+        get_tracer().set_enabled(enabled)
+
+    def drain_trace(self) -> list:
+        return get_tracer().drain()
