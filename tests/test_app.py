@@ -37,7 +37,7 @@ from engine import procstat
 from engine.devices import parse_devices
 from engine.router import Candidate, RouteDecision
 from engine.snapshot import EngineSnapshot, LogLine, RequestView, WorkerView
-from engine.trace import check_nesting
+from tests.trace_checks import check_nesting
 from tests.fixtures.tiny_gguf import write_tiny_model
 
 SIZE = (120, 40)

@@ -365,7 +365,7 @@ def test_an_incompatible_draft_is_refused_at_start_naming_both(tiny_model_path):
 def test_trace_has_spec_rounds_with_draft_steps_verify_and_verdicts(tiny_model_path, tmp_path):
     import json
 
-    from engine.trace import check_nesting
+    from tests.trace_checks import check_nesting
 
     model = tiny_model_path("qwen2")
     cfg = WorkerConfig(model=str(model), threads=1, calibrate=False, draft_model=str(model), device=DEVICE,

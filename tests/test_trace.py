@@ -18,7 +18,8 @@ import time
 import pytest
 
 from engine import trace
-from engine.trace import Tracer, check_nesting, write_chrome_trace
+from engine.trace import Tracer, write_chrome_trace
+from tests.trace_checks import check_nesting
 
 PHASES = ["queued", "prefill", "decode", "finished"]
 ATTN_OPS = ["attention-query", "attention-key", "attention-value", "attention-output"]

@@ -6,7 +6,7 @@ import pytest
 
 from engine.config import EngineConfig, SamplingParams, WorkerConfig
 from engine.engine import Engine
-from engine.trace import check_nesting
+from tests.trace_checks import check_nesting
 
 SCOPES = {"engine step", "scheduler decision", "model", "layer", "attn", "attention", "mlp",
           "qmatmul", "sampler", "selfcheck"}   # selfcheck: at start-up, before any request

@@ -745,6 +745,7 @@ def _trace_sequence(events: list[dict], tid: int) -> list[tuple[str, int]]:
 def nvtx_balance(model_path: Path, device: str, out: Path, force: bool = False) -> dict:
     """A short generate with tracing on, every NVTX push/pop counted; compared with the trace."""
     import engine.trace as trace
+    from tests.trace_checks import check_nesting
     from engine.config import EngineConfig, SamplingParams, WorkerConfig
     from engine.engine import Engine
 
@@ -781,7 +782,7 @@ def nvtx_balance(model_path: Path, device: str, out: Path, force: bool = False) 
            "pushes": pushes, "pops": pops, "balanced": pushes == pops and all(s["depth"] == 0 for s in backend.threads.values()),
            "min_depth": min([s["min_depth"] for s in backend.threads.values()] or [0]),
            "threads": {str(t): {k: v for k, v in s.items() if k != "sequence"} for t, s in backend.threads.items()},
-           "trace_file": Path(path).name, "trace_nesting_problems": trace.check_nesting(events)[:5],
+           "trace_file": Path(path).name, "trace_nesting_problems": check_nesting(events)[:5],
            "matches_trace": not difference and bool(backend.threads), "difference": difference or
            ("" if backend.threads else "no NVTX range was pushed")}
     if shutil.which("nsys") and torch.device(device).type == "cuda":
