@@ -9,21 +9,12 @@ import engine.sampling as sampling
 from engine.config import EngineConfig, SamplingParams, WorkerConfig
 from engine.engine import Engine
 from engine.messages import Finished
+from tests.waiting import pages_back
 
 
 def start(model, mode="thread", **worker):
     cfg = WorkerConfig(**{"model": str(model), "threads": 1, "calibrate": False, **worker})
     return Engine(EngineConfig(workers=(cfg,), worker_mode=mode)).start(timeout=300)
-
-
-def pages_back(engine, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        w = engine.snapshot().workers[0]
-        if w.pages_used == 0 and w.running == 0 and w.waiting == 0:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 PROMPTS = ["hello there", "a much longer prompt about caches, pages and schedulers " * 3,

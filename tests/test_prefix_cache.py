@@ -10,6 +10,7 @@ from engine.kv.reuse import PrefixReuse
 from engine.kv.single_flight import FlightCoordinator
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SeqState
+from tests.test_scheduler import finish_sampled
 
 PS = 4
 
@@ -32,15 +33,7 @@ def step(sched, reuse, fail=()):
     plan = sched.schedule()
     sched.advance(plan)
     reuse.publish(plan, set(fail))
-    done = []
-    for item in plan.items:
-        if item.samples:
-            item.seq.output_ids.append(7)
-            if len(item.seq.output_ids) >= item.seq.params.max_tokens:
-                sched.remove(item.seq)
-                item.seq.state = SeqState.FINISHED
-                done.append(item.seq)
-    return plan, done
+    return plan, finish_sampled(sched, plan)
 
 
 def drain(sched, reuse, limit=500):

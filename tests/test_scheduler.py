@@ -26,6 +26,11 @@ def run_step(sched):
     """Execute a plan the way a worker does: account tokens, 'sample' token 7, finish at max."""
     plan = sched.schedule()
     sched.advance(plan)
+    return plan, finish_sampled(sched, plan)
+
+
+def finish_sampled(sched, plan):
+    """'Sample' token 7 for each sequence that samples; finish those at max_tokens."""
     done = []
     for item in plan.items:
         if item.samples:
@@ -34,7 +39,7 @@ def run_step(sched):
                 sched.remove(item.seq)
                 item.seq.state = SeqState.FINISHED
                 done.append(item.seq)
-    return plan, done
+    return done
 
 
 def test_pool_refcounts():

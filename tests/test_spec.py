@@ -15,6 +15,7 @@ from engine.sequence import Sequence
 from engine.spec.ngram import propose_ngram
 from engine.spec.policy import AcceptanceK, CostK, CostModel, LengthK, StepContext
 from engine.spec.verify import verify
+from tests.waiting import pages_back
 
 # TOKENTOP_TEST_DEVICE=cuda runs the engine tests and the acceptance arithmetic on a GPU
 DEVICE = os.environ.get("TOKENTOP_TEST_DEVICE", "cpu")
@@ -210,16 +211,6 @@ def test_truncate_releases_whole_pages_of_both_tables():
 def start(model, **worker):
     cfg = WorkerConfig(**{"model": str(model), "threads": 1, "calibrate": False, "device": DEVICE, **worker})
     return Engine(EngineConfig(workers=(cfg,), worker_mode="thread")).start(timeout=300)
-
-
-def pages_back(engine, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        w = engine.snapshot().workers[0]
-        if w.pages_used == 0 and w.running == 0 and w.waiting == 0:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 REPETITIVE = ["tokens tokens tokens tokens", "abc abc abc abc abc def abc abc", "zebra " * 20,
