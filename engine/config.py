@@ -21,6 +21,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int = 0                 # top-n logprobs per generated token, 0 = off
+    return_logprobs: bool = False     # the client wants logprobs back (a remote worker asks for them)
     speculate: str = ""               # "" = the worker's default, or off | ngram | draft
     spec_k: str = ""                  # "" = the worker's --spec-k, or N | adaptive:POLICY
     spec_tv_budget: float | None = None   # None = the worker's --spec-tv-budget

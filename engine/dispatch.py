@@ -210,7 +210,8 @@ class Dispatcher:
             elif not loads:
                 error = f"worker {event.worker} failed ({event.reason}) and no other worker is ready"
             if error is None:
-                decision = self.engine.router.choose(rec.id, len(rec.prompt_ids), rec.params.max_tokens, loads)
+                decision = self.engine.router.choose(rec.id, len(rec.prompt_ids), rec.params.max_tokens, loads,
+                                                     prompt_lens=rec.prompt_lens)
                 rec.worker, rec.state = decision.chosen, RequestState.QUEUED
                 self.engine._routing.append(decision)
                 slot = self.engine._workers[decision.chosen]
@@ -222,7 +223,7 @@ class Dispatcher:
             self.on_step(msg.StepEvents(event.worker, (), (msg.Finished(rec.id, "error", error, m),)))
             return
         slot.commands.put(msg.Submit(rec.id, tuple(rec.prompt_ids), rec.params, rec.arrival,
-                                     rec.messages if slot.cfg.remote else None))
+                                     rec.messages if slot.cfg.remote else None, rec.prompt_len_on(decision.chosen)))
         self.engine._notify("route", decision)
 
 

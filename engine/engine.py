@@ -94,6 +94,7 @@ class Engine:
         self._started_at: float | None = None
         self._usage = UsageSampler()
         self._observers: list[Callable[[str, object], None]] = []
+        self._counters: dict = {}   # remote worker index -> RemoteTokenCounter (engine/remote.py)
 
     # --- lifecycle ----------------------------------------------------------------------
     def start(self, wait: bool = True, timeout: float = 600.0) -> "Engine":
@@ -119,7 +120,8 @@ class Engine:
             self._events = queue.Queue()
         for i, cfg in enumerate(self.config.workers):
             if cfg.remote:      # forwarding needs no process of its own: a thread of I/O
-                from engine.remote import remote_worker_main
+                from engine.remote import RemoteTokenCounter, remote_worker_main
+                self._counters[i] = RemoteTokenCounter(cfg.device[len("remote:"):])
                 commands = queue.Queue()
                 proc = threading.Thread(target=remote_worker_main, name=f"tokentop-remote-{i}",
                                         args=(i, cfg, paths[cfg.model], commands, self._events), daemon=True)
@@ -180,6 +182,8 @@ class Engine:
             self.dispatcher.join(1.0)
         if self._routing_log:
             self._routing_log.close()
+        for counter in self._counters.values():
+            counter.close()
 
     def __enter__(self) -> "Engine":
         return self.start() if not self._workers else self
@@ -191,18 +195,28 @@ class Engine:
     def submit(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                params: SamplingParams | None = None, prompt_ids: list[int] | None = None,
                worker: int | None = None, burst: str | None = None,
-               parse_special: bool = False, cache_salt: str | None = None) -> RequestHandle:
+               parse_special: bool = False, cache_salt: str | None = None,
+               prompt_lengths: dict[int, tuple[int, str]] | None = None) -> RequestHandle:
         """Queue one request. Bad input raises InvalidRequest and queues nothing.
         A special token spelled in a plain prompt is plain text unless parse_special (trusted
         prompts only); in chat messages it is always plain text. cache_salt (or
-        params.cache_salt): requests share cached KV pages only with the same salt."""
+        params.cache_salt): requests share cached KV pages only with the same salt.
+        prompt_lengths: what prompt_lengths() answered, for a caller that asked it elsewhere
+        (the server, off its event loop); else it is asked here, in the caller's thread.
+        messages with prompt_ids: the ids are those messages, encoded by the caller; the messages
+        still go to a remote worker that serves another model (its own chat template)."""
         params = params or SamplingParams()
         if cache_salt is not None:
             params = replace(params, cache_salt=cache_salt)
         params = params.validate()
         if not params.speculate and self.spec_mode:   # the dashboard's choice for new requests
             params = replace(params, speculate=self.spec_mode)
-        ids = self.encode(prompt, messages, prompt_ids, parse_special=parse_special)
+        if messages is not None and prompt_ids is not None:   # the messages' ids, encoded by the caller
+            ids = self.encode(None, None, prompt_ids)
+        else:
+            ids = self.encode(prompt, messages, prompt_ids, parse_special=parse_special)
+        if prompt_lengths is None:
+            prompt_lengths = self.prompt_lengths(ids, messages)
         now = time.monotonic()
         with self._lock:
             live = [w for w in self._workers if w.state == "ready"]
@@ -226,10 +240,11 @@ class Engine:
                 params = replace(params, max_tokens=room)
             rec = RequestRecord(rid, ids, params, now, burst=burst, notice=notice,
                           messages=tuple(messages) if messages is not None else None,
-                          prompt_text=prompt if isinstance(prompt, str) else self.tokenizer.decode(ids))
+                          prompt_text=prompt if isinstance(prompt, str) else self.tokenizer.decode(ids),
+                          prompt_lens=dict(prompt_lengths))
             decision = self.router.choose(rid, len(ids), params.max_tokens, self._loads(),
                                           cached=self._reuse_estimates(ids, params.cache_salt, live),
-                                          force=worker)
+                                          force=worker, prompt_lens=prompt_lengths)
             rec.worker = decision.chosen
             rec.cached_estimate = decision.chosen_reuse
             self._routing.append(decision)
@@ -244,10 +259,49 @@ class Engine:
                                  reason=decision.reason,
                                  scores={c.worker: round(c.score, 4) for c in decision.candidates},
                                  reuse={c.worker: c.cached_tokens for c in decision.candidates})
-        slot.commands.put(msg.Submit(rid, tuple(ids), params, now,
-                                     rec.messages if slot.cfg.remote else None))
+        slot.commands.put(msg.Submit(rid, tuple(ids), params, now, rec.messages if slot.cfg.remote else None,
+                                     rec.prompt_len_on(decision.chosen)))
         self._notify("route", decision)
         return handle
+
+    def needs_remote_counts(self) -> bool:
+        """Whether prompt_lengths() would ask a remote server (and may take up to its timeout)."""
+        with self._lock:
+            return any(w.state == "ready" and w.cfg.remote and w.info.tokenize
+                       and w.info.tokenize != "same-model" for w in self._workers)
+
+    def prompt_lengths(self, ids: list[int], messages: list[dict] | None = None) -> dict[int, tuple[int, str]]:
+        """The prompt's length on each ready remote worker that serves another model, and where
+        the figure comes from: "remote" (its /tokenize) or "estimate" (the local count, when it has
+        no /tokenize or the call failed or timed out). Workers not listed count len(ids) ("local").
+        Asks the remotes over HTTP (bounded by engine/remote.py TOKENIZE_TIMEOUT in all): call it
+        outside any event loop."""
+        from engine.remote import TOKENIZE_SAME, TOKENIZE_TIMEOUT
+
+        with self._lock:
+            remotes = [(w.index, w.info.tokenize, w.info.model) for w in self._workers
+                       if w.state == "ready" and w.cfg.remote and w.info.tokenize != TOKENIZE_SAME]
+        out: dict[int, tuple[int, str]] = {}
+        if not remotes:
+            return out
+        text = self.tokenizer.decode(list(ids)) if messages is None else ""   # what the remote is sent
+        deadline = time.monotonic() + TOKENIZE_TIMEOUT
+        for index, shape, model in remotes:
+            if not shape:
+                out[index] = (len(ids), "estimate")
+                continue
+            try:
+                n = self._counters[index].count(shape, model, text,
+                                                tuple(messages) if messages is not None else None,
+                                                max(0.0, deadline - time.monotonic()))
+                out[index] = (n, "remote")
+            except ValueError as exc:
+                out[index] = (len(ids), "estimate")
+                with self._lock:
+                    self._log_repeated(("tokenize failed", index), "warning",
+                                       f"worker {index}: prompt length estimated locally, its /tokenize "
+                                       f"failed: {exc}{{times}}")
+        return out
 
     def _reuse_estimates(self, ids: list[int], salt: str | None, live: list[_WorkerSlot]) -> dict[int, int]:
         """Prompt tokens each worker could restore: its published keys vs the prompt's chain."""
@@ -418,7 +472,8 @@ class Engine:
         cpu, rss = self._worker_usage(w)
         return WorkerView(
             index=w.index, name=info.name, device=w.cfg.device,
-            model=w.cfg.model, dtype=info.dtype, weights=info.weights,
+            model=info.model if w.cfg.remote and w.info else w.cfg.model,   # a remote: what it serves
+            dtype=info.dtype, weights=info.weights,
             simulated=w.cfg.simulated, state=w.state, message=w.message,
             running=s.running if s else 0, waiting=s.waiting if s else 0,
             prefill_tps=s.prefill_tps if s else 0.0, decode_tps=s.decode_tps if s else 0.0,
@@ -448,7 +503,8 @@ class Engine:
         end = r.finished_at or now
         seen = seen_timings(r)     # while running, or where the worker sent no metrics (it died)
         return RequestView(
-            id=r.id, worker=r.worker, state=r.state, prompt_tokens=len(r.prompt_ids),
+            id=r.id, worker=r.worker, state=r.state, prompt_tokens=r.prompt_len_on(r.worker),
+            prompt_source=r.prompt_source_on(r.worker),
             cached_tokens=m.cached_tokens if m else r.cached, output_tokens=len(r.output_ids),
             max_tokens=r.params.max_tokens, queue_time=m.queue_time if m else seen[0],
             ttft=m.ttft if m and m.ttft is not None else seen[1],

@@ -18,6 +18,7 @@ class Submit:
     params: SamplingParams
     arrival: float                 # time.monotonic() at the facade
     messages: tuple | None = None  # the chat messages, for a remote serving another model
+    prompt_tokens: int | None = None   # the prompt's length on this worker, where it differs
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,7 @@ class WorkerInfo:
     sim_decode_tps: float = 0.0
     remote: bool = False
     url: str | None = None         # a remote worker's server
+    tokenize: str = ""             # a remote's prompt-length source (engine/remote.py TOKENIZE_*)
     spec_modes: tuple[str, ...] = ("off",)   # speculative decoding modes it can serve
     draft_model: str = ""          # its draft model, when it has one
     kernels: str = ""              # which weight forms its linear layers use, when it says
@@ -112,6 +114,9 @@ class TokenDelta:
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
     drafted: bool = False          # an accepted draft token (speculative decoding), not the target's
+    # a remote worker's logprobs name tokens by their text (another model's ids mean nothing here)
+    token_str: str | None = None
+    top_strs: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)

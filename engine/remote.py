@@ -7,8 +7,14 @@ streaming POST (httpx); aborting it closes the stream, which the server sees as 
 
 * Prompts. When the server serves the model the facade tokenized with (same model id), the
   prompt goes as token ids to /v1/completions: exact, and chat templates applied once. Else
-  chat messages go to /v1/chat/completions and plain prompts as text; the router's prompt
-  length is then the local tokenizer's count, labelled an estimate.
+  chat messages go to /v1/chat/completions and plain prompts as text.
+* Prompt lengths for the router. Same model: the local tokenizer's count. Another model: the
+  server's own POST /tokenize, when the probe found one (vLLM's and tokentop's shape
+  {"model", "prompt"|"messages"} -> {"count"}, or llama.cpp's {"content"} -> {"tokens"}, with
+  its /apply-template for chat), asked by the facade at submit with a short timeout
+  (RemoteTokenCounter); else, or when that call fails, the local count labelled an estimate.
+* Logprobs. Asked of the server when the client asked (logprobs / top_logprobs; llama.cpp's
+  n_probs too) and passed back by token text, in either of OpenAI's two shapes.
 * Rates. Prefill tok/s = prompt tokens / TTFT and decode tok/s = tokens / time after the first,
   measured on every stream and smoothed; they replace the nominal rates in the cost router.
 * Load. The server's own running / waiting requests and KV usage are scraped from its
@@ -38,6 +44,16 @@ SCRAPE_INTERVAL = 1.0
 PROBE_INTERVAL = 1.0
 SMOOTHING = 0.3           # weight of the newest measurement in the smoothed rates
 RATE_WINDOW = 2.0
+TOKENIZE_TIMEOUT = 0.5    # s: a prompt-length call to a remote's /tokenize, at submit
+TOKENIZE_BACKOFF = 10.0   # s: after a failed /tokenize, estimates only for this long
+TOKENIZE_CACHE = 512      # prompt lengths kept per remote (a burst repeats its prompts)
+PROBE_TEXT = "Hello, world"
+
+# how a remote counts tokens (WorkerInfo.tokenize)
+TOKENIZE_SAME = "same-model"      # the local tokenizer is the remote's
+TOKENIZE_OPENAI = "tokenize"      # vLLM / tokentop: POST /tokenize {"model", "prompt"|"messages"} -> count
+TOKENIZE_LLAMACPP = "tokenize-llamacpp"   # llama.cpp: POST /tokenize {"content"} -> tokens
+TOKENIZE_NONE = ""                # none: the local count stands in, labelled an estimate
 
 # running, waiting, KV usage (0..1) as vLLM and llama.cpp's server name them
 SCRAPE_NAMES = {
@@ -75,6 +91,8 @@ class RemoteWorker:
         self.local_model = cfg.model
         self.remote_model: str | None = None
         self.same_model = False
+        self.tokenize = TOKENIZE_NONE
+        self.owned_by = ""
         self.max_context = cfg.max_context
         self.ready = False
         self.tasks: dict[str, asyncio.Task] = {}
@@ -124,7 +142,7 @@ class RemoteWorker:
                 self.emit(msg.Reroute(self.index, cmd.request_id, f"{self.url} is down"))
                 return
             self.streamed[cmd.request_id] = 0
-            self.prompt_len[cmd.request_id] = len(cmd.prompt_ids)
+            self.prompt_len[cmd.request_id] = cmd.prompt_tokens or len(cmd.prompt_ids)
             self.tasks[cmd.request_id] = asyncio.ensure_future(self._forward(cmd))
         elif isinstance(cmd, msg.Abort):
             task = self.tasks.get(cmd.request_id)
@@ -162,6 +180,8 @@ class RemoteWorker:
         mine = [n for n in (self.local_model, Path(self.local_model).stem) if n in ids]
         self.same_model = bool(mine)
         self.remote_model = mine[0] if mine else ids[0]
+        self.owned_by = next((str(m.get("owned_by") or "") for m in models if m.get("id") == self.remote_model), "")
+        self.tokenize = TOKENIZE_SAME if self.same_model else await self._probe_tokenize()
         # vLLM and tokentop say max_model_len; llama.cpp's server says meta.n_ctx (per slot)
         ctx = next((m.get("max_model_len") or (m.get("meta") or {}).get("n_ctx")
                     for m in models if m.get("id") == self.remote_model), None)
@@ -169,13 +189,33 @@ class RemoteWorker:
         self._said_down = None
         return None
 
+    async def _probe_tokenize(self) -> str:
+        """Which /tokenize the server has, asked once per admission: vLLM's (and tokentop's)
+        shape first; llama.cpp's answers that one with no tokens (it reads only "content")."""
+        for shape, body in ((TOKENIZE_OPENAI, {"model": self.remote_model, "prompt": PROBE_TEXT}),
+                            (TOKENIZE_LLAMACPP, {"content": PROBE_TEXT})):
+            try:
+                r = await self.client.post("/tokenize", json=body, timeout=3)
+                if r.status_code == 404:
+                    return TOKENIZE_NONE
+                if r.status_code == 200 and _token_count(r.json()):
+                    return shape
+            except (httpx.HTTPError, ValueError, AttributeError):
+                return TOKENIZE_NONE
+        return TOKENIZE_NONE
+
     def _info(self) -> msg.WorkerInfo:
-        note = ("prompt lengths: local tokenizer (same model)" if self.same_model else
-                f"prompt lengths: estimate (local {self.local_model} tokenizer; remote serves {self.remote_model})")
+        note = {TOKENIZE_SAME: "prompt lengths: local tokenizer (same model)",
+                TOKENIZE_OPENAI: f"prompt lengths: the remote's /tokenize (it serves {self.remote_model})",
+                TOKENIZE_LLAMACPP: f"prompt lengths: the remote's /tokenize (llama.cpp; it serves "
+                                   f"{self.remote_model})"}.get(
+            self.tokenize, f"prompt lengths: estimate (local {self.local_model} tokenizer; remote serves "
+                           f"{self.remote_model} and has no /tokenize)")
         return msg.WorkerInfo(
             name=self.cfg.name, model=self.remote_model, dtype="remote", weights="remote", pages=0,
             page_size=0, max_context=self.max_context, device=self.cfg.device, simulated=False,
             remote=True, url=self.url, max_active=self.cfg.max_active, policy="remote", note=note,
+            tokenize=self.tokenize,
             profile_prefill_tps=self.prefill_tps, profile_decode_tps=self.decode_tps,
             summary=f"forwarding to {self.url} ({self.remote_model}; {note})")
 
@@ -222,18 +262,18 @@ class RemoteWorker:
                         if text is None:
                             text = (choice.get("delta") or {}).get("content") or ""
                         ids = choice.get("token_ids") or []
-                        deltas = self._deltas(rid, text, ids)
+                        deltas = self._deltas(rid, text, ids, _logprob_entries(choice.get("logprobs"), p.logprobs))
                         if deltas:
                             if first is None:
                                 first = time.monotonic()
-                            n_out += max(1, len(ids)) if (text or ids) else 0
+                            n_out += len(deltas)
                             self.streamed[rid] = n_out
-                            self.history.append((time.monotonic(), max(1, len(ids))))
+                            self.history.append((time.monotonic(), len(deltas)))
                             self.emit(msg.StepEvents(self.index, tuple(deltas), ()))
                         finish = choice.get("finish_reason") or finish
             if usage and usage.get("completion_tokens") is not None:
                 n_out = usage["completion_tokens"]
-            prompt_tokens = (usage or {}).get("prompt_tokens") or len(cmd.prompt_ids)
+            prompt_tokens = (usage or {}).get("prompt_tokens") or cmd.prompt_tokens or len(cmd.prompt_ids)
             self._measure(prompt_tokens, sent, first, n_out)
             self._finish(rid, finish if finish in ("stop", "length") else "stop", None, cmd, sent, first, n_out,
                          prompt_tokens)
@@ -274,24 +314,37 @@ class RemoteWorker:
             body["stop"] = list(p.stop)
         if p.ignore_eos:
             body["ignore_eos"] = True
+        chat = not self.same_model and cmd.messages is not None
+        if p.return_logprobs:
+            if chat:
+                body["logprobs"], body["top_logprobs"] = True, p.logprobs
+            else:
+                body["logprobs"] = p.logprobs
+            if self.tokenize == TOKENIZE_LLAMACPP or self.owned_by == "llamacpp":
+                body["n_probs"] = max(1, p.logprobs)   # llama.cpp's name; 0 would send none at all
         if self.same_model:
             # the exact tokens, template applied once, here; ask for the generated ids back
             return "/v1/completions", {**body, "prompt": list(cmd.prompt_ids), "return_token_ids": True}
-        if cmd.messages is not None:
+        if chat:
             return "/v1/chat/completions", {**body, "messages": list(cmd.messages)}
         return "/v1/completions", {**body, "prompt": self.tokenizer.decode(list(cmd.prompt_ids))}
 
-    def _deltas(self, rid: str, text: str, ids: list[int]) -> list[msg.TokenDelta]:
-        if ids:
-            return [msg.TokenDelta(rid, t, text if i == 0 else "") for i, t in enumerate(ids)]
-        if text:
-            return [msg.TokenDelta(rid, -1, text)]     # a server that does not return ids
-        return []
+    def _deltas(self, rid: str, text: str, ids: list[int], lps: list) -> list[msg.TokenDelta]:
+        """One delta per token of a chunk (the chunk's text on the first): its id where the server
+        returned ids (same model), else -1; its logprob by token text where it sent logprobs."""
+        n = max(len(ids), len(lps), 1 if text else 0)
+        out = []
+        for i in range(n):
+            lp = lps[i] if i < len(lps) else None
+            out.append(msg.TokenDelta(rid, ids[i] if i < len(ids) else -1, text if i == 0 else "",
+                                      lp[1] if lp else None, (), token_str=lp[0] if lp else None,
+                                      top_strs=lp[2] if lp else ()))
+        return out
 
     def _finish(self, rid, reason, error, cmd, sent, first, n_out, prompt_tokens) -> None:
         now = time.monotonic()
         m = msg.RequestMetrics(
-            prompt_tokens=prompt_tokens or len(cmd.prompt_ids), cached_tokens=0, output_tokens=n_out,
+            prompt_tokens=prompt_tokens or cmd.prompt_tokens or len(cmd.prompt_ids), cached_tokens=0, output_tokens=n_out,
             queue_time=sent - cmd.arrival, ttft=None if first is None else first - cmd.arrival,
             itl_mean=(now - first) / (n_out - 1) if first is not None and n_out > 1 else None,
             itl_max=None, e2e=now - cmd.arrival)
@@ -355,6 +408,107 @@ class RemoteWorker:
 
 class _RemoteFailed(Exception):
     pass
+
+
+def _logprob_entries(block, top: int) -> list[tuple[str, float, tuple[tuple[str, float], ...]]]:
+    """(token text, logprob, top alternatives) per token from a chunk's logprobs, in OpenAI's chat
+    shape ({"content": [{"token", "logprob", "top_logprobs": [...]}]}, which llama.cpp also uses
+    for completions) or its completions shape ({"tokens", "token_logprobs", "top_logprobs"})."""
+    if not isinstance(block, dict):
+        return []
+    out = []
+    if isinstance(block.get("content"), list):
+        for e in block["content"]:
+            tops = tuple((t.get("token", ""), float(t["logprob"])) for t in e.get("top_logprobs") or ()
+                         if t.get("logprob") is not None)
+            out.append((e.get("token", ""), float(e["logprob"]) if e.get("logprob") is not None else None,
+                        tops[:top]))
+    elif isinstance(block.get("tokens"), list):
+        lps = block.get("token_logprobs") or []
+        alts = block.get("top_logprobs") or []
+        for i, t in enumerate(block["tokens"]):
+            alt = alts[i] if i < len(alts) and isinstance(alts[i], dict) else {}
+            ranked = sorted(alt.items(), key=lambda kv: -kv[1])
+            out.append((t, float(lps[i]) if i < len(lps) and lps[i] is not None else None,
+                        tuple((s, float(v)) for s, v in ranked)[:top]))
+    return out
+
+
+def _token_count(body) -> int:
+    """A /tokenize answer's token count: {"count": N} (vLLM, tokentop) or {"tokens": [...]}."""
+    if isinstance(body, dict):
+        if isinstance(body.get("count"), int):
+            return body["count"]
+        if isinstance(body.get("tokens"), list):
+            return len(body["tokens"])
+    return 0
+
+
+class RemoteTokenCounter:
+    """A prompt's length on a remote that serves another model, asked of its /tokenize by the
+    facade at submit (the caller's thread; never under the facade's lock), with a short timeout.
+    Answers are cached; after a failure it stays quiet for TOKENIZE_BACKOFF and the caller uses
+    the labelled estimate."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.client = httpx.Client(base_url=url, timeout=TOKENIZE_TIMEOUT)
+        self.cache: dict[tuple, int] = {}
+        self.quiet_until = 0.0
+        self.last_error = ""
+        self.lock = threading.Lock()
+
+    def count(self, shape: str, model: str | None, text: str, messages: tuple | None,
+              timeout: float = TOKENIZE_TIMEOUT) -> int:
+        """The token count, or raises OSError/httpx.HTTPError/ValueError with the reason."""
+        key = (shape, model, text if messages is None else json.dumps(messages, sort_keys=True))
+        with self.lock:
+            if key in self.cache:
+                return self.cache[key]
+            if time.monotonic() < self.quiet_until:
+                raise ValueError(f"{self.last_error}; asked again after a pause")
+        if timeout <= 0:
+            raise ValueError("no time left to ask (other remotes took it)")
+        deadline = time.monotonic() + timeout
+        try:
+            n = self._ask(shape, model, text, messages, deadline)
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            with self.lock:
+                self.quiet_until = time.monotonic() + TOKENIZE_BACKOFF
+                self.last_error = _reason(exc)
+            raise ValueError(_reason(exc)) from None
+        with self.lock:
+            if len(self.cache) >= TOKENIZE_CACHE:
+                self.cache.pop(next(iter(self.cache)))
+            self.cache[key] = n
+        return n
+
+    def _post(self, path: str, body: dict, deadline: float) -> dict:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise httpx.TimeoutException("no time left")
+        r = self.client.post(path, json=body, timeout=left)
+        if r.status_code != 200:
+            raise ValueError(f"{path} answered {r.status_code}")
+        return r.json()
+
+    def _ask(self, shape, model, text, messages, deadline) -> int:
+        if shape == TOKENIZE_OPENAI:
+            body = {"model": model, "prompt": text} if messages is None else \
+                {"model": model, "messages": list(messages), "add_generation_prompt": True}
+            n = _token_count(self._post("/tokenize", body, deadline))
+        elif shape == TOKENIZE_LLAMACPP:
+            if messages is not None:   # its chat template, as its chat endpoint applies it
+                text = self._post("/apply-template", {"messages": list(messages)}, deadline)["prompt"]
+            n = _token_count(self._post("/tokenize", {"content": text, "add_special": True}, deadline))
+        else:
+            raise ValueError("the remote has no /tokenize")
+        if n <= 0:
+            raise ValueError("/tokenize counted no tokens")
+        return n
+
+    def close(self) -> None:
+        self.client.close()
 
 
 def _reason(exc: BaseException) -> str:

@@ -68,6 +68,16 @@ class RequestRecord:
     notice: str | None = None      # said once about how the request was taken (max_tokens lowered)
     spec: dict | None = None       # speculative decoding counters, as the worker last sent them
     drafted: list = field(default_factory=list)   # [start, end) of text from accepted drafts
+    # worker -> (prompt tokens there, "remote" | "estimate"): remotes serving another model
+    prompt_lens: dict = field(default_factory=dict)
+
+    def prompt_len_on(self, worker: int | None) -> int:
+        """The prompt's length on `worker` (its own tokenizer's count where it has another model)."""
+        return self.prompt_lens.get(worker, (len(self.prompt_ids),))[0]
+
+    def prompt_source_on(self, worker: int | None) -> str:
+        """Where that length came from: "local" (our tokenizer), "remote" (its /tokenize), "estimate"."""
+        return self.prompt_lens[worker][1] if worker in self.prompt_lens else "local"
 
 
 class RequestHandle:
@@ -198,6 +208,6 @@ class RequestTable:
                 load.waiting += 1
             else:
                 load.running += 1
-            load.prefill_tokens += max(0, len(rec.prompt_ids) - max(rec.computed, rec.cached_estimate))
+            load.prefill_tokens += max(0, rec.prompt_len_on(rec.worker) - max(rec.computed, rec.cached_estimate))
             load.decode_tokens += max(0, rec.params.max_tokens - len(rec.output_ids))
         return list(loads.values())

@@ -48,6 +48,8 @@ class Candidate:
     score: float               # policy's score; lower is better
     work: float = 0.0          # outstanding seconds before the incoming request
     nominal: bool = False      # the rates are placeholders: the worker has no speed profile yet
+    prompt_tokens: int = 0     # the incoming prompt's length on this worker
+    prompt_source: str = "local"   # local tokenizer | remote (its /tokenize) | estimate (local count)
 
 
 @dataclass(frozen=True)
@@ -100,15 +102,20 @@ class Router:
 
     def choose(self, request_id: str, prompt_tokens: int, max_tokens: int,
                loads: list[WorkerLoad], cached: dict[int, int] | None = None,
-               force: int | None = None) -> RouteDecision:
+               force: int | None = None,
+               prompt_lens: dict[int, tuple[int, str]] | None = None) -> RouteDecision:
+        """prompt_lens: worker -> (prompt tokens, source) where a worker counts the prompt with
+        another tokenizer (a remote serving another model); the others count prompt_tokens."""
         live = [w for w in loads if w.alive]
         if not live:
             raise RuntimeError("no live worker to route to")
         cached = cached or {}
+        prompt_lens = prompt_lens or {}
         cands = []
         for w in live:
-            reuse = min(cached.get(w.worker, 0), max(0, prompt_tokens - 1))
-            pre = w.prefill_tokens + prompt_tokens - reuse
+            n_prompt, source = prompt_lens.get(w.worker, (prompt_tokens, "local"))
+            reuse = min(cached.get(w.worker, 0), max(0, n_prompt - 1))
+            pre = w.prefill_tokens + n_prompt - reuse
             dec = w.decode_tokens + max_tokens
             pre_rate, dec_rate = max(w.prefill_rate, 1e-9), max(w.decode_rate, 1e-9)
             work = w.prefill_tokens / pre_rate + w.decode_tokens / dec_rate
@@ -119,7 +126,7 @@ class Router:
             else:
                 score = 0.0
             cands.append(Candidate(w.worker, w.name, w.running, w.waiting, pre, dec, reuse,
-                                   w.prefill_rate, w.decode_rate, score, work, w.nominal))
+                                   w.prefill_rate, w.decode_rate, score, work, w.nominal, n_prompt, source))
         reason = ""
         if force is not None:
             chosen = force

@@ -63,6 +63,9 @@ class RequestView:
     notice: str | None = None   # how the request was taken, said once (e.g. max_tokens lowered)
     spec: dict | None = None    # speculative decoding: mode, drafts, acceptance, k (None = off)
     drafted_spans: tuple[tuple[int, int], ...] = ()   # [start, end) of text_tail from accepted drafts
+    # where prompt_tokens came from: local (our tokenizer, the worker's model), remote (a remote
+    # worker's /tokenize: it serves another model), estimate (our count standing in for its)
+    prompt_source: str = "local"
 
     def __post_init__(self) -> None:   # a state given by name is checked and typed
         object.__setattr__(self, "state", RequestState(self.state))

@@ -33,10 +33,14 @@ def sampling_text(p: SamplingParams | None) -> str:
     return ", ".join(words)
 
 
+PROMPT_SOURCE = {"remote": " (counted by the remote's /tokenize)",
+                 "estimate": " (estimate: the local tokenizer's count; the remote serves another model)"}
+
+
 def detail_markup(r: RequestView, worker_name: str | None = None) -> str:
     worker = "-" if r.worker is None else (worker_name or f"w{r.worker}")
     rows = [("state", r.state), ("worker", worker),
-            ("burst", r.burst or "-"), ("prompt tokens", str(r.prompt_tokens)),
+            ("burst", r.burst or "-"), ("prompt tokens", str(r.prompt_tokens) + PROMPT_SOURCE.get(r.prompt_source, "")),
             ("cached tokens", str(r.cached_tokens)), ("output tokens", f"{r.output_tokens} of {r.max_tokens}"),
             ("sampling", sampling_text(r.params)),
             ("queued for", fmt_seconds(r.queue_time)), ("TTFT", fmt_seconds(r.ttft)),

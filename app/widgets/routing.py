@@ -23,6 +23,11 @@ POLICY_NOTE = {"cost": "least estimated seconds of work wins",
                "forced": "worker given by the caller, no score"}
 
 
+# a remote serving another model counts the prompt its own way: say where its figure came from
+PROMPT_SOURCE = {"remote": "prompt {n} tok (its /tokenize)",
+                 "estimate": "[$warning]prompt ~{n} tok (estimate)[/]"}
+
+
 def format_score(policy: str, score: float) -> str | None:
     """The figure the policy compared, in words; None when it compares nothing."""
     if policy in ("cost", "cache-aware"):
@@ -41,6 +46,8 @@ def format_candidate(c: Candidate, decision: RouteDecision, width: int) -> str:
     if score and c.nominal:   # no speed profile yet: the estimate rests on placeholder rates
         score += " [$warning]nominal[/]"
     parts = [(0, f"{head} [b]{score}[/]" if score else f"{head} [$text-muted](no score)[/]"),
+             *([(1, PROMPT_SOURCE[c.prompt_source].format(n=c.prompt_tokens))]
+               if c.prompt_source in PROMPT_SOURCE else []),
              (1, f"reuse ~{c.cached_tokens} tok"),     # estimated reusable prefix
              (1, f"run {c.running} wait {c.waiting}"),
              (2, f"prefill {c.prefill_tokens} tok"), (2, f"decode {c.decode_tokens} tok"),

@@ -52,6 +52,7 @@ class OpenAIServer:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
         ], exception_handlers={404: self._not_found, 405: self._not_allowed, Exception: self._internal})
@@ -79,10 +80,39 @@ class OpenAIServer:
             {"id": name, "object": "model", "created": created, "owned_by": "tokentop",
              "max_model_len": ctx or None} for name in self.names]})
 
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's POST /tokenize: {"model", "prompt"} or {"model", "messages"} -> {"count", "tokens"}.
+        Another tokentop with a remote worker here that serves a different model asks it for prompt
+        lengths; the count is what /v1/completions and /v1/chat/completions would feed the model."""
+        try:
+            self._auth(request)
+            body = await self._read_json(request)
+            if not isinstance(body, dict):
+                raise P.ApiError(400, "the request body must be a JSON object")
+            model = body.get("model")
+            if model is not None and model not in self.names:
+                raise P.ApiError(404, f"model {model!r} does not exist here; GET /v1/models lists "
+                                      f"{', '.join(map(repr, self.names))}", "model", code="model_not_found")
+            if ("prompt" in body) == ("messages" in body):
+                raise P.ApiError(400, "send exactly one of 'prompt' (text or token ids) or 'messages'")
+            if self.engine.tokenizer is None:
+                raise P.ApiError(503, "the model is still loading; retry when GET /health answers 200",
+                                 type="service_unavailable", code="loading")
+            parsed = (P.parse_chat({"messages": body["messages"]}) if "messages" in body
+                      else P.parse_completion({"prompt": body["prompt"]}))
+            try:
+                ids = await asyncio.to_thread(self.engine.encode, parsed.prompt, parsed.messages, parsed.prompt_ids)
+            except InvalidRequest as exc:
+                raise P.ApiError(400, str(exc), "messages" if "messages" in body else "prompt") from None
+        except P.ApiError as exc:
+            return self._error(exc)
+        _, ctx = self.engine.capacity()
+        return JSONResponse({"count": len(ids), "max_model_len": ctx or None, "tokens": ids, "token_strs": None})
+
     async def _not_found(self, request: Request, exc) -> Response:
         return self._error(P.ApiError(404, f"no route {request.url.path}; this server offers POST "
                                            "/v1/completions, POST /v1/chat/completions, GET /v1/models, "
-                                           "GET /health and GET /metrics", code="not_found"))
+                                           "POST /tokenize, GET /health and GET /metrics", code="not_found"))
 
     async def _internal(self, request: Request, exc: Exception) -> Response:
         # a bug here must still answer in the API's shape, and show in the engine's log
@@ -105,7 +135,8 @@ class OpenAIServer:
             self._auth(request)
             parsed = parse(await self._read_json(request))
             ids = await self._encode(parsed)
-            handle, parsed, n_prompt = self._submit(parsed, ids)
+            lens = await self._prompt_lengths(parsed, ids)
+            handle, parsed, n_prompt = self._submit(parsed, ids, lens)
         except P.ApiError as exc:
             return self._error(exc)
         rid, created = P.new_id(parsed.kind), P.now()
@@ -135,7 +166,14 @@ class OpenAIServer:
         except InvalidRequest as exc:
             raise P.ApiError(400, str(exc), "messages" if p.kind == "chat" else "prompt") from None
 
-    def _submit(self, p: P.Parsed, ids: list[int]):
+    async def _prompt_lengths(self, p: P.Parsed, ids: list[int]) -> dict:
+        """The prompt's length on remote workers of another model: their /tokenize is asked off the
+        event loop (bounded by a short timeout), so other streams never wait on it."""
+        if self.engine.needs_remote_counts():
+            return await asyncio.to_thread(self.engine.prompt_lengths, ids, p.messages)
+        return self.engine.prompt_lengths(ids, p.messages)     # no HTTP: estimates at most
+
+    def _submit(self, p: P.Parsed, ids: list[int], lens: dict):
         """Every check that depends on the engine's state, then submit: no await in between."""
         capacity, ctx = self.engine.capacity()
         room = ctx - len(ids)
@@ -158,7 +196,7 @@ class OpenAIServer:
                                   f"{self.config.max_queue}); retry later", type="rate_limit_error",
                              code="queue_full")
         try:
-            handle = self.engine.submit(prompt_ids=ids, params=p.params)
+            handle = self.engine.submit(prompt_ids=ids, messages=p.messages, params=p.params, prompt_lengths=lens)
         except InvalidRequest as exc:
             raise P.ApiError(400, str(exc)) from None
         except TokentopError as exc:
@@ -182,7 +220,8 @@ class OpenAIServer:
                 yield _sse(self._chunk(p, rid, created, pending, fmt, first, finish))
                 if p.include_usage:
                     n_out = result.metrics.output_tokens if result.metrics else len(result.token_ids)
-                    yield _sse(P.usage_chunk(rid, self.model, created, p.kind, P.usage(n_prompt, n_out)))
+                    yield _sse(P.usage_chunk(rid, self.model, created, p.kind,
+                                             P.usage(_prompt_tokens(result, n_prompt), n_out)))
             except RequestFailed as exc:
                 yield _sse({"error": {"message": str(exc), "type": "server_error", "param": None,
                                       "code": "request_failed"}})
@@ -216,7 +255,8 @@ class OpenAIServer:
         lp = fmt.block(fmt.entries(deltas)) if fmt is not None else None
         n_out = result.metrics.output_tokens if result.metrics else len(result.token_ids)
         body = P.completion_body(rid, self.model, created, p.kind, result.text, result.finish_reason, lp,
-                                 P.usage(n_prompt, n_out, result.metrics.cached_tokens if result.metrics else 0),
+                                 P.usage(_prompt_tokens(result, n_prompt), n_out,
+                                         result.metrics.cached_tokens if result.metrics else 0),
                                  token_ids=result.token_ids if p.return_token_ids else None)
         return JSONResponse(body)
 
@@ -261,6 +301,11 @@ class OpenAIServer:
     def _error(self, exc: P.ApiError) -> Response:
         self.metrics.http_rejected.labels(self.model, str(exc.status)).inc()
         return JSONResponse(exc.body(), status_code=exc.status)
+
+
+def _prompt_tokens(result, n_prompt: int) -> int:
+    """The prompt tokens the worker computed: a remote serving another model counts its own."""
+    return result.metrics.prompt_tokens if result.metrics and result.metrics.prompt_tokens else n_prompt
 
 
 def _sse(obj: dict) -> str:

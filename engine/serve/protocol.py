@@ -89,7 +89,7 @@ def _json_type(value) -> str:
             list: "a list", dict: "an object"}.get(type(value), type(value).__name__)
 
 
-def _params(body: dict, max_tokens: int | None, logprobs: int) -> SamplingParams:
+def _params(body: dict, max_tokens: int | None, logprobs: int, want_logprobs: bool = False) -> SamplingParams:
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
@@ -115,7 +115,7 @@ def _params(body: dict, max_tokens: int | None, logprobs: int) -> SamplingParams
             presence_penalty=float(num("presence_penalty", 0.0)),
             frequency_penalty=float(num("frequency_penalty", 0.0)), seed=body.get("seed"),
             stop=tuple(stop), stop_token_ids=tuple(ids), ignore_eos=bool(body.get("ignore_eos", False)),
-            logprobs=logprobs, cache_salt=body.get("cache_salt"),
+            logprobs=logprobs, return_logprobs=want_logprobs, cache_salt=body.get("cache_salt"),
             speculate=body.get("speculate") or "",
             spec_k="" if body.get("spec_k") is None else str(body["spec_k"]),
             spec_tv_budget=None if body.get("spec_tv_budget") is None else float(body["spec_tv_budget"]),
@@ -167,7 +167,7 @@ def parse_completion(body) -> Parsed:
     lp = body.get("logprobs")
     if lp is not None and not 0 <= lp <= 20:
         raise ApiError(400, f"'logprobs' must be between 0 and 20, got {lp}", "logprobs")
-    parsed = Parsed("completion", body.get("model"), _params(body, max_tokens, lp or 0), prompt=prompt,
+    parsed = Parsed("completion", body.get("model"), _params(body, max_tokens, lp or 0, lp is not None), prompt=prompt,
                     prompt_ids=prompt_ids, stream=bool(body.get("stream")), include_usage=_stream_options(body),
                     logprobs=lp is not None, top_logprobs=lp or 0, max_tokens_given=given,
                     return_token_ids=bool(body.get("return_token_ids")))
@@ -207,7 +207,7 @@ def parse_chat(body) -> Parsed:
     want_lp = bool(body.get("logprobs"))
     if top and not want_lp:
         raise ApiError(400, "'top_logprobs' needs \"logprobs\": true", "top_logprobs")
-    return Parsed("chat", body.get("model"), _params(body, max_tokens, top or 0), messages=messages,
+    return Parsed("chat", body.get("model"), _params(body, max_tokens, top or 0, want_lp), messages=messages,
                   stream=bool(body.get("stream")), include_usage=_stream_options(body), logprobs=want_lp,
                   top_logprobs=top or 0, max_tokens_given=given, return_token_ids=bool(body.get("return_token_ids")))
 
@@ -249,17 +249,23 @@ class LogprobFormatter:
     def entries(self, deltas) -> list:
         out = []
         for d in deltas:
-            if d.token_id < 0 or d.logprob is None:
+            offset = self.offset
+            self.offset += len(d.text)       # every token's text moves the offset, logprob or not
+            if d.logprob is None:
                 continue
-            t = self._text(d.token_id)
-            tops = [(self._text(i), lp) for i, lp in d.top_logprobs[: self.top]]
+            if d.token_str is not None:      # a remote worker's: by token text
+                t, tops = d.token_str, list(d.top_strs[: self.top])
+            elif d.token_id >= 0:
+                t = self._text(d.token_id)
+                tops = [(self._text(i), lp) for i, lp in d.top_logprobs[: self.top]]
+            else:
+                continue
             if self.kind == "chat":
                 out.append({"token": t, "logprob": d.logprob, "bytes": list(t.encode("utf-8")),
                             "top_logprobs": [{"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
                                              for s, lp in tops]})
             else:
-                out.append((t, d.logprob, dict(tops), self.offset))
-            self.offset += len(d.text)
+                out.append((t, d.logprob, dict(tops), offset))
         return out
 
     def block(self, entries: list) -> dict | None:
