@@ -169,9 +169,10 @@ def test_prompt_lengths_come_from_the_remotes_tokenize(real_model_path, fake):
 
         # chat: the remote counts with its own template; the messages reach it as messages
         messages = [{"role": "user", "content": "hello there"}]
-        h = engine.submit(messages=messages, params=SamplingParams(max_tokens=2), worker=0)
-        assert h.result(20).finish_reason == "length"
+        out = client(http).chat.completions.create(model=http_model(http), messages=messages, max_tokens=2)
+        assert out.choices[0].finish_reason == "length"
         rec = the_request(engine)
+        assert rec.worker == 0
         want = len("<user>hello there<assistant>")
         assert (rec.prompt_tokens, rec.prompt_source) == (want, "remote")
         assert fake.calls("/v1/chat/completions")[-1]["messages"] == messages
