@@ -316,12 +316,16 @@ class RemoteWorker:
             body["ignore_eos"] = True
         chat = not self.same_model and cmd.messages is not None
         if p.return_logprobs:
+            # llama.cpp sends logprobs only for at least one alternative (its n_probs, which its
+            # chat endpoint takes from top_logprobs): ask for one, pass back the number asked
+            llama = self.tokenize == TOKENIZE_LLAMACPP or self.owned_by == "llamacpp"
+            top = max(1, p.logprobs) if llama else p.logprobs
             if chat:
-                body["logprobs"], body["top_logprobs"] = True, p.logprobs
+                body["logprobs"], body["top_logprobs"] = True, top
             else:
                 body["logprobs"] = p.logprobs
-            if self.tokenize == TOKENIZE_LLAMACPP or self.owned_by == "llamacpp":
-                body["n_probs"] = max(1, p.logprobs)   # llama.cpp's name; 0 would send none at all
+                if llama:
+                    body["n_probs"] = top    # its completions endpoint reads only this name
         if self.same_model:
             # the exact tokens, template applied once, here; ask for the generated ids back
             return "/v1/completions", {**body, "prompt": list(cmd.prompt_ids), "return_token_ids": True}

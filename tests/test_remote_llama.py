@@ -67,3 +67,47 @@ def test_llama_server_behind_the_router(real_model_path, llama_server):
         assert w.profile_prefill_tps > 0 and w.profile_decode_tps > 0
         metrics = httpx.get(llama_server + "/metrics").text
         assert "llamacpp:" in metrics
+
+
+def test_llama_server_logprobs_through_our_api(real_model_path, llama_server):
+    import openai
+
+    with in_process_server(real_model_path, [f"remote:{llama_server},name=llama"]) as (engine, http):
+        c = openai.OpenAI(base_url=http.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        out = c.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4,
+                                   temperature=0, logprobs=2)
+        lp = out.choices[0].logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+        assert "".join(lp.tokens) == out.choices[0].text
+        assert all(v <= 0 for v in lp.token_logprobs)
+        assert all(1 <= len(t) <= 2 for t in lp.top_logprobs)
+        assert lp.top_logprobs[0][lp.tokens[0]] == pytest.approx(lp.token_logprobs[0])   # greedy: the top one
+        stream = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi"}],
+                                           max_tokens=3, temperature=0, logprobs=True, stream=True)
+        entries = [e for ch in stream for choice in ch.choices if choice.logprobs
+                   for e in choice.logprobs.content]
+        assert len(entries) == 3 and all(e.logprob <= 0 and e.top_logprobs == [] for e in entries)
+
+
+def test_llama_server_of_another_model_counts_prompts_with_its_tokenize(real_model_path, llama_server, tmp_path):
+    """Our model file under another name: llama-server's alias no longer matches, so prompts go
+    as text and chat messages, and their lengths come from its /tokenize (and /apply-template)."""
+    import openai
+
+    mine = tmp_path / "mine.gguf"
+    mine.symlink_to(real_model_path)
+    with in_process_server(mine, [f"remote:{llama_server},name=llama"], max_context=1024) as (engine, http):
+        w = engine.snapshot().workers[0]
+        assert w.state == "ready" and "/tokenize (llama.cpp" in w.note, w.note
+        prompt = "Count the tokens of this prompt, please."
+        engine.submit(prompt, params=SamplingParams(max_tokens=2), worker=0).result(120)
+        rec = engine.snapshot().requests[-1]
+        theirs = httpx.post(llama_server + "/tokenize", json={"content": prompt, "add_special": True}).json()
+        assert (rec.prompt_tokens, rec.prompt_source) == (len(theirs["tokens"]), "remote")
+        c = openai.OpenAI(base_url=http.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        messages = [{"role": "user", "content": "What is 2+2?"}]
+        out = c.chat.completions.create(model="mine", messages=messages, max_tokens=3)
+        rec = engine.snapshot().requests[-1]
+        assert rec.worker == 0 and rec.prompt_source == "remote"
+        assert out.usage.prompt_tokens == rec.prompt_tokens        # its count of its own template
+        assert out.choices[0].message.content
