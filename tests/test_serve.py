@@ -217,6 +217,18 @@ def test_metrics_agree_with_the_engine_snapshot_after_a_burst(sim_server):
         assert total(after, "vllm:num_requests_running", worker=w.name) == 0
         assert total(after, "vllm:kv_cache_usage_perc", worker=w.name) == 0
         assert total(after, "tokentop:worker_state", worker=w.name, state="ready") == 1
+    # the prefix cache's counters, under vLLM's names, as the workers last reported them
+    for _ in range(2):
+        client(http).completions.create(model="qwen2.5-coder-0.5b", prompt="The quick brown fox. " * 60,
+                                        max_tokens=2)
+    wait_idle(engine)
+    time.sleep(0.5)              # a stats report after the last request
+    after = metrics(http.url)
+    snap = engine.snapshot()
+    assert sum(w.prefix["prefix_cache_queries"] for w in snap.workers) > 0
+    for w in snap.workers:
+        assert total(after, "vllm:prefix_cache_queries_total", worker=w.name) == w.prefix["prefix_cache_queries"]
+        assert total(after, "vllm:prefix_cache_hits_total", worker=w.name) == w.prefix["prefix_cache_hits"]
 
 
 # --- disconnects ----------------------------------------------------------------------------

@@ -136,12 +136,20 @@ class _GaugeCollector:
                                       str(w.device.startswith("remote:")).lower()], 1.0)
             prefill.add_metric(values, w.prefill_tps)
             decode.add_metric(values, w.decode_tps)
+        prefix_q = CounterMetricFamily("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                       labels=lab)
+        prefix_h = CounterMetricFamily("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                       labels=lab)
+        for w in snap.workers:
+            if w.prefix:
+                prefix_q.add_metric([self.m.model, w.name], w.prefix["prefix_cache_queries"])
+                prefix_h.add_metric([self.m.model, w.name], w.prefix["prefix_cache_hits"])
         spec = self._spec_families(snap, lab)
         outstanding = GaugeMetricFamily("tokentop:requests_outstanding",
                                         "Requests submitted and not finished, all workers.",
                                         labels=["model_name"])
         outstanding.add_metric([self.m.model], sum(r.state.live for r in snap.requests))
-        return [running, waiting, kv, pages, state, info, prefill, decode, outstanding, *spec]
+        return [running, waiting, kv, pages, state, info, prefill, decode, outstanding, prefix_q, prefix_h, *spec]
 
     def _spec_families(self, snap, lab: list[str]) -> list:
         """Speculative decoding totals under vLLM's spec_decode_* names (engine/spec/stats.py)."""
