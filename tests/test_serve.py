@@ -78,6 +78,9 @@ def sim_server(real_model_path):
     ({"prompt": "hi", "cache_salt": ""}, "cache_salt", "non-empty"),
     ({"prompt": "hi", "speculate": "magic"}, "speculate", "must be one of"),
     ({"prompt": "hi", "spec_k": 99}, "spec_k", "0-16"),
+    ({"prompt": "hi", "logit_bias": {"5": 100}}, "logit_bias", "not supported"),
+    ({"prompt": "hi", "response_format": {"type": "json_object"}}, "response_format", "not supported"),
+    ({"prompt": "hi", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
     ({"prompt": "hi", "spec_tv_budget": 2}, "spec_tv_budget", "[0, 1]"),
 ])
 def test_completion_parse_refuses_with_the_field_and_the_fix(body, param, words):
@@ -105,6 +108,9 @@ def test_chat_parse_accepts_text_parts_and_max_completion_tokens():
     assert p.messages[0]["content"] == "ab" and p.params.max_tokens == 7 and p.params.logprobs == 3
     with pytest.raises(ApiError, match="top_logprobs"):
         parse_chat({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2})
+    # the harmless values of fields this server does not implement pass
+    parse_chat({"messages": [{"role": "user", "content": "x"}], "tools": [], "tool_choice": "none",
+                "response_format": {"type": "text"}, "logit_bias": {}})
 
 
 # --- errors over HTTP, with the real client ----------------------------------------------

@@ -4,7 +4,9 @@
 messages plus SamplingParams) or raise `ApiError` with a message that says what to fix. Field
 names and meanings follow the OpenAI API; extras that vLLM also accepts (top_k, min_p,
 repetition_penalty, ignore_eos, stop_token_ids, return_token_ids) are accepted too. Unknown
-fields are ignored, as OpenAI-compatible servers do; known fields of the wrong type are refused.
+fields are ignored, as OpenAI-compatible servers do; known fields of the wrong type are refused,
+and so are OpenAI fields this server does not implement (logit_bias, tools, response_format ...)
+when their value would change the answer.
 """
 from __future__ import annotations
 
@@ -67,6 +69,22 @@ class Parsed:
     max_tokens_given: str | bool = False   # the field's name when the client gave one
     return_token_ids: bool = False
     extra: dict = field(default_factory=dict)
+
+
+# OpenAI fields this server does not implement: refused when they would change the answer,
+# rather than ignored (a client relying on them must hear it); the harmless values pass
+UNSUPPORTED = {
+    "logit_bias": lambda v: v in (None, {}), "tools": lambda v: v in (None, []),
+    "functions": lambda v: v in (None, []), "tool_choice": lambda v: v in (None, "none", "auto"),
+    "function_call": lambda v: v in (None, "none", "auto"),
+    "response_format": lambda v: v is None or v == {"type": "text"},
+}
+
+
+def _check_unsupported(body: dict) -> None:
+    for name, harmless in UNSUPPORTED.items():
+        if name in body and not harmless(body[name]):
+            raise ApiError(400, f"'{name}' is not supported by this server; leave it out", param=name)
 
 
 def _check_types(body: dict, fields: dict) -> None:
@@ -155,6 +173,7 @@ def parse_completion(body) -> Parsed:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     _check_types(body, COMPLETION_FIELDS)
+    _check_unsupported(body)
     if "prompt" not in body:
         raise ApiError(400, "'prompt' is required: the text to continue", "prompt")
     for name in ("echo", "suffix"):
@@ -196,6 +215,7 @@ def parse_chat(body) -> Parsed:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     _check_types(body, CHAT_FIELDS)
+    _check_unsupported(body)
     messages = body.get("messages")
     if messages is None:
         raise ApiError(400, "'messages' is required: a list of {\"role\", \"content\"} objects", "messages")
