@@ -367,7 +367,22 @@ class Engine:
             loads.append(WorkerLoad(w.index, (w.info or msg.WorkerInfo.before_ready(w.cfg)).name,
                                     pre or NOMINAL_RATES[0], dec or NOMINAL_RATES[1],
                                     alive=w.state == "ready", nominal=not (pre and dec)))
-        return self.requests.loads(loads)
+        loads = self.requests.loads(loads)
+        external = {w.index: w.stats.external_requests for w in self._workers
+                    if w.cfg.remote and w.stats is not None and w.stats.external_requests}
+        if external:
+            # a remote's requests from other clients (its scrape): each weighs as a typical
+            # request here, since their sizes are not known
+            recs = list(self.requests.records.values())
+            prompt = sum(len(r.prompt_ids) for r in recs) / len(recs) if recs else 0.0
+            decode = sum(r.params.max_tokens for r in recs) / len(recs) if recs else 0.0
+            for ld in loads:
+                n = external.get(ld.worker, 0)
+                if n:
+                    ld.waiting += n
+                    ld.prefill_tokens += round(n * prompt)
+                    ld.decode_tokens += round(n * decode)
+        return loads
 
     def _measured_rates(self, w: _WorkerSlot) -> tuple[float, float]:
         """The worker's profile (0 when it was not calibrated, e.g. a lone worker)."""

@@ -191,6 +191,8 @@ class WorkerStats:
     preemptions_total: int = 0
     recomputed_tokens_total: int = 0   # prefill tokens spent recomputing preempted sequences
     kv_usage: float | None = None  # a remote's scraped KV cache usage (0..1), when it exposes one
+    # a remote's requests from other clients: its scraped running + waiting beyond ours
+    external_requests: int = 0
 
 
 @dataclass(frozen=True)

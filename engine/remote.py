@@ -19,6 +19,8 @@ streaming POST (httpx); aborting it closes the stream, which the server sees as 
   measured on every stream and smoothed; they replace the nominal rates in the cost router.
 * Load. The server's own running / waiting requests and KV usage are scraped from its
   /metrics (vLLM's or llama.cpp's names) every second and shown; no KV page grid exists here.
+  What it runs or queues beyond our requests (other clients') is reported as external
+  requests, which the facade adds to the router's account of this worker.
 * Failure. A refused or dropped connection marks the worker down: requests that streamed
   nothing yet are rerouted by the facade, the others fail with the reason; while down it gets
   no new requests and /health is probed every second until it answers 200, then re-admitted.
@@ -377,6 +379,9 @@ class RemoteWorker:
             running = self.scraped["running"] if self.scraped["running"] is not None else mine_running
             waiting = self.scraped["waiting"] if self.scraped["waiting"] is not None \
                 else len(self.streamed) - mine_running
+            # the server's own count beyond ours: other clients' requests, work the router must see
+            external = max(0, int(running) + int(waiting) - len(self.streamed)) \
+                if self.scraped["running"] is not None or self.scraped["waiting"] is not None else 0
             # a request that streams has had its prompt computed: the router stops counting it
             seqs = tuple(msg.SeqView(rid, "decode" if n else "waiting", self.prompt_len.get(rid, 0), 0,
                                      self.prompt_len.get(rid, 0) if n else 0, n, 0)
@@ -384,7 +389,7 @@ class RemoteWorker:
             self.emit(msg.WorkerStats(
                 worker=self.index, running=int(running), waiting=int(waiting), pages_total=0, pages_used=0,
                 page_states=b"", prefill_tps=0.0, decode_tps=decode, steps=0, tokens_in_last_step=0,
-                policy="remote", seqs=seqs, kv_usage=self.scraped["kv"]))
+                policy="remote", seqs=seqs, kv_usage=self.scraped["kv"], external_requests=external))
 
     async def _scrape_loop(self) -> None:
         from prometheus_client.parser import text_string_to_metric_families

@@ -1,6 +1,7 @@
 """Remote workers that serve another model: prompt lengths from their /tokenize (vLLM's and
 tokentop's shape, llama.cpp's shape with /apply-template for chat), the labelled estimate when
-there is none or it is slow, chat messages forwarded as messages, logprobs passed back.
+there is none or it is slow, chat messages forwarded as messages, logprobs passed back; and
+other clients' requests on a remote (its scraped queue) counted by the router.
 
 The remotes here are small OpenAI-shaped servers on loopback (uvicorn, real HTTP) whose answers
 are known, so every figure can be checked; one test uses a real `tokentop serve` of "another
@@ -40,6 +41,7 @@ class FakeRemote:
 
         self.bodies: list[tuple[str, dict]] = []
         self.tokenize = tokenize
+        self.foreign_waiting = 0          # what its /metrics says waits (other clients' requests)
 
         async def health(_):
             return JSONResponse({"status": "ok"})
@@ -57,6 +59,13 @@ class FakeRemote:
                 await asyncio.sleep(2)
             text = body.get("prompt") if "prompt" in body else template(body["messages"])
             return JSONResponse({"count": len(text), "max_model_len": 4096, "tokens": list(range(len(text)))})
+
+        async def metrics(_):
+            from starlette.responses import PlainTextResponse
+            return PlainTextResponse("# TYPE vllm:num_requests_running gauge\n"
+                                     'vllm:num_requests_running{model_name="other-model"} 0\n'
+                                     "# TYPE vllm:num_requests_waiting gauge\n"
+                                     f'vllm:num_requests_waiting{{model_name="other-model"}} {self.foreign_waiting}\n')
 
         async def apply_template(request):
             body = await request.json()
@@ -99,7 +108,7 @@ class FakeRemote:
                 yield "data: [DONE]\n\n"
             return StreamingResponse(stream(), media_type="text/event-stream")
 
-        routes = [Route("/health", health), Route("/v1/models", models),
+        routes = [Route("/health", health), Route("/v1/models", models), Route("/metrics", metrics),
                   Route("/v1/completions", complete, methods=["POST"]),
                   Route("/v1/chat/completions", complete, methods=["POST"])]
         if tokenize:
@@ -277,3 +286,27 @@ def test_tokentop_remote_of_another_model_counts_with_its_tokenize(real_model_pa
                                                     add_generation_prompt=True))
             assert (rec.prompt_tokens, rec.prompt_source) == (want, "remote")
             assert out.usage.prompt_tokens == want       # the remote's own count, the same tokenizer
+
+
+@pytest.mark.parametrize("fake", [(None,)], indirect=True)
+def test_other_clients_requests_on_a_remote_count_in_routing(real_model_path, fake):
+    """Its /metrics says 200 requests wait there that are not ours: the router weighs them."""
+    devices = [f"remote:{fake.url},name=far", "sim:near:prefill=50,decode=2"]
+    with in_process_server(real_model_path, devices) as (engine, http):
+        params = SamplingParams(max_tokens=3)
+        assert engine.submit("first one", params=params).result(20).worker == 0   # idle: the remote
+        fake.foreign_waiting = 200
+        deadline = time.monotonic() + 10
+        while engine.snapshot().workers[0].waiting < 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert engine.snapshot().workers[0].waiting == 200       # shown, as scraped
+        h = engine.submit("second one", params=params)
+        d = decision_for(engine, h.id)
+        far = next(c for c in d.candidates if c.worker == 0)
+        assert far.waiting == 200 and far.decode_tokens >= 200 * 3 and d.chosen == 1
+        h.result(30)
+        fake.foreign_waiting = 0                                # they drained: back to the remote
+        deadline = time.monotonic() + 10
+        while engine.snapshot().workers[0].waiting and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert engine.submit("third one", params=params).result(20).worker == 0
