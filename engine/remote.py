@@ -316,6 +316,10 @@ class RemoteWorker:
             body["stop"] = list(p.stop)
         if p.ignore_eos:
             body["ignore_eos"] = True
+        if p.cache_salt is not None:
+            body["cache_salt"] = p.cache_salt        # vLLM's and tokentop's name
+        if p.stop_token_ids and self.same_model:      # ids of our vocabulary: only where it is theirs
+            body["stop_token_ids"] = list(p.stop_token_ids)
         chat = not self.same_model and cmd.messages is not None
         if p.return_logprobs:
             # llama.cpp sends logprobs only for at least one alternative (its n_probs, which its

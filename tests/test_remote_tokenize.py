@@ -267,6 +267,18 @@ def test_logprobs_come_back_from_a_remote_in_openai_shape(real_model_path, fake)
         # not asked: not requested of the remote, none returned
         out = c.completions.create(model=model, prompt="tell me", max_tokens=2)
         assert "logprobs" not in fake.calls("/v1/completions")[-1] and out.choices[0].logprobs is None
+        # the sampling fields go along (stop_token_ids only to a server of our model: not this one)
+        c.completions.create(model=model, prompt="tell me", max_tokens=2, temperature=0.5, top_p=0.9, seed=7,
+                             stop=["zz"], presence_penalty=0.5, frequency_penalty=0.25,
+                             extra_body={"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1,
+                                         "cache_salt": "tenant", "stop_token_ids": [5]})
+        body = fake.calls("/v1/completions")[-1]
+        assert {k: body.get(k) for k in ("temperature", "top_p", "seed", "stop", "presence_penalty",
+                                          "frequency_penalty", "top_k", "min_p", "repetition_penalty",
+                                          "cache_salt", "stop_token_ids")} == \
+            {"temperature": 0.5, "top_p": 0.9, "seed": 7, "stop": ["zz"], "presence_penalty": 0.5,
+             "frequency_penalty": 0.25, "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1,
+             "cache_salt": "tenant", "stop_token_ids": None}
 
 
 def test_tokentop_remote_of_another_model_counts_with_its_tokenize(real_model_path, tmp_path):
