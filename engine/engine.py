@@ -276,12 +276,14 @@ class Engine:
         no /tokenize or the call failed or timed out). Workers not listed count len(ids) ("local").
         Asks the remotes over HTTP (bounded by engine/remote.py TOKENIZE_TIMEOUT in all): call it
         outside any event loop."""
+        out: dict[int, tuple[int, str]] = {}
+        if not self._counters:        # no remote workers: nothing to ask (and httpx not imported)
+            return out
         from engine.remote import TOKENIZE_SAME, TOKENIZE_TIMEOUT
 
         with self._lock:
             remotes = [(w.index, w.info.tokenize, w.info.model) for w in self._workers
                        if w.state == "ready" and w.cfg.remote and w.info.tokenize != TOKENIZE_SAME]
-        out: dict[int, tuple[int, str]] = {}
         if not remotes:
             return out
         text = self.tokenizer.decode(list(ids)) if messages is None else ""   # what the remote is sent
