@@ -503,6 +503,20 @@ def test_routing_lines_name_their_figures():
     assert "est 610ms" in narrow
 
 
+def test_routing_and_detail_say_where_a_remotes_prompt_length_came_from():
+    local = Candidate(0, "cpu", 0, 0, 10, 5, 0, 100.0, 10.0, 0.6, prompt_tokens=10)
+    theirs = Candidate(1, "far", 0, 0, 14, 5, 0, 100.0, 10.0, 0.7, prompt_tokens=14, prompt_source="remote")
+    guess = Candidate(2, "far2", 0, 0, 10, 5, 0, 100.0, 10.0, 0.8, prompt_tokens=10, prompt_source="estimate")
+    lines = format_decision(RouteDecision("r1", 0.0, "cost", 0, 10, 5, (local, theirs, guess))).splitlines()
+    assert "prompt" not in lines[1]                      # our own count needs no label
+    assert "prompt 14 tok (its /tokenize)" in lines[2]
+    assert "prompt ~10 tok (estimate)" in Content.from_markup(lines[3]).plain
+    view = fixture_snapshot().requests[0]
+    assert "(counted by the remote's /tokenize)" in detail_markup(replace(view, prompt_source="remote"), "far")
+    assert "(estimate" in detail_markup(replace(view, prompt_source="estimate"), "far")
+    assert "(estimate" not in detail_markup(view, "cpu")
+
+
 def test_detail_shows_prompt_sampling_end_and_worker_name():
     view = fixture_snapshot(dead=True).requests[3]
     fields = detail_markup(replace(view, params=SamplingParams(max_tokens=64, temperature=0.7, top_k=40)),
