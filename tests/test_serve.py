@@ -157,6 +157,23 @@ def test_every_error_is_openai_shaped_and_queues_nothing(sim_server):
     assert engine.outstanding() == 0
 
 
+def test_tokenize_counts_what_the_completion_endpoints_feed_the_model(sim_server):
+    engine, http = sim_server
+    url = http.url + "/tokenize"
+    r = httpx.post(url, json={"model": "qwen2.5-coder-0.5b", "prompt": "hello world"}).json()
+    assert r["tokens"] == engine.tokenizer.encode("hello world") and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == 1024
+    messages = [{"role": "user", "content": "hi"}]
+    r = httpx.post(url, json={"messages": messages}).json()
+    assert r["count"] == len(engine.tokenizer.encode_chat(messages, add_generation_prompt=True))
+    for body, status, words in (({"model": "nope", "prompt": "x"}, 404, "does not exist"),
+                                ({"prompt": "x", "messages": messages}, 400, "exactly one"),
+                                ({"prompt": "  "}, 400, "empty"),
+                                ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "role")):
+        r = httpx.post(url, json=body)
+        assert r.status_code == status and words in r.json()["error"]["message"], r.text
+
+
 def test_models_and_health(sim_server):
     engine, http = sim_server
     models = client(http).models.list()
