@@ -357,8 +357,21 @@ class TokentopApp(App[int]):
     def submit_prompt(self, text: str | None) -> None:
         if text is None or not self._engine_ready():
             return
+        if self.engine.needs_remote_counts():
+            # submit asks a remote's /tokenize for the prompt's length there (up to its timeout):
+            # not on the UI's event loop
+            threading.Thread(target=self._submit_off_loop, args=(text, self.prompt_params),
+                             name="tokentop-prompt", daemon=True).start()
+            return
         handle = self.engine.submit(text, params=self.prompt_params)
         self.notify(f"submitted {handle.id}")
+
+    def _submit_off_loop(self, text: str, params) -> None:
+        try:
+            handle = self.engine.submit(text, params=params)
+            self.call_from_thread(self.notify, f"submitted {handle.id}")
+        except Exception as exc:  # noqa: BLE001 - shown like any UI command's failure
+            self.call_from_thread(self.notify, describe_error(exc), severity="error", timeout=8)
 
     @reported
     def action_cycle_scheduler(self) -> None:

@@ -67,3 +67,24 @@ async def test_remote_worker_panel_shows_url_and_no_kv_grid(tmp_path):
         assert "remote" in text and url in text
         assert "no KV grid, KV 25% (scraped)" in text
         assert "prof 48" in text
+
+
+async def test_a_typed_prompt_never_waits_on_a_slow_remote_tokenize(tmp_path, real_model_path):
+    """A remote of another model whose /tokenize is slow: the prompt key's submit asks it off
+    the UI's event loop, so the dashboard does not freeze for the timeout."""
+    from tests.test_remote_tokenize import FakeRemote
+
+    remote = FakeRemote("slow")
+    app = TokentopApp(config(real_model_path, [f"remote:{remote.url},name=far", "sim:near:prefill=5000,decode=200"]),
+                      settings_path=tmp_path / "s.json")
+    try:
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_for(pilot, lambda: app.engine.ready and app.engine.needs_remote_counts(), "both workers")
+            t0 = time.monotonic()
+            app.submit_prompt("a prompt typed in the dashboard")
+            assert time.monotonic() - t0 < 0.3            # the remote's count takes up to 0.5 s
+            await wait_for(pilot, lambda: app.last_snapshot and app.last_snapshot.routing, "the request, routed")
+            far = app.last_snapshot.routing[-1].candidates[0]
+            assert far.worker == 0 and far.prompt_source == "estimate"     # the slow call gave up
+    finally:
+        remote.stop()
