@@ -43,12 +43,16 @@ class Dispatcher:
                 self.apply(event)
             self._check_liveness()
             if self.engine._stopping and all(not _alive(w.process) for w in self.engine._workers):
-                try:
-                    while True:
-                        self.apply(self.engine._events.get_nowait())
-                except (queue.Empty, EOFError, OSError):
-                    pass
+                self._drain()
                 return
+
+    def _drain(self) -> None:
+        """Apply every event already queued."""
+        try:
+            while True:
+                self.apply(self.engine._events.get_nowait())
+        except (queue.Empty, EOFError, OSError):
+            pass
 
     def _check_liveness(self) -> None:
         for w in self.engine._workers:
@@ -56,6 +60,11 @@ class Dispatcher:
                 continue
             if self.engine._stopping:
                 w.state = "stopped"
+                continue
+            # A worker that fails says why (WorkerDead) and then exits: its last words may still
+            # sit in the queue, so apply them before calling the exit silent.
+            self._drain()
+            if w.state == "dead":
                 continue
             code = getattr(w.process, "exitcode", None)
             self.apply(msg.WorkerDead(w.index, f"worker process exited (exit code {code})"))
