@@ -44,7 +44,7 @@ class ModelRunner(Runner):
         dtype = pick_activation_dtype(cfg.device, cfg.activation_dtype)
         gf = load_gguf(model_path)
         self.config = gf.config
-        self.tokenizer = Tokenizer.from_metadata(gf.metadata)
+        self.tokenizer = Tokenizer.from_gguf(model_path, gf.metadata)
         self.policy = LinearPolicy(activation_dtype=dtype, weights=cfg.weights,
                                    deterministic=cfg.deterministic, device=cfg.device)
         self.model = Decoder.from_gguf(gf, self.policy)

@@ -34,7 +34,7 @@ class SimRunner(Runner):
                               "--device sim:gpu0:prefill=2551,decode=293")
         self.cfg = cfg
         gf = load_gguf(model_path)          # metadata only (mmap): tokenizer and KV geometry
-        self.tokenizer = Tokenizer.from_metadata(gf.metadata)
+        self.tokenizer = Tokenizer.from_gguf(model_path, gf.metadata)
         # trusted text without special tokens: parse_special skips building the plain-text copy
         self.placeholder = self.tokenizer.encode(PLACEHOLDER_TEXT, add_special=False, parse_special=True)[0]
         self.model_context = gf.config.context_length

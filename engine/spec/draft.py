@@ -46,7 +46,7 @@ class DraftModel:
 
         gf = load_gguf(path)
         self.name = cfg.draft_model
-        self.tokenizer = Tokenizer.from_metadata(gf.metadata)
+        self.tokenizer = Tokenizer.from_gguf(path, gf.metadata)
         check_vocab(target_tokenizer, self.tokenizer, cfg.model, cfg.draft_model)
         if gf.config.vocab_size > target_vocab:
             raise ConfigError(f"draft model {cfg.draft_model!r} scores {gf.config.vocab_size} tokens, "
