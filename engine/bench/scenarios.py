@@ -36,7 +36,7 @@ def base_worker(args, **over) -> WorkerConfig:
     w = WorkerConfig(model=getattr(args, "model", WorkerConfig.model), threads=args.threads or 2,
                      max_active=args.max_active, max_batched_tokens=args.max_batched_tokens,
                      page_size=args.page_size, kv_cache_memory=parse_size(args.kv_cache_memory),
-                     kv_cache=args.kv_cache, deterministic=args.deterministic,
+                     kv_cache=args.kv_cache, kv_dtype=args.kv_dtype, deterministic=args.deterministic,
                      activation_dtype=args.activation_dtype, weights=args.weights, calibrate=False)
     if args.device:
         w = parse_devices(args.device[:1], w)[0]
