@@ -79,19 +79,23 @@ def outcome(logits: torch.Tensor, ref: dict) -> Outcome:
     return Outcome(logits.argmax(-1).tolist(), logits[0, ref["first_topk_ids"]].tolist())
 
 
-def run_greedy(model: Decoder, prompts: list[dict], prefill_steps: int) -> list[Outcome]:
+def run_greedy(model: Decoder, prompts: list[dict], prefill_steps: int,
+               kv_dtype: torch.dtype = torch.float32, logits_out: list | None = None) -> list[Outcome]:
     """Teacher-forced, the way the engine runs: one flat prefill of every prompt plus its first
     reference tokens (logits of `prefill_steps` rows each, dense kernels under the default
-    policy), then the remaining steps decoding all prompts together."""
+    policy), then the remaining steps decoding all prompts together. K/V are stored in
+    kv_dtype; logits_out receives the [prompts, steps, vocab] logits."""
     n_new = len(prompts[0]["greedy_ids"])
     slots = paged_slots(len(prompts), max(len(p["prompt_ids"]) for p in prompts) + n_new)
-    kv = model.new_kv_store(sum(len(s) for s in slots))
+    kv = model.new_kv_store(sum(len(s) for s in slots), dtype=kv_dtype)
     chunks = [(p["prompt_ids"] + p["greedy_ids"][:prefill_steps - 1], 0, i) for i, p in enumerate(prompts)]
     steps = [model(flat_batch(chunks, slots, rows_per_seq=prefill_steps), kv).view(len(prompts), prefill_steps, -1)]
     for t in range(prefill_steps - 1, n_new - 1):
         chunks = [([p["greedy_ids"][t]], len(p["prompt_ids"]) + t, i) for i, p in enumerate(prompts)]
         steps.append(model(flat_batch(chunks, slots), kv)[:, None])
     per_prompt = torch.cat(steps, dim=1)      # [prompts, steps, vocab]
+    if logits_out is not None:
+        logits_out.append(per_prompt)
     return [outcome(per_prompt[i], p) for i, p in enumerate(prompts)]
 
 
