@@ -68,3 +68,19 @@ def machine() -> dict:
 def peak_rss_mb() -> float:
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def rss_now_mb() -> dict:
+    """This process's resident memory now, in MB: anonymous (heap, KV, torch) and file-backed
+    (the mmap'd GGUF weights, shared libraries); {} where /proc is missing."""
+    keys = {"VmRSS": "rss_mb", "RssAnon": "anon_mb", "RssFile": "file_mb"}
+    out = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key = line.split(":", 1)[0]
+                if key in keys:
+                    out[keys[key]] = round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return out

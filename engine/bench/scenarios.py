@@ -14,8 +14,9 @@ import multiprocessing as mp
 import time
 from dataclasses import replace
 
-from engine.bench import peak_rss_mb
+from engine.bench import peak_rss_mb, rss_now_mb
 from engine.config import EngineConfig, SamplingParams, WorkerConfig
+from engine.devices import resolve_kv_dtype
 from engine.errors import describe_error
 from engine.pacing import paced
 from engine.stats import median, percentile
@@ -80,14 +81,12 @@ def _single_child(worker: WorkerConfig, runs: int, prompt_len: int, out_tokens: 
                                       params=SamplingParams(max_tokens=out_tokens, ignore_eos=True))
                 m = res.metrics
                 decode.append((m.output_tokens - 1) / (m.e2e - m.ttft))
-            rss = peak_rss_mb()
+            rss, rss_end = peak_rss_mb(), rss_now_mb()   # before the kernel timing maps the file again
             from engine import kernels
             from engine.models.catalog import resolve_model
-            kernel_ms = _linear_ms_per_decode_step(str(resolve_model(worker.model)), worker)
-            step_ms = 1000 / median(decode)
+            overhead = _framework_overhead(engine, str(resolve_model(worker.model)), worker)
             q.put({"prefill_tok_s": prefill, "decode_tok_s": decode, "peak_rss_mb": rss,
-                   "decode_step_ms": round(step_ms, 2), "linear_kernels_ms_per_step": round(kernel_ms, 2),
-                   "framework_overhead_ms_per_step": round(step_ms - kernel_ms, 2),
+                   "rss_after_runs": rss_end, "decode_step_ms": round(1000 / median(decode), 2), **overhead,
                    "linear_kernels": kernels.describe()})
         finally:
             engine.shutdown()
@@ -95,11 +94,15 @@ def _single_child(worker: WorkerConfig, runs: int, prompt_len: int, out_tokens: 
         q.put({"error": describe_error(exc)})
 
 
-def _linear_ms_per_decode_step(path: str, worker: WorkerConfig, reps: int = 7) -> float:
-    """Median time of every linear layer of one decode step (one row each), run back to back
-    outside the engine: the rest of a step's time is framework overhead (norms, rope,
-    attention, sampling, Python). Measured after peak RSS: the weights are the same mmap'd
-    file pages, but this second model maps them again."""
+def _framework_overhead(engine, path: str, worker: WorkerConfig, pairs: int = 7,
+                        steps: int = 33, reps: int = 5) -> dict:
+    """Step time minus the time of its linear layers, measured as pairs taken back to back:
+    a decode of `steps` tokens through the engine (its mean step time), then every linear
+    layer of one decode step (one row each, on the same GGUF bytes) timed `reps` times
+    (median). The reported overhead is the median of the pairs' differences: both halves of
+    a pair run at the same moment, so a busy spell of the machine cannot land on one side
+    only (timed minutes apart, the difference came out negative). The rest of a step is
+    framework overhead: norms, rope, attention, sampling, the scheduler, Python."""
     import time
 
     import torch
@@ -109,18 +112,37 @@ def _linear_ms_per_decode_step(path: str, worker: WorkerConfig, reps: int = 7) -
     from engine.models.quant import LinearPolicy, QuantLinear
     from engine.runner import pick_activation_dtype
 
-    policy = LinearPolicy(activation_dtype=pick_activation_dtype(worker.device, worker.activation_dtype))
+    policy = LinearPolicy(activation_dtype=pick_activation_dtype(worker.device, worker.activation_dtype),
+                          deterministic=worker.deterministic)
     model = Decoder.from_gguf(load_gguf(path), policy)
     linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
     xs = [torch.randn(1, m.in_features) for m in linears]
-    times = []
-    with torch.inference_mode():
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            for m, x in zip(linears, xs):
-                m(x)
-            times.append(time.perf_counter() - t0)
-    return 1000 * median(times)
+
+    def linears_ms() -> float:
+        times = []
+        with torch.inference_mode():
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                for m, x in zip(linears, xs):
+                    m(x)
+                times.append(time.perf_counter() - t0)
+        return 1000 * median(times)
+
+    linears_ms()   # first touch of the second mapping's pages, untimed
+    step, kernel, diff = [], [], []
+    for r in range(pairs):
+        res = engine.generate(prompt_ids=prompt_of(engine, 16, f"overhead {r}: "),
+                              params=SamplingParams(max_tokens=steps, ignore_eos=True))
+        m = res.metrics
+        step.append(1000 * (m.e2e - m.ttft) / (m.output_tokens - 1))
+        kernel.append(linears_ms())
+        diff.append(step[-1] - kernel[-1])
+    return {"linear_kernels_ms_per_step": round(median(kernel), 2),
+            "framework_overhead_ms_per_step": round(median(diff), 2),
+            "framework_overhead": {"pairs": pairs, "decode_steps_per_pair": steps - 1,
+                                   "step_ms": [round(x, 2) for x in step],
+                                   "linear_kernels_ms": [round(x, 2) for x in kernel],
+                                   "overhead_ms": [round(x, 2) for x in diff]}}
 
 
 def _llama_cpp(python: str, model: str, threads: int, runs: int, out_tokens: int) -> dict:
@@ -151,7 +173,11 @@ def bench_single(args) -> dict:
         res = q.get()
         p.join()
         row = {"model": model, "device": worker.device, "threads": worker.threads, "weights": worker.weights,
-               "activation_dtype": worker.activation_dtype, **res}
+               "activation_dtype": worker.activation_dtype,
+               "kv_dtype": resolve_kv_dtype(worker.device, worker.kv_dtype),
+               "kv_cache_memory_mib": worker.kv_cache_memory / 2**20,
+               "kv_note": "the CPU store is resident only where written (after these runs: about "
+                          "2,000 token positions); --kv-cache-memory caps it", **res}
         if "error" in res:
             rows.append(row)
             continue
