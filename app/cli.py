@@ -138,6 +138,9 @@ def build_parser() -> OneLineParser:
                    help="bench batching: skip the one-after-another comparison")
     b.add_argument("--llama-cpp", default=None, metavar="PYTHON",
                    help="bench single: a python with llama-cpp-python, to measure llama.cpp side by side")
+    b.add_argument("--llama-server", default=None, metavar="PATH",
+                   help="bench batching: a llama-server binary; runs it on the same GGUF with -np 8 and "
+                        "compares it with tokentop's HTTP server through one client at N=1 and N=8")
     add_engine_flags(b)
 
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP API (with /metrics), headless")

@@ -275,6 +275,12 @@ def bench_batching(args) -> dict:
         stop_engine(paged)
         stop_engine(contiguous)
     pressure = [_memory_pressure(args, kv_memory) for kv_memory in ("48MiB", "1GiB")]
+    side_by_side = None
+    if getattr(args, "llama_server", None):
+        from engine.bench.llama_server import bench_llama_server
+        from engine.models.catalog import resolve_model
+        side_by_side = bench_llama_server(args, base_worker(args, max_active=active), str(resolve_model(args.model)),
+                                          out_tokens, runs, [1, 8])
     goals = {"n8_at_least_3x_one_stream": eight / one >= 3.0,
              "paged_ge_95pct_contiguous": all(k["paged_over_contiguous"] >= 0.95 for k in kv)}
     if sequential_too:
@@ -285,7 +291,10 @@ def bench_batching(args) -> dict:
         "output_tokens": out_tokens, "runs": runs, "model": args.model, "device": paged.config.workers[0].device,
         "batching": table, "aggregate_n8_over_n1": round(eight / one, 3),
         f"aggregate_n{largest['n']}_over_n1": round(largest["batched_tok_s"] / one, 3),
-        "paged_vs_contiguous": kv, "memory_pressure": pressure, "goals": goals,
+        "paged_vs_contiguous": kv, "memory_pressure": pressure,
+        **({"llama_server": side_by_side} if side_by_side else {}),
+        "goals": {**goals, **({"n8_ge_llama_server_n8": side_by_side["goals"]["n8_ge_llama_server_n8"]}
+                              if side_by_side else {})},
     }
 
 
