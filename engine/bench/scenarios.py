@@ -81,7 +81,7 @@ def _single_child(worker: WorkerConfig, runs: int, prompt_len: int, out_tokens: 
                                       params=SamplingParams(max_tokens=out_tokens, ignore_eos=True))
                 m = res.metrics
                 decode.append((m.output_tokens - 1) / (m.e2e - m.ttft))
-            rss, rss_end = peak_rss_mb(), rss_now_mb()   # before the kernel timing maps the file again
+            rss, rss_end = peak_rss_mb(), rss_now_mb()
             from engine import kernels
             from engine.models.catalog import resolve_model
             overhead = _framework_overhead(engine, str(resolve_model(worker.model)), worker)
@@ -94,17 +94,51 @@ def _single_child(worker: WorkerConfig, runs: int, prompt_len: int, out_tokens: 
         q.put({"error": describe_error(exc)})
 
 
-def _framework_overhead(engine, path: str, worker: WorkerConfig, pairs: int = 7,
-                        steps: int = 33, reps: int = 5) -> dict:
+def _framework_overhead(engine, path: str, worker: WorkerConfig, pairs: int = 7, steps: int = 33) -> dict:
     """Step time minus the time of its linear layers, measured as pairs taken back to back:
     a decode of `steps` tokens through the engine (its mean step time), then every linear
-    layer of one decode step (one row each, on the same GGUF bytes) timed `reps` times
-    (median). The reported overhead is the median of the pairs' differences: both halves of
-    a pair run at the same moment, so a busy spell of the machine cannot land on one side
+    layer of one decode step (one row each, on the same GGUF file) timed in a helper process
+    (median of 5). The reported overhead is the median of the pairs' differences: both halves
+    of a pair run at the same moment, so a busy spell of the machine cannot land on one side
     only (timed minutes apart, the difference came out negative). The rest of a step is
-    framework overhead: norms, rope, attention, sampling, the scheduler, Python."""
-    import time
+    framework overhead: norms, rope, attention, sampling, the scheduler, Python.
 
+    The linear layers are timed in their own process, on its main thread: torch work from a
+    second thread of the engine's process would start a second OpenMP team, and with more
+    OpenMP threads than cores libgomp barely spin-waits, which slowed this 2-core machine's
+    decode steps from 20 to 29 ms (0.5B) - the measurement would have moved what it measures."""
+    ctx = mp.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    helper = ctx.Process(target=_linears_helper, args=(path, worker, theirs), daemon=True)
+    helper.start()
+    try:
+        if not ours.poll(600):
+            raise RuntimeError("the linear-layer timing helper did not start")
+        ours.recv()                       # ready, its first (untimed) pass done
+        step, kernel, diff = [], [], []
+        for r in range(pairs):
+            res = engine.generate(prompt_ids=prompt_of(engine, 16, f"overhead {r}: "),
+                                  params=SamplingParams(max_tokens=steps, ignore_eos=True))
+            m = res.metrics
+            step.append(1000 * (m.e2e - m.ttft) / (m.output_tokens - 1))
+            ours.send("time")
+            kernel.append(ours.recv())
+            diff.append(step[-1] - kernel[-1])
+        ours.send("stop")
+    finally:
+        helper.join(30)
+        if helper.is_alive():
+            helper.kill()
+    return {"linear_kernels_ms_per_step": round(median(kernel), 2),
+            "framework_overhead_ms_per_step": round(median(diff), 2),
+            "framework_overhead": {"pairs": pairs, "decode_steps_per_pair": steps - 1,
+                                   "step_ms": [round(x, 2) for x in step],
+                                   "linear_kernels_ms": [round(x, 2) for x in kernel],
+                                   "overhead_ms": [round(x, 2) for x in diff]}}
+
+
+def _linears_helper(path: str, worker: WorkerConfig, conn, reps: int = 5) -> None:
+    """Every linear layer of one decode step, timed on request (see _framework_overhead)."""
     import torch
 
     from engine.models.decoder import Decoder
@@ -112,6 +146,7 @@ def _framework_overhead(engine, path: str, worker: WorkerConfig, pairs: int = 7,
     from engine.models.quant import LinearPolicy, QuantLinear
     from engine.runner import pick_activation_dtype
 
+    torch.set_num_threads(worker.threads)
     policy = LinearPolicy(activation_dtype=pick_activation_dtype(worker.device, worker.activation_dtype),
                           deterministic=worker.deterministic)
     model = Decoder.from_gguf(load_gguf(path), policy)
@@ -128,21 +163,10 @@ def _framework_overhead(engine, path: str, worker: WorkerConfig, pairs: int = 7,
                 times.append(time.perf_counter() - t0)
         return 1000 * median(times)
 
-    linears_ms()   # first touch of the second mapping's pages, untimed
-    step, kernel, diff = [], [], []
-    for r in range(pairs):
-        res = engine.generate(prompt_ids=prompt_of(engine, 16, f"overhead {r}: "),
-                              params=SamplingParams(max_tokens=steps, ignore_eos=True))
-        m = res.metrics
-        step.append(1000 * (m.e2e - m.ttft) / (m.output_tokens - 1))
-        kernel.append(linears_ms())
-        diff.append(step[-1] - kernel[-1])
-    return {"linear_kernels_ms_per_step": round(median(kernel), 2),
-            "framework_overhead_ms_per_step": round(median(diff), 2),
-            "framework_overhead": {"pairs": pairs, "decode_steps_per_pair": steps - 1,
-                                   "step_ms": [round(x, 2) for x in step],
-                                   "linear_kernels_ms": [round(x, 2) for x in kernel],
-                                   "overhead_ms": [round(x, 2) for x in diff]}}
+    linears_ms()                          # first touch of the file's pages, untimed
+    conn.send("ready")
+    while conn.recv() == "time":
+        conn.send(linears_ms())
 
 
 def _llama_cpp(python: str, model: str, threads: int, runs: int, out_tokens: int) -> dict:
