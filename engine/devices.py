@@ -196,8 +196,9 @@ def check_model_limits(workers, model_paths: dict[str, str]) -> None:
 
 
 # Resident memory of a CPU worker per byte of GGUF file, measured with `tokentop bench single`
-# with the GGUF-native kernels (the mapped file is the weight): 0.5B 491 MB file, 1114 MB
-# peak RSS (2.3x); 1.5B 1117 MB file, 1761 MB (1.6x). The rest is torch, KV cache, activations.
+# with the GGUF-native kernels (the mapped file is the weight): 0.5B 491 MB file, 869 MB
+# peak RSS (1.8x); 1.5B 1117 MB file, 1554 MB (1.4x). The rest is torch, the tokenizer, the
+# K/V written, activations; the KV cap (--kv-cache-memory) is added on top below.
 CPU_BYTES_PER_FILE_BYTE = 2.5
 
 
