@@ -15,7 +15,7 @@ import sys
 import threading
 from dataclasses import replace
 
-from engine.config import (KV_MODES, PREFIX_CACHE, ROUTER_POLICIES, SCHED_POLICIES, SINGLE_FLIGHT, SPEC_MODES,
+from engine.config import (KV_DTYPES, KV_MODES, PREFIX_CACHE, ROUTER_POLICIES, SCHED_POLICIES, SINGLE_FLIGHT, SPEC_MODES,
                            EngineConfig, SamplingParams, WorkerConfig)
 from engine.devices import parse_devices, parse_size
 from engine.errors import ConfigError, TokentopError, describe_error
@@ -46,6 +46,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     g.add_argument("--kv-cache-memory", default="256MiB", help="KV memory per worker, e.g. 256MiB")
     g.add_argument("--kv-cache", choices=KV_MODES, default="paged")
+    g.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto",
+                   help="dtype K and V are stored in (auto: the measured-faithful choice per device)")
     g.add_argument("--policy", choices=SCHED_POLICIES, default="fcfs", help="scheduler policy")
     g.add_argument("--router-policy", choices=ROUTER_POLICIES, default="cost")
     g.add_argument("--prefix-cache", choices=PREFIX_CACHE, default="on",
@@ -86,7 +88,7 @@ def engine_config_from(args: argparse.Namespace, default_mode: str = "process") 
         model=args.model, threads=args.threads, max_active=args.max_active,
         max_batched_tokens=args.max_batched_tokens, max_context=args.max_context or 0,
         page_size=args.page_size, kv_cache_memory=parse_size(args.kv_cache_memory),
-        kv_cache=args.kv_cache, policy=args.policy, deterministic=args.deterministic,
+        kv_cache=args.kv_cache, kv_dtype=args.kv_dtype, policy=args.policy, deterministic=args.deterministic,
         activation_dtype=args.activation_dtype, weights=args.weights, recalibrate=args.recalibrate,
         speculate=args.speculate or ("draft" if args.draft_model else "off"), draft_model=args.draft_model,
         spec_k=args.spec_k, spec_tv_budget=args.spec_tv_budget, spec_bonus=not args.no_spec_bonus,
@@ -136,6 +138,9 @@ def build_parser() -> OneLineParser:
                    help="bench batching: skip the one-after-another comparison")
     b.add_argument("--llama-cpp", default=None, metavar="PYTHON",
                    help="bench single: a python with llama-cpp-python, to measure llama.cpp side by side")
+    b.add_argument("--llama-server", default=None, metavar="PATH",
+                   help="bench batching: a llama-server binary; runs it on the same GGUF with -np 8 and "
+                        "compares it with tokentop's HTTP server through one client at N=1 and N=8")
     add_engine_flags(b)
 
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP API (with /metrics), headless")

@@ -66,6 +66,7 @@ class SamplingParams:
 SPEC_MODES = ("off", "ngram", "draft")
 SPEC_K_POLICIES = ("adaptive:cost", "adaptive:acceptance", "adaptive:length")
 KV_MODES = ("paged", "contiguous")
+KV_DTYPES = ("auto", "fp32", "bf16", "fp16")   # auto: engine/devices.py DEFAULT_KV_DTYPE
 DEFAULT_MAX_CONTEXT = 4096   # when --max-context is not given (and the model allows that much)
 SCHED_POLICIES = ("fcfs", "spf")
 ROUTER_POLICIES = ("round-robin", "least-loaded", "cost", "cache-aware")
@@ -100,6 +101,7 @@ class WorkerConfig:
     page_size: int = 16
     kv_cache_memory: int = 256 * 2**20    # bytes for K and V pages together
     kv_cache: str = "paged"
+    kv_dtype: str = "auto"                # K/V store dtype: auto | fp32 | bf16 | fp16
     policy: str = "fcfs"
     deterministic: bool = False
     activation_dtype: str = "auto"        # auto | bf16 | fp16 | fp32
@@ -145,6 +147,8 @@ class WorkerConfig:
             raise ConfigError(f"--max-batched-tokens must be >= 1, got {self.max_batched_tokens}")
         if self.kv_cache not in KV_MODES:
             raise ConfigError(f"--kv-cache must be one of {', '.join(KV_MODES)}, got {self.kv_cache!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ConfigError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         check_scheduler_policy(self.policy)
         if self.prefix_cache not in PREFIX_CACHE:
             raise ConfigError(f"--prefix-cache must be on or off, got {self.prefix_cache!r}")

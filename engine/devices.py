@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from engine.config import WorkerConfig
+from engine.config import KV_DTYPES, WorkerConfig
 from engine.errors import ConfigError
 
 # Activation dtypes found unfaithful on a device type: greedy ids left the fp32 reference at a
@@ -67,6 +67,27 @@ def check_activation_dtype(device: str, requested: str) -> str:
         raise ConfigError(f"--activation-dtype {requested} is refused on {kind}: {refused[requested]}; "
                           f"use --activation-dtype {ok[0]} (or auto)")
     return requested
+
+
+# The K/V store dtype that --kv-dtype auto picks per device type (measured: docs/benchmarks.md,
+# "KV dtype"). Not listed: fp32.
+DEFAULT_KV_DTYPE: dict[str, str] = {}
+
+
+def resolve_kv_dtype(device: str, requested: str) -> str:
+    """'fp32', 'bf16' or 'fp16': what a worker on `device` stores K and V in."""
+    if requested not in KV_DTYPES:
+        raise ConfigError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {requested!r}")
+    if requested != "auto":
+        return requested
+    return DEFAULT_KV_DTYPE.get(device.split(":", 1)[0], "fp32")
+
+
+def kv_bytes_per_slot(config, device: str, kv_dtype: str) -> int:
+    """K and V of one token position, every layer, in the dtype the worker stores them in."""
+    from engine.models.batch import KV_TORCH_DTYPES, KVStore
+    return KVStore.bytes_per_slot(config.n_layers, config.n_kv_heads, config.head_dim,
+                                  KV_TORCH_DTYPES[resolve_kv_dtype(device, kv_dtype)])
 
 
 def _claim_cuda(spec: str, claimed: set[int]) -> int:
@@ -151,10 +172,7 @@ MAX_KV_PAGES = 1 << 22
 def check_model_limits(workers, model_paths: dict[str, str]) -> None:
     """Flags that depend on the model, checked as soon as its header is read (before any
     weights load): --max-context against its trained context, --kv-cache-memory against the
-    size of one KV page (K and V in fp32, as the workers store them)."""
-    import torch
-
-    from engine.models.batch import KVStore
+    size of one KV page (K and V in the dtype each worker stores them in)."""
     from engine.models.gguf import load_gguf
 
     headers = {}
@@ -165,7 +183,7 @@ def check_model_limits(workers, model_paths: dict[str, str]) -> None:
         if w.max_context > c.context_length:
             raise ConfigError(f"--max-context {w.max_context} is more than {w.model} was trained for "
                               f"({c.context_length} tokens); use --max-context {c.context_length} or less")
-        page = KVStore.bytes_per_slot(c.n_layers, c.n_kv_heads, c.head_dim, torch.float32) * w.page_size
+        page = kv_bytes_per_slot(c, w.device, w.kv_dtype) * w.page_size
         pages = w.kv_cache_memory // page
         if pages < 1:
             raise ConfigError(f"--kv-cache-memory {format_size(w.kv_cache_memory)} is less than one KV page "
@@ -178,8 +196,9 @@ def check_model_limits(workers, model_paths: dict[str, str]) -> None:
 
 
 # Resident memory of a CPU worker per byte of GGUF file, measured with `tokentop bench single`
-# with the GGUF-native kernels (the mapped file is the weight): 0.5B 491 MB file, 1114 MB
-# peak RSS (2.3x); 1.5B 1117 MB file, 1761 MB (1.6x). The rest is torch, KV cache, activations.
+# with the GGUF-native kernels (the mapped file is the weight): 0.5B 491 MB file, 869 MB
+# peak RSS (1.8x); 1.5B 1117 MB file, 1554 MB (1.4x). The rest is torch, the tokenizer, the
+# K/V written, activations; the KV cap (--kv-cache-memory) is added on top below.
 CPU_BYTES_PER_FILE_BYTE = 2.5
 
 

@@ -60,6 +60,7 @@ class WorkerInfo:
     model: str
     device: str
     dtype: str = "?"
+    kv_dtype: str = "?"            # what its K/V store holds (float32, bfloat16, float16)
     weights: str = "?"
     arch: str = ""
     layers: int = 0

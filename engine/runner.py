@@ -5,9 +5,9 @@ import torch
 
 from engine import kernels
 from engine.config import WorkerConfig
-from engine.devices import check_activation_dtype
+from engine.devices import check_activation_dtype, resolve_kv_dtype
 from engine.kv.pages import BlockManager
-from engine.models.batch import ForwardBatch, KVStore, SeqSlice
+from engine.models.batch import KV_TORCH_DTYPES, ForwardBatch, KVStore, SeqSlice
 from engine.models.catalog import resolve_model
 from engine.models.decoder import Decoder
 from engine.models.gguf import load_gguf
@@ -44,7 +44,7 @@ class ModelRunner(Runner):
         dtype = pick_activation_dtype(cfg.device, cfg.activation_dtype)
         gf = load_gguf(model_path)
         self.config = gf.config
-        self.tokenizer = Tokenizer.from_metadata(gf.metadata)
+        self.tokenizer = Tokenizer.from_gguf(model_path, gf.metadata)
         self.policy = LinearPolicy(activation_dtype=dtype, weights=cfg.weights,
                                    deterministic=cfg.deterministic, device=cfg.device)
         self.model = Decoder.from_gguf(gf, self.policy)
@@ -56,7 +56,7 @@ class ModelRunner(Runner):
                 self.draft = DraftModel(cfg, str(resolve_model(cfg.draft_model)), self.policy,
                                         self.tokenizer, gf.config.vocab_size)
         self.model_context = gf.config.context_length
-        self.kv_dtype = torch.float32
+        self.kv_dtype = KV_TORCH_DTYPES[resolve_kv_dtype(cfg.device, cfg.kv_dtype)]
         self.bytes_per_slot = KVStore.bytes_per_slot(
             gf.config.n_layers, gf.config.n_kv_heads, gf.config.head_dim, self.kv_dtype)
         if self.draft is not None:   # the draft's K/V share the slots (and the memory budget)
@@ -64,6 +64,7 @@ class ModelRunner(Runner):
         self.kv: KVStore | None = None
         self.spec_bonus = cfg.spec_bonus
         self.info = {"model": cfg.model, "arch": gf.config.arch, "dtype": str(dtype).replace("torch.", ""),
+                     "kv_dtype": str(self.kv_dtype).replace("torch.", ""),
                      "weights": cfg.weights, "simulated": False, "layers": gf.config.n_layers,
                      "kernels": _kernel_label(self.model)}
 

@@ -13,11 +13,10 @@ from __future__ import annotations
 import random
 import time
 
-import torch
 
 from engine.config import WorkerConfig
 from engine.errors import ConfigError
-from engine.models.batch import KVStore
+from engine.devices import kv_bytes_per_slot
 from engine.models.gguf import load_gguf
 from engine.models.tokenizer import Tokenizer
 from engine.output import SampledToken, StepOutput
@@ -34,13 +33,12 @@ class SimRunner(Runner):
                               "--device sim:gpu0:prefill=2551,decode=293")
         self.cfg = cfg
         gf = load_gguf(model_path)          # metadata only (mmap): tokenizer and KV geometry
-        self.tokenizer = Tokenizer.from_metadata(gf.metadata)
+        self.tokenizer = Tokenizer.from_gguf(model_path, gf.metadata)
         # trusted text without special tokens: parse_special skips building the plain-text copy
         self.placeholder = self.tokenizer.encode(PLACEHOLDER_TEXT, add_special=False, parse_special=True)[0]
         self.model_context = gf.config.context_length
-        # page accounting as the real model would need (fp32 K and V); nothing is allocated
-        self.bytes_per_slot = KVStore.bytes_per_slot(gf.config.n_layers, gf.config.n_kv_heads,
-                                                     gf.config.head_dim, torch.float32)
+        # page accounting as the real model would need (K and V in --kv-dtype); nothing is allocated
+        self.bytes_per_slot = kv_bytes_per_slot(gf.config, cfg.device, cfg.kv_dtype)
         self.rng = random.Random(0)
         self.info = {"model": cfg.model, "arch": "simulated", "dtype": "simulated",
                      "weights": "simulated", "simulated": True,

@@ -15,3 +15,10 @@ def test_command_line_hides_the_llama_cpp_python_path():
         "tokentop bench single --llama-cpp PATH/TO/python --runs 3"
     assert command_line(["bench", "single", "--llama-cpp=/x/python"]) == \
         "tokentop bench single --llama-cpp=PATH/TO/python"
+
+
+def test_command_line_hides_the_llama_server_path():
+    assert command_line(["bench", "batching", "--llama-server", "/opt/llama/bin/llama-server", "--runs", "3"]) == \
+        "tokentop bench batching --llama-server PATH/TO/llama-server --runs 3"
+    assert command_line(["bench", "batching", "--llama-server=/x/llama-server", "--llama-cpp=/y/python"]) == \
+        "tokentop bench batching --llama-server=PATH/TO/llama-server --llama-cpp=PATH/TO/python"

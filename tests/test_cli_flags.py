@@ -32,6 +32,8 @@ def no_weights(monkeypatch):
     (["--kv-cache-memory", "1KiB"], "--kv-cache-memory 1 KiB is less than one KV page of"),
     (["--kv-cache-memory", "99999TiB"], "--kv-cache-memory 99999 TiB would be"),
     (["--kv-cache-memory", "infMiB"], "cannot read size 'infMiB'"),
+    # a page of fp16 K/V is 4 KiB: 6 KiB holds one, whereas fp32 pages (8 KiB) would not fit
+    (["--kv-dtype", "fp32", "--kv-cache-memory", "6KiB"], "--kv-cache-memory 6 KiB is less than one KV page of"),
 ])
 @pytest.mark.parametrize("device", ["cpu", SIM])
 def test_bad_engine_flags_are_one_line_before_any_work(model, no_weights, capsys, flags, fragment, device):
@@ -86,3 +88,24 @@ def test_the_kv_pool_caps_the_context(tiny_model_path):
         result = engine.generate("hello", params=SamplingParams(max_tokens=200, ignore_eos=True))
         assert result.finish_reason == "length" and len(result.prompt_token_ids) + len(result.token_ids) == 64
         assert "context 64 tokens (all its KV pool holds" in " ".join(line.text for line in engine.snapshot().log)
+
+
+def test_kv_dtype_is_checked_where_the_config_is_built():
+    from engine.config import WorkerConfig
+    from engine.errors import ConfigError
+    with pytest.raises(ConfigError, match=r"--kv-dtype must be one of auto, fp32, bf16, fp16, got 'fp8'"):
+        WorkerConfig(kv_dtype="fp8").validate()
+
+
+@pytest.mark.parametrize("kv_dtype,pages", [("fp32", 4), ("fp16", 8), ("bf16", 8)])
+def test_a_16_bit_kv_store_holds_twice_the_pages_in_the_same_memory(tiny_model_path, kv_dtype, pages):
+    from engine.config import EngineConfig, WorkerConfig
+    from engine.devices import parse_devices
+    from engine.engine import Engine
+
+    model = str(tiny_model_path("qwen2"))
+    workers = parse_devices(["cpu"], WorkerConfig(model=model, kv_cache_memory=4 * 8 * 1024, kv_dtype=kv_dtype,
+                                                  calibrate=False, threads=1))
+    with Engine(EngineConfig(workers=workers, worker_mode="thread")).start(timeout=120) as engine:
+        w = engine.snapshot().workers[0]
+        assert w.pages_total == pages

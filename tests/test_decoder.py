@@ -325,6 +325,56 @@ def test_kv_store_geometry(tiny_qwen):
     assert kv.k[0].dtype == torch.float32
 
 
+def _rss_anon_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:")) / 1024
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads RssAnon from /proc (Linux)")
+def test_cpu_kv_store_is_resident_only_where_written():
+    """--kv-cache-memory is a cap: a CPU store's untouched slots cost no resident memory, read
+    as zeros, and each layer's K and V are separate memory."""
+    layers, slots, heads, hd = 24, 65536, 2, 64          # 24 x 2 x 16 MiB = 768 MiB of fp32 K/V
+    before = _rss_anon_mib()
+    kv = KVStore(layers, slots, heads, hd, dtype=torch.float32)
+    assert _rss_anon_mib() - before < 16
+    assert len(kv.k) == len(kv.v) == layers and kv.k[3].shape == (slots, heads, hd)
+    assert float(kv.v[layers - 1][-1].abs().sum()) == 0.0 and float(kv.k[0][:64].abs().sum()) == 0.0
+    for t in kv.k[:4] + kv.v[:4]:                         # 8 x 4096 slots x 512 B = 16 MiB
+        t[:4096] = 1.0
+    grown = _rss_anon_mib() - before
+    assert 14 < grown < 40, grown
+    assert float(kv.k[4][:4096].abs().sum()) == 0.0 and float(kv.k[0][4096:8192].abs().sum()) == 0.0
+    assert float(kv.v[0][:4096].sum()) == 4096 * heads * hd
+
+
+@pytest.mark.parametrize("kv_dtype,tol", [(torch.float16, 2e-3), (torch.bfloat16, 2e-2)], ids=["fp16", "bf16"])
+def test_half_precision_kv_store_follows_fp32(tiny_qwen, kv_dtype, tol):
+    """K and V rounded to 16 bits when stored, read back as fp32: prefill then decodes stay
+    close to the fp32 store's logits, and in deterministic mode a step's rows are still
+    exactly the same batched or alone."""
+    model = Decoder.from_gguf(load_gguf(tiny_qwen), FP32)
+    tokens = tokens_for(20, seed=11)
+    slots = torch.arange(32)
+    outs = {}
+    for dtype in (torch.float32, kv_dtype):
+        kv = model.new_kv_store(32, dtype=dtype)
+        assert kv.k[0].dtype == dtype
+        got = [step(model, kv, [(tokens[:12], 12, slots)])]
+        got += [step(model, kv, [(tokens[:t], 1, slots)]) for t in range(13, 21)]
+        outs[dtype] = torch.cat(got)
+    assert not torch.equal(outs[kv_dtype], outs[torch.float32])      # the store really rounds
+    scale = outs[torch.float32].abs().max()
+    assert (outs[kv_dtype] - outs[torch.float32]).abs().max() <= tol * scale
+
+    det = Decoder.from_gguf(load_gguf(tiny_qwen), BF16_DET)
+    kv = det.new_kv_store(96, dtype=kv_dtype)
+    seqs = _three_sequences()
+    for s in seqs:
+        _prime(det, kv, s)
+    assert torch.equal(step(det, kv, list(seqs)), torch.stack([step(det, kv, [s])[0] for s in seqs]))
+
+
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("cached,new", [(0, 9), (6, 9), (20, 4)])
 def test_fused_and_explicit_attention_paths_agree(window, cached, new):

@@ -420,3 +420,38 @@ def test_real_gemma_chat_content_cannot_inject_a_turn(real_gemma_path):
     benign = [{"role": "user", "content": "Write a haiku about caches"}]
     assert tok.encode_chat(benign) == tok.encode(tok.apply_chat_template(benign), add_special=False,
                                                  parse_special=True)
+
+
+# ---- one tokenizer per model file, one backend for both readings of control tokens ----------
+
+def test_one_tokenizer_per_model_file_in_a_process(tiny_model_path):
+    """The engine facade and its thread-mode workers ask for the same file's tokenizer: they
+    get one object, not a copy each (tens of MB with a real vocabulary)."""
+    path = tiny_model_path()
+    a = Tokenizer.from_gguf(path)
+    assert Tokenizer.from_gguf(str(path)) is a
+    from engine.models.gguf import load_gguf
+    assert Tokenizer.from_gguf(path, load_gguf(path).metadata) is a
+    assert Tokenizer.from_gguf(tiny_model_path()) is not a      # another file, another tokenizer
+
+
+def test_plain_and_special_encodes_interleaved_across_threads(tiny):
+    """Plain-text and parse_special encodes share one backend, switched per call: threads
+    encoding both ways at once each get their own reading."""
+    import threading
+    plain, special = tiny.encode(INJECTION, add_special=False), \
+        tiny.encode(INJECTION, add_special=False, parse_special=True)
+    assert plain != special
+    wrong = []
+
+    def run(parse_special: bool, want: list[int]) -> None:
+        for _ in range(300):
+            if tiny.encode(INJECTION, add_special=False, parse_special=parse_special) != want:
+                wrong.append(parse_special)
+
+    threads = [threading.Thread(target=run, args=(p, w)) for p, w in ((False, plain), (True, special)) * 2]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not wrong

@@ -40,14 +40,16 @@ def run_bench(args, extra: dict | None = None) -> int:
 
 def command_line(argv: list[str]) -> str:
     """The command as a reader would retype it, without the path of the machine that ran it."""
-    words, hide = ["tokentop"], False
+    hidden = {"--llama-cpp": "PATH/TO/python", "--llama-server": "PATH/TO/llama-server"}
+    words, hide = ["tokentop"], None
     for word in argv:
+        flag = word.split("=", 1)[0]
         if hide:
-            word, hide = "PATH/TO/python", False
-        elif word == "--llama-cpp":
-            hide = True
-        elif word.startswith("--llama-cpp="):
-            word = "--llama-cpp=PATH/TO/python"
+            word, hide = hide, None
+        elif word in hidden:
+            hide = hidden[word]
+        elif "=" in word and flag in hidden:
+            word = f"{flag}={hidden[flag]}"
         words.append(word)
     return " ".join(words)
 
@@ -68,3 +70,19 @@ def machine() -> dict:
 def peak_rss_mb() -> float:
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def rss_now_mb() -> dict:
+    """This process's resident memory now, in MB: anonymous (heap, KV, torch) and file-backed
+    (the mmap'd GGUF weights, shared libraries); {} where /proc is missing."""
+    keys = {"VmRSS": "rss_mb", "RssAnon": "anon_mb", "RssFile": "file_mb"}
+    out = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key = line.split(":", 1)[0]
+                if key in keys:
+                    out[keys[key]] = round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return out

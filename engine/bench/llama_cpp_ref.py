@@ -10,11 +10,12 @@ import resource
 import sys
 import time
 
+N_CTX = 2048   # its KV cache: n_ctx positions, allocated (and zeroed) up front
 
 def main(path: str, threads: int, runs: int, prompt_len: int, out_tokens: int) -> None:
     from llama_cpp import Llama
 
-    llm = Llama(model_path=path, n_threads=threads, n_ctx=2048, n_batch=512, verbose=False)
+    llm = Llama(model_path=path, n_threads=threads, n_ctx=N_CTX, n_batch=512, verbose=False)
     filler = ("The scheduler admits requests in arrival order, charges each step against a token "
               "budget, and preempts the youngest sequence when the page pool runs dry. ")
     base = llm.tokenize((filler * 40).encode(), add_bos=False)
@@ -35,8 +36,16 @@ def main(path: str, threads: int, runs: int, prompt_len: int, out_tokens: int) -
             tok = llm.sample(temp=0.0)
             llm.eval([tok])
         decode.append(out_tokens / (time.perf_counter() - t0))
+    now = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key = line.split(":", 1)[0]
+            if key in ("VmRSS", "RssAnon", "RssFile"):
+                now[{"VmRSS": "rss_mb", "RssAnon": "anon_mb", "RssFile": "file_mb"}[key]] = \
+                    round(int(line.split()[1]) / 1024, 1)
     print(json.dumps({"prefill_tok_s": prefill, "decode_tok_s": decode,
-                      "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+                      "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                      "rss_after_runs": now, "n_ctx": N_CTX, "kv_dtype": "f16 (llama.cpp default)"}))
 
 
 if __name__ == "__main__":

@@ -166,13 +166,11 @@ def _cyclic(args) -> dict:
 
 
 def _pages_bytes(args, pages: int) -> int:
-    import torch
-
-    from engine.models.batch import KVStore
+    from engine.devices import kv_bytes_per_slot
     from engine.models.catalog import resolve_model
     from engine.models.gguf import load_gguf
     c = load_gguf(str(resolve_model(args.model))).config
-    return pages * args.page_size * KVStore.bytes_per_slot(c.n_layers, c.n_kv_heads, c.head_dim, torch.float32)
+    return pages * args.page_size * kv_bytes_per_slot(c, (args.device or ["cpu"])[0], args.kv_dtype)
 
 
 def _equality(args) -> dict:

@@ -14,8 +14,9 @@ import multiprocessing as mp
 import time
 from dataclasses import replace
 
-from engine.bench import peak_rss_mb
+from engine.bench import peak_rss_mb, rss_now_mb
 from engine.config import EngineConfig, SamplingParams, WorkerConfig
+from engine.devices import resolve_kv_dtype
 from engine.errors import describe_error
 from engine.pacing import paced
 from engine.stats import median, percentile
@@ -36,7 +37,7 @@ def base_worker(args, **over) -> WorkerConfig:
     w = WorkerConfig(model=getattr(args, "model", WorkerConfig.model), threads=args.threads or 2,
                      max_active=args.max_active, max_batched_tokens=args.max_batched_tokens,
                      page_size=args.page_size, kv_cache_memory=parse_size(args.kv_cache_memory),
-                     kv_cache=args.kv_cache, deterministic=args.deterministic,
+                     kv_cache=args.kv_cache, kv_dtype=args.kv_dtype, deterministic=args.deterministic,
                      activation_dtype=args.activation_dtype, weights=args.weights, calibrate=False)
     if args.device:
         w = parse_devices(args.device[:1], w)[0]
@@ -80,14 +81,12 @@ def _single_child(worker: WorkerConfig, runs: int, prompt_len: int, out_tokens: 
                                       params=SamplingParams(max_tokens=out_tokens, ignore_eos=True))
                 m = res.metrics
                 decode.append((m.output_tokens - 1) / (m.e2e - m.ttft))
-            rss = peak_rss_mb()
+            rss, rss_end = peak_rss_mb(), rss_now_mb()
             from engine import kernels
             from engine.models.catalog import resolve_model
-            kernel_ms = _linear_ms_per_decode_step(str(resolve_model(worker.model)), worker)
-            step_ms = 1000 / median(decode)
+            overhead = _framework_overhead(engine, str(resolve_model(worker.model)), worker)
             q.put({"prefill_tok_s": prefill, "decode_tok_s": decode, "peak_rss_mb": rss,
-                   "decode_step_ms": round(step_ms, 2), "linear_kernels_ms_per_step": round(kernel_ms, 2),
-                   "framework_overhead_ms_per_step": round(step_ms - kernel_ms, 2),
+                   "rss_after_runs": rss_end, "decode_step_ms": round(1000 / median(decode), 2), **overhead,
                    "linear_kernels": kernels.describe()})
         finally:
             engine.shutdown()
@@ -95,13 +94,51 @@ def _single_child(worker: WorkerConfig, runs: int, prompt_len: int, out_tokens: 
         q.put({"error": describe_error(exc)})
 
 
-def _linear_ms_per_decode_step(path: str, worker: WorkerConfig, reps: int = 7) -> float:
-    """Median time of every linear layer of one decode step (one row each), run back to back
-    outside the engine: the rest of a step's time is framework overhead (norms, rope,
-    attention, sampling, Python). Measured after peak RSS: the weights are the same mmap'd
-    file pages, but this second model maps them again."""
-    import time
+def _framework_overhead(engine, path: str, worker: WorkerConfig, pairs: int = 7, steps: int = 33) -> dict:
+    """Step time minus the time of its linear layers, measured as pairs taken back to back:
+    a decode of `steps` tokens through the engine (its mean step time), then every linear
+    layer of one decode step (one row each, on the same GGUF file) timed in a helper process
+    (median of 5). The reported overhead is the median of the pairs' differences: both halves
+    of a pair run at the same moment, so a busy spell of the machine cannot land on one side
+    only (timed minutes apart, the difference came out negative). The rest of a step is
+    framework overhead: norms, rope, attention, sampling, the scheduler, Python.
 
+    The linear layers are timed in their own process, on its main thread: torch work from a
+    second thread of the engine's process would start a second OpenMP team, and with more
+    OpenMP threads than cores libgomp barely spin-waits, which slowed this 2-core machine's
+    decode steps from 20 to 29 ms (0.5B) - the measurement would have moved what it measures."""
+    ctx = mp.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    helper = ctx.Process(target=_linears_helper, args=(path, worker, theirs), daemon=True)
+    helper.start()
+    try:
+        if not ours.poll(600):
+            raise RuntimeError("the linear-layer timing helper did not start")
+        ours.recv()                       # ready, its first (untimed) pass done
+        step, kernel, diff = [], [], []
+        for r in range(pairs):
+            res = engine.generate(prompt_ids=prompt_of(engine, 16, f"overhead {r}: "),
+                                  params=SamplingParams(max_tokens=steps, ignore_eos=True))
+            m = res.metrics
+            step.append(1000 * (m.e2e - m.ttft) / (m.output_tokens - 1))
+            ours.send("time")
+            kernel.append(ours.recv())
+            diff.append(step[-1] - kernel[-1])
+        ours.send("stop")
+    finally:
+        helper.join(30)
+        if helper.is_alive():
+            helper.kill()
+    return {"linear_kernels_ms_per_step": round(median(kernel), 2),
+            "framework_overhead_ms_per_step": round(median(diff), 2),
+            "framework_overhead": {"pairs": pairs, "decode_steps_per_pair": steps - 1,
+                                   "step_ms": [round(x, 2) for x in step],
+                                   "linear_kernels_ms": [round(x, 2) for x in kernel],
+                                   "overhead_ms": [round(x, 2) for x in diff]}}
+
+
+def _linears_helper(path: str, worker: WorkerConfig, conn, reps: int = 5) -> None:
+    """Every linear layer of one decode step, timed on request (see _framework_overhead)."""
     import torch
 
     from engine.models.decoder import Decoder
@@ -109,18 +146,27 @@ def _linear_ms_per_decode_step(path: str, worker: WorkerConfig, reps: int = 7) -
     from engine.models.quant import LinearPolicy, QuantLinear
     from engine.runner import pick_activation_dtype
 
-    policy = LinearPolicy(activation_dtype=pick_activation_dtype(worker.device, worker.activation_dtype))
+    torch.set_num_threads(worker.threads)
+    policy = LinearPolicy(activation_dtype=pick_activation_dtype(worker.device, worker.activation_dtype),
+                          deterministic=worker.deterministic)
     model = Decoder.from_gguf(load_gguf(path), policy)
     linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
     xs = [torch.randn(1, m.in_features) for m in linears]
-    times = []
-    with torch.inference_mode():
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            for m, x in zip(linears, xs):
-                m(x)
-            times.append(time.perf_counter() - t0)
-    return 1000 * median(times)
+
+    def linears_ms() -> float:
+        times = []
+        with torch.inference_mode():
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                for m, x in zip(linears, xs):
+                    m(x)
+                times.append(time.perf_counter() - t0)
+        return 1000 * median(times)
+
+    linears_ms()                          # first touch of the file's pages, untimed
+    conn.send("ready")
+    while conn.recv() == "time":
+        conn.send(linears_ms())
 
 
 def _llama_cpp(python: str, model: str, threads: int, runs: int, out_tokens: int) -> dict:
@@ -151,7 +197,11 @@ def bench_single(args) -> dict:
         res = q.get()
         p.join()
         row = {"model": model, "device": worker.device, "threads": worker.threads, "weights": worker.weights,
-               "activation_dtype": worker.activation_dtype, **res}
+               "activation_dtype": worker.activation_dtype,
+               "kv_dtype": resolve_kv_dtype(worker.device, worker.kv_dtype),
+               "kv_cache_memory_mib": worker.kv_cache_memory / 2**20,
+               "kv_note": "the CPU store is resident only where written (after these runs: about "
+                          "2,000 token positions); --kv-cache-memory caps it", **res}
         if "error" in res:
             rows.append(row)
             continue
@@ -232,8 +282,12 @@ def bench_batching(args) -> dict:
     finally:
         stop_engine(paged)
 
-    contiguous = start_engine([base_worker(args, max_active=active, kv_cache="contiguous")])
-    paged = start_engine([base_worker(args, max_active=active, kv_cache="paged")])
+    # Two engines at once: each worker in its own process. As two threads of this process
+    # they would run two OpenMP teams on the same cores, and with more OpenMP threads than
+    # cores libgomp hardly spin-waits: one-stream decode fell from ~44 to ~30 tok/s (0.5B,
+    # 2 cores) in both variants, measuring the teams rather than the KV layouts.
+    contiguous = start_engine([base_worker(args, max_active=active, kv_cache="contiguous")], mode="process")
+    paged = start_engine([base_worker(args, max_active=active, kv_cache="paged")], mode="process")
     try:
         _burst(contiguous, 2, 8, True, "warm")
         _burst(paged, 2, 8, True, "warm")
@@ -249,6 +303,12 @@ def bench_batching(args) -> dict:
         stop_engine(paged)
         stop_engine(contiguous)
     pressure = [_memory_pressure(args, kv_memory) for kv_memory in ("48MiB", "1GiB")]
+    side_by_side = None
+    if getattr(args, "llama_server", None):
+        from engine.bench.llama_server import bench_llama_server
+        from engine.models.catalog import resolve_model
+        side_by_side = bench_llama_server(args, base_worker(args, max_active=active), str(resolve_model(args.model)),
+                                          out_tokens, runs, [1, 8])
     goals = {"n8_at_least_3x_one_stream": eight / one >= 3.0,
              "paged_ge_95pct_contiguous": all(k["paged_over_contiguous"] >= 0.95 for k in kv)}
     if sequential_too:
@@ -259,7 +319,10 @@ def bench_batching(args) -> dict:
         "output_tokens": out_tokens, "runs": runs, "model": args.model, "device": paged.config.workers[0].device,
         "batching": table, "aggregate_n8_over_n1": round(eight / one, 3),
         f"aggregate_n{largest['n']}_over_n1": round(largest["batched_tok_s"] / one, 3),
-        "paged_vs_contiguous": kv, "memory_pressure": pressure, "goals": goals,
+        "paged_vs_contiguous": kv, "memory_pressure": pressure,
+        **({"llama_server": side_by_side} if side_by_side else {}),
+        "goals": {**goals, **({"n8_ge_llama_server_n8": side_by_side["goals"]["n8_ge_llama_server_n8"]}
+                              if side_by_side else {})},
     }
 
 

@@ -46,7 +46,7 @@ class DraftModel:
 
         gf = load_gguf(path)
         self.name = cfg.draft_model
-        self.tokenizer = Tokenizer.from_metadata(gf.metadata)
+        self.tokenizer = Tokenizer.from_gguf(path, gf.metadata)
         check_vocab(target_tokenizer, self.tokenizer, cfg.model, cfg.draft_model)
         if gf.config.vocab_size > target_vocab:
             raise ConfigError(f"draft model {cfg.draft_model!r} scores {gf.config.vocab_size} tokens, "
@@ -54,7 +54,9 @@ class DraftModel:
         self.target_vocab = target_vocab
         self.config = gf.config
         self.model = Decoder.from_gguf(gf, policy)
-        self.kv_dtype = torch.float32
+        from engine.devices import resolve_kv_dtype
+        from engine.models.batch import KV_TORCH_DTYPES
+        self.kv_dtype = KV_TORCH_DTYPES[resolve_kv_dtype(cfg.device, cfg.kv_dtype)]
         from engine.models.batch import KVStore
         self.bytes_per_slot = KVStore.bytes_per_slot(gf.config.n_layers, gf.config.n_kv_heads,
                                                      gf.config.head_dim, self.kv_dtype)
