@@ -150,7 +150,7 @@ def _fail(reason: str) -> bool:
 
 def _register_fake() -> None:
     @torch.library.register_fake("tokentop::qmatmul")
-    def _(x, weights, types, rows, bias=None, isa=-1):
+    def _(x, weights, types, rows, bias=None, isa=-1, small_m=-1):
         return x.new_empty(x.shape[0], sum(rows))
 
 
@@ -168,7 +168,8 @@ def describe() -> str:
     if not load():
         return f"quantized kernels: unavailable ({_state['reason']}); dense torch matmuls"
     return (f"quantized kernels: GGUF-native, {isa_name()} (best on this CPU: "
-            f"{isa_name(best_isa())}); every call size runs on the GGUF bytes")
+            f"{isa_name(best_isa())}); every call size runs on the GGUF bytes (direct "
+            f"block-to-register kernels up to {direct_rows()} rows, unpacked tiles above)")
 
 
 def best_isa() -> int:
@@ -181,6 +182,12 @@ def isa_name(level: int | None = None) -> str:
     if level is None:
         level = int(torch.ops.tokentop.env_isa())
     return ISA_NAMES[level]
+
+
+def direct_rows() -> int:
+    """Calls of at most this many rows take the direct (decode) kernels by default; larger
+    ones the unpacked row tiles. 0 where the default ISA has no direct kernels (portable)."""
+    return int(torch.ops.tokentop.direct_rows())
 
 
 def status() -> dict:
@@ -196,7 +203,10 @@ def _isa_level(name: str) -> int:
 
 
 def qmatmul(x: torch.Tensor, weights: list[torch.Tensor], types: list[int], rows: list[int],
-            bias: torch.Tensor | None = None, isa: str | None = None) -> torch.Tensor:
-    """fp32 x [M, K] times the stacked GGUF matrices (uint8 [rows_i, row_bytes]) transposed."""
+            bias: torch.Tensor | None = None, isa: str | None = None,
+            small_m: int = -1) -> torch.Tensor:
+    """fp32 x [M, K] times the stacked GGUF matrices (uint8 [rows_i, row_bytes]) transposed.
+    small_m: calls of at most this many rows use the direct (decode) kernels; -1 the op's
+    default (DIRECT_MAX_ROWS), 0 never (one kernel for every row count: batch-invariant)."""
     level = -1 if isa is None else _isa_level(isa)
-    return torch.ops.tokentop.qmatmul(x, weights, types, rows, bias, level)
+    return torch.ops.tokentop.qmatmul(x, weights, types, rows, bias, level, small_m)
