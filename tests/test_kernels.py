@@ -220,3 +220,16 @@ def test_without_a_compiler_the_model_falls_back_with_one_log_line(tmp_path):
     warnings = [ln for ln in out.stderr.splitlines() if ln.startswith("WARNING")]
     assert len(warnings) == 1 and "no C++ compiler" in warnings[0] and "dense torch" in warnings[0]
     assert "forms ['dense-" in out.stdout and "unavailable (no C++ compiler" in out.stdout
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
+@pytest.mark.parametrize("m", (1, 7))
+def test_half_activations_are_converted_in_the_op(dtype, m):
+    """bf16/fp16 x: the same as converting to fp32 before and y back after (bias included)."""
+    td = random_td(T.Q4_K, rows=19, cols=256, seed=9)
+    bias = torch.randn(19)
+    x = torch.randn(m, 256).to(dtype)
+    y = run([td], x, bias=bias)
+    assert y.dtype == dtype
+    assert torch.equal(y, run([td], x.float(), bias=bias).to(dtype))
+    assert run([td], x[:0], bias=bias).dtype == dtype

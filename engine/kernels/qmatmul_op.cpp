@@ -28,6 +28,12 @@ int env_isa() {
     return isa;
 }
 
+// y + bias, in the activations' dtype
+at::Tensor finish(at::Tensor& y, const std::optional<at::Tensor>& bias, at::ScalarType dtype) {
+    if (bias.has_value()) y.add_(*bias);
+    return dtype == at::kFloat ? y : y.to(dtype);
+}
+
 // Calls with at most this many rows take the direct kernels (measured break-even, see
 // docs/benchmarks.md); more rows amortize the unpacked tiles over several activation rows.
 constexpr int64_t DIRECT_MAX_ROWS = 4;
@@ -38,10 +44,14 @@ constexpr int64_t DIRECT_MAX_ROWS = 4;
 at::Tensor qmatmul(const at::Tensor& x_in, at::TensorList weights, at::IntArrayRef types,
                    at::IntArrayRef rows, const std::optional<at::Tensor>& bias, int64_t isa,
                    int64_t small_m) {
-    TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "qmatmul: x must be 2-D float32");
+    TORCH_CHECK(x_in.dim() == 2 && (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16 ||
+                                    x_in.scalar_type() == at::kHalf),
+                "qmatmul: x must be 2-D float32, bfloat16 or float16");
     TORCH_CHECK(weights.size() == types.size() && types.size() == rows.size() && !weights.empty(),
                 "qmatmul: weights, types and rows must have the same length");
-    const at::Tensor x = x_in.contiguous();
+    // bf16/fp16 activations are converted here and y returned in their dtype: one op call per
+    // linear layer instead of three (a decode step makes ~100 calls of ~50 us each)
+    const at::Tensor x = x_in.to(at::kFloat).contiguous();
     const int64_t M = x.size(0), K = x.size(1);
     TORCH_CHECK(K % 32 == 0, "qmatmul: K must be a multiple of 32");
     const int best = tt::best_isa();
@@ -61,7 +71,7 @@ at::Tensor qmatmul(const at::Tensor& x_in, at::TensorList weights, at::IntArrayR
     }
     const int64_t N = offset.back();
     at::Tensor y = at::empty({M, N}, x.options());
-    if (M == 0 || N == 0) return y;
+    if (M == 0 || N == 0) return y.to(x_in.scalar_type());
 
     std::vector<int8_t> a(M * K);
     std::vector<float> dl(M * (K / 4)), as16(M * (K / 16));
@@ -85,8 +95,7 @@ at::Tensor qmatmul(const at::Tensor& x_in, at::TensorList weights, at::IntArrayR
                                   yp + offset[i], N);
             }
         });
-        if (bias.has_value()) y.add_(*bias);
-        return y;
+        return finish(y, bias, x_in.scalar_type());
     }
     // threads take whole tiles of 16 output rows (the AVX-512 kernel's unit of work)
     at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t tb, int64_t te) {
@@ -98,8 +107,7 @@ at::Tensor qmatmul(const at::Tensor& x_in, at::TensorList weights, at::IntArrayR
                             hi - offset[i], a.data(), dl.data(), as16.data(), M, yp + offset[i], N);
         }
     });
-    if (bias.has_value()) y.add_(*bias);
-    return y;
+    return finish(y, bias, x_in.scalar_type());
 }
 
 int64_t best_isa_op() { return tt::best_isa(); }

@@ -328,9 +328,7 @@ class QuantLinear(torch.nn.Module):
         x = x.reshape(-1, self.in_features)
         if self.kernel_for(x.shape[0]) == "gguf":
             g = self.gguf
-            y = torch.ops.tokentop.qmatmul(x.float(), g.tensors, g.types, g.rows, self.bias, -1,
-                                           self.small_m)
-            y = y.to(x.dtype)
+            y = torch.ops.tokentop.qmatmul(x, g.tensors, g.types, g.rows, self.bias, -1, self.small_m)
         else:
             xd = x.to(self.dense.dtype)
             if self.rowwise and x.shape[0] > 1:
