@@ -163,7 +163,9 @@ def test_switching_kernels_changes_rows_but_deterministic_mode_does_not():
     det = make_linear(td, bias=None, policy=LinearPolicy(dense_threshold=4, deterministic=True))
     assert rows_are_batch_invariant(det, x)
     if kernels.direct_rows():       # the GGUF op alone switches too: direct kernel, then tiles
-        assert not rows_are_batch_invariant(make_linear(td, bias=None, policy=LinearPolicy()), x)
+        # (fp32 activations: bf16 outputs may round both kernels' sums to the same values)
+        gguf = make_linear(td, bias=None, policy=LinearPolicy(torch.float32))
+        assert not rows_are_batch_invariant(gguf, torch.randn(33, 512, generator=torch.Generator().manual_seed(0)))
 
 
 def test_stacked_tensors_with_mixed_types_and_bias():
