@@ -32,9 +32,11 @@ def pick_activation_dtype(device: str, requested: str) -> torch.dtype:
 
 
 def _kernel_label(model) -> str:
-    """Which weight forms the linear layers use, e.g. 'gguf-avx512' or 'dense-bfloat16'."""
+    """Which weight forms the linear layers use, e.g. 'gguf-avx512+gguf-avx512-tiles' (direct
+    decode kernel, unpacked tiles for larger calls) or 'dense-bfloat16'."""
     forms = sorted({f for m in model.modules() if isinstance(m, QuantLinear) for f in m.kernel_forms()})
-    return "+".join(f"gguf-{kernels.isa_name()}" if f == "gguf" else f for f in forms)
+    return "+".join(f.replace("gguf", f"gguf-{kernels.isa_name()}", 1) if f.startswith("gguf") else f
+                    for f in forms)
 
 
 class ModelRunner(Runner):

@@ -76,41 +76,73 @@ def check(y: torch.Tensor, td: TensorData, x: torch.Tensor) -> None:
     assert (err <= act_bound).all(), f"vs W x: worst excess {(err - act_bound).max():.3g}"
 
 
-def run(td_list: list[TensorData], x: torch.Tensor, isa: str | None = None, bias=None) -> torch.Tensor:
+def run(td_list: list[TensorData], x: torch.Tensor, isa: str | None = None, bias=None,
+        small_m: int = -1) -> torch.Tensor:
     ws = [torch.from_numpy(td.raw).reshape(-1) for td in td_list]
     return kernels.qmatmul(x, ws, [int(td.ggml_type) for td in td_list], [td.shape[0] for td in td_list],
-                           bias, isa)
+                           bias, isa, small_m)
 
 
+# The op's two kernels, each forced for every row count: the direct (decode) kernels read
+# blocks straight into registers (AVX2 and AVX-512; the portable path has only the other),
+# the row/tile kernels unpack weights first. small_m=-1 is the op's own choice by row count.
+KERNEL_CHOICES = {"direct": 16, "tiles": 0, "auto": -1}
+
+
+@pytest.mark.parametrize("kernel", KERNEL_CHOICES)
 @pytest.mark.parametrize("isa", runnable_isas())
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_random_blocks_every_type_isa_and_row_count(qtype, isa):
+def test_random_blocks_every_type_isa_and_row_count(qtype, isa, kernel):
     k = 768 if qtype in K_TYPES else 224      # 224 = 3.5 x 64: the half-width tail step too
     td = random_td(qtype, rows=37, cols=k, seed=int(qtype))
     x = torch.randn(16, k, generator=torch.Generator().manual_seed(1))
     x[:, 5] *= 40                               # an outlier channel, as real activations have
-    for m in (1, 2, 3, 5, 8, 16):
-        check(run([td], x[:m], isa), td, x[:m])
+    for m in range(1, 17):
+        check(run([td], x[:m], isa, small_m=KERNEL_CHOICES[kernel]), td, x[:m])
 
 
 @pytest.mark.parametrize("isa", runnable_isas())
-def test_rows_and_threads_do_not_change_any_bit(isa):
-    """Each output is computed the same way whatever M or the split over threads: the op is
-    batch-invariant by construction (deterministic mode relies on it)."""
-    td = random_td(T.Q4_K, rows=101, cols=512)
-    x = torch.randn(13, 512, generator=torch.Generator().manual_seed(2))
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_direct_kernel_with_one_and_two_threads(qtype, isa):
+    """Output rows split over threads at any row (odd N): same bits, still within the bound."""
+    k = 512 if qtype in K_TYPES else 96
+    td = random_td(qtype, rows=203, cols=k, seed=7 + int(qtype))
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(6))
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = run([td], x, isa)
+        one = run([td], x, isa, small_m=4)
         torch.set_num_threads(2)
-        two = run([td], x, isa)
+        two = run([td], x, isa, small_m=4)
+    finally:
+        torch.set_num_threads(threads)
+    check(one, td, x)
+    assert torch.equal(one, two)
+    # and a row's result does not depend on the other rows of its call (M = 1 vs M = 3)
+    assert torch.equal(torch.cat([run([td], x[i:i + 1], isa, small_m=4) for i in range(3)]), one)
+
+
+@pytest.mark.parametrize("isa", runnable_isas())
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_rows_and_threads_do_not_change_any_bit(isa, qtype):
+    """With small_m=0 (what deterministic mode passes) one kernel serves every M, and each
+    output is computed the same way whatever M or the split over threads: batch-invariant by
+    construction. The default switches kernels at DIRECT_MAX_ROWS and is not."""
+    k = 512 if qtype in K_TYPES else 96
+    td = random_td(qtype, rows=101, cols=k)
+    x = torch.randn(13, k, generator=torch.Generator().manual_seed(2))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run([td], x, isa, small_m=0)
+        torch.set_num_threads(2)
+        two = run([td], x, isa, small_m=0)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
-    alone = torch.cat([run([td], x[i:i + 1], isa) for i in range(13)])
+    alone = torch.cat([run([td], x[i:i + 1], isa, small_m=0) for i in range(13)])
     assert torch.equal(one, alone)
-    assert torch.equal(run([td], x[:5], isa), one[:5])
+    assert torch.equal(run([td], x[:5], isa, small_m=0), one[:5])
 
 
 def test_isa_paths_agree_within_their_bounds():
@@ -168,7 +200,9 @@ def test_real_tensors_of_the_bundled_model(real_model_path):
         x = torch.randn(6, td.shape[1], generator=torch.Generator().manual_seed(5))
         x[:, 7] *= 30
         for isa in runnable_isas():
-            check(run([sub], x, isa), sub, x)
+            for small_m in KERNEL_CHOICES.values():
+                check(run([sub], x, isa, small_m=small_m), sub, x)
+                check(run([sub], x[:1], isa, small_m=small_m), sub, x[:1])
 
 
 def test_without_a_compiler_the_model_falls_back_with_one_log_line(tmp_path):
@@ -186,3 +220,16 @@ def test_without_a_compiler_the_model_falls_back_with_one_log_line(tmp_path):
     warnings = [ln for ln in out.stderr.splitlines() if ln.startswith("WARNING")]
     assert len(warnings) == 1 and "no C++ compiler" in warnings[0] and "dense torch" in warnings[0]
     assert "forms ['dense-" in out.stdout and "unavailable (no C++ compiler" in out.stdout
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
+@pytest.mark.parametrize("m", (1, 7))
+def test_half_activations_are_converted_in_the_op(dtype, m):
+    """bf16/fp16 x: the same as converting to fp32 before and y back after (bias included)."""
+    td = random_td(T.Q4_K, rows=19, cols=256, seed=9)
+    bias = torch.randn(19)
+    x = torch.randn(m, 256).to(dtype)
+    y = run([td], x, bias=bias)
+    assert y.dtype == dtype
+    assert torch.equal(y, run([td], x.float(), bias=bias).to(dtype))
+    assert run([td], x[:0], bias=bias).dtype == dtype

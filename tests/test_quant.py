@@ -80,7 +80,8 @@ def test_quantized_types_run_on_their_gguf_bytes(qtype):
     """No unpacked or dense copy: the layer's weight is the file's bytes (a view, not a copy)."""
     td = make_td(qtype, rows=40, seed=3)
     lin = make_linear(td, bias=None, policy=LinearPolicy())
-    assert lin.dense is None and set(lin.kernel_forms()) == {"gguf"}
+    tiles = {"gguf-tiles"} if kernels.direct_rows() else set()    # the portable ISA has one kernel
+    assert lin.dense is None and set(lin.kernel_forms()) == {"gguf"} | tiles
     assert lin.gguf.tensors[0].data_ptr() == td.raw.ctypes.data and lin.gguf.nbytes == td.raw.nbytes
     x = torch.randn(3, td.shape[1])
     y = lin(x)
@@ -119,6 +120,10 @@ def test_deterministic_mode_keeps_one_kernel():
     td = make_td(T.Q8_0)
     lin = make_linear(td, bias=None, policy=LinearPolicy(dense_threshold=16, deterministic=True))
     assert lin.dense is None and {lin.kernel_for(t) for t in (1, 16, 4096)} == {"gguf"}
+    # and only the tile kernel: the direct decode kernel's bits differ from the tiles'
+    assert lin.small_m == 0 and set(lin.kernel_forms()) == {"gguf"}
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(lin(x[:1]), lin(x)[:1])
     f16 = make_linear(make_td(T.F16), bias=None, policy=LinearPolicy(deterministic=True))
     assert f16.gguf is None and {f16.kernel_for(t) for t in (1, 4096)} == {"dense"}
 
@@ -134,7 +139,7 @@ def test_batch_invariance_of_each_kernel(dtype):
     td = make_td(T.Q5_0, rows=96, cols=512, seed=5)
     x = torch.randn(33, 512).to(dtype)
     if kernels.available():
-        gguf = make_linear(td, bias=None, policy=LinearPolicy(dtype))
+        gguf = make_linear(td, bias=None, policy=LinearPolicy(dtype, deterministic=True))
         assert rows_are_batch_invariant(gguf, x)
     for dense_dtype in (dtype, torch.float32):      # dense GEMM needs (and gets) one row per call
         dense = make_linear(td, bias=None, policy=LinearPolicy(dtype, dense_threshold=1, deterministic=True,
@@ -157,6 +162,10 @@ def test_switching_kernels_changes_rows_but_deterministic_mode_does_not():
     assert not rows_are_batch_invariant(switching, x)    # gguf below 4 rows, dense from 4
     det = make_linear(td, bias=None, policy=LinearPolicy(dense_threshold=4, deterministic=True))
     assert rows_are_batch_invariant(det, x)
+    if kernels.direct_rows():       # the GGUF op alone switches too: direct kernel, then tiles
+        # (fp32 activations: bf16 outputs may round both kernels' sums to the same values)
+        gguf = make_linear(td, bias=None, policy=LinearPolicy(torch.float32))
+        assert not rows_are_batch_invariant(gguf, torch.randn(33, 512, generator=torch.Generator().manual_seed(0)))
 
 
 def test_stacked_tensors_with_mixed_types_and_bias():

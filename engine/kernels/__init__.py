@@ -19,6 +19,14 @@ Hence, with eps = 2^-24 and n the number of fp32 additions along K (at most K/16
     |y - W x̂| <= n * eps * sum_i (|w_i| + 2 |b_i|) |x̂_i|        (fp32 evaluation)
     |y - W x| <= sum_i |w_i| d_g(i) (1/2 + 2^-17) + the line above (activation rounding)
 The first bound is ~1e-5 relative: it pins down every code, scale and offset exactly.
+Both kernels meet it: the tiles add K/16 terms per output (scale, then bias, per 16 weights),
+the direct decode kernels K/32 per SIMD lane (one per 32 weights, plus one K-quant minimum
+term per 256) and 3 more to add the 8 lanes.
+
+Two kernels (qkernels_impl.inc): calls of up to direct_rows() rows (decode) take the direct
+kernels, which go from GGUF block to register with no unpacked copy; larger calls unpack
+16-row tiles once and use them for every row. Their fp32 sums differ in the last bits, so
+deterministic mode passes small_m=0: the tiles serve every row count.
 """
 from __future__ import annotations
 
@@ -150,7 +158,7 @@ def _fail(reason: str) -> bool:
 
 def _register_fake() -> None:
     @torch.library.register_fake("tokentop::qmatmul")
-    def _(x, weights, types, rows, bias=None, isa=-1):
+    def _(x, weights, types, rows, bias=None, isa=-1, small_m=-1):
         return x.new_empty(x.shape[0], sum(rows))
 
 
@@ -168,7 +176,8 @@ def describe() -> str:
     if not load():
         return f"quantized kernels: unavailable ({_state['reason']}); dense torch matmuls"
     return (f"quantized kernels: GGUF-native, {isa_name()} (best on this CPU: "
-            f"{isa_name(best_isa())}); every call size runs on the GGUF bytes")
+            f"{isa_name(best_isa())}); every call size runs on the GGUF bytes (direct "
+            f"block-to-register kernels up to {direct_rows()} rows, unpacked tiles above)")
 
 
 def best_isa() -> int:
@@ -181,6 +190,12 @@ def isa_name(level: int | None = None) -> str:
     if level is None:
         level = int(torch.ops.tokentop.env_isa())
     return ISA_NAMES[level]
+
+
+def direct_rows() -> int:
+    """Calls of at most this many rows take the direct (decode) kernels by default; larger
+    ones the unpacked row tiles. 0 where the default ISA has no direct kernels (portable)."""
+    return int(torch.ops.tokentop.direct_rows())
 
 
 def status() -> dict:
@@ -196,7 +211,10 @@ def _isa_level(name: str) -> int:
 
 
 def qmatmul(x: torch.Tensor, weights: list[torch.Tensor], types: list[int], rows: list[int],
-            bias: torch.Tensor | None = None, isa: str | None = None) -> torch.Tensor:
-    """fp32 x [M, K] times the stacked GGUF matrices (uint8 [rows_i, row_bytes]) transposed."""
+            bias: torch.Tensor | None = None, isa: str | None = None,
+            small_m: int = -1) -> torch.Tensor:
+    """fp32 x [M, K] times the stacked GGUF matrices (uint8 [rows_i, row_bytes]) transposed.
+    small_m: calls of at most this many rows use the direct (decode) kernels; -1 the op's
+    default (DIRECT_MAX_ROWS), 0 never (one kernel for every row count: batch-invariant)."""
     level = -1 if isa is None else _isa_level(isa)
-    return torch.ops.tokentop.qmatmul(x, weights, types, rows, bias, level)
+    return torch.ops.tokentop.qmatmul(x, weights, types, rows, bias, level, small_m)

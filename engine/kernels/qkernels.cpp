@@ -121,4 +121,37 @@ void matmul_rows(int isa, int type, const uint8_t* w, int64_t K, int64_t n0, int
                                  scratch.data(), per_row);
 }
 
+void quantize_extras(const int8_t* a, const float* dl, int64_t M, int64_t K, float* d32, int32_t* ls,
+                     float* as32) {
+    for (int64_t m = 0; m < M; ++m) {
+        for (int64_t g = 0; g < K / 32; ++g) {
+            const int8_t* ag = a + m * K + 32 * g;
+            const float d = dl[m * (K / 4) + 8 * g];
+            int32_t total = 0;
+            for (int l = 0; l < 8; ++l) {
+                const int32_t s = ag[4 * l] + ag[4 * l + 1] + ag[4 * l + 2] + ag[4 * l + 3];
+                ls[m * (K / 4) + 8 * g + l] = s;
+                total += s;
+            }
+            d32[m * (K / 32) + g] = d;
+            as32[m * (K / 32) + g] = d * float(total);
+        }
+    }
+}
+
+bool has_direct(int isa) { return TT_X86 && isa >= ISA_AVX2; }
+
+void matmul_direct(int isa, int type, const uint8_t* w, int64_t K, int64_t n0, int64_t n1,
+                   const int8_t* a, const float* d32, const int32_t* ls, const float* as32, int64_t M,
+                   float* y, int64_t ldy) {
+    const int64_t row_bytes = K / block_weights(type) * block_bytes(type);
+#if TT_X86
+    if (isa == ISA_AVX512)
+        return isa_avx512::matmul_direct(type, w, row_bytes, K, n0, n1, a, d32, ls, as32, M, y, ldy);
+    if (isa == ISA_AVX2)
+        return isa_avx2::matmul_direct(type, w, row_bytes, K, n0, n1, a, d32, ls, as32, M, y, ldy);
+#endif
+    (void)row_bytes;
+}
+
 }  // namespace tt

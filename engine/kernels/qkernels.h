@@ -25,4 +25,20 @@ void matmul_rows(int isa, int type, const uint8_t* w, int64_t K, int64_t n0, int
                  const int8_t* a, const float* dl, const float* as16, int64_t M,
                  float* y, int64_t ldy);
 
+// What the direct small-M kernels also need per 32-group g of each row, from quantize_rows'
+// a and dl: d32[g] = d_g, ls[l] = sum of a over the 4 weights of lane l (K/4 per row), and
+// as32[g] = d_g * (sum of a_i over the group).
+void quantize_extras(const int8_t* a, const float* dl, int64_t M, int64_t K, float* d32, int32_t* ls,
+                     float* as32);
+
+// Whether `isa` has the direct kernels (AVX2 and AVX-512; the portable path keeps unpacking).
+bool has_direct(int isa);
+
+// The same product as matmul_rows, block to register with no unpacked copy: for a few rows M
+// (decode), where unpacking costs more than the dot products. Batch-invariant within itself,
+// but not bitwise equal to matmul_rows.
+void matmul_direct(int isa, int type, const uint8_t* w, int64_t K, int64_t n0, int64_t n1,
+                   const int8_t* a, const float* d32, const int32_t* ls, const float* as32, int64_t M,
+                   float* y, int64_t ldy);
+
 }  // namespace tt

@@ -28,12 +28,30 @@ int env_isa() {
     return isa;
 }
 
+// y + bias, in the activations' dtype
+at::Tensor finish(at::Tensor& y, const std::optional<at::Tensor>& bias, at::ScalarType dtype) {
+    if (bias.has_value()) y.add_(*bias);
+    return dtype == at::kFloat ? y : y.to(dtype);
+}
+
+// Calls with at most this many rows take the direct kernels (measured break-even, see
+// docs/benchmarks.md); more rows amortize the unpacked tiles over several activation rows.
+constexpr int64_t DIRECT_MAX_ROWS = 4;
+
+// small_m: -1 the default above; 0 never use the direct kernels (deterministic mode: then
+// one kernel serves every row count, so a row's bits do not depend on its batch); k > 0: the
+// direct kernels for calls of at most k rows (tests).
 at::Tensor qmatmul(const at::Tensor& x_in, at::TensorList weights, at::IntArrayRef types,
-                   at::IntArrayRef rows, const std::optional<at::Tensor>& bias, int64_t isa) {
-    TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "qmatmul: x must be 2-D float32");
+                   at::IntArrayRef rows, const std::optional<at::Tensor>& bias, int64_t isa,
+                   int64_t small_m) {
+    TORCH_CHECK(x_in.dim() == 2 && (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16 ||
+                                    x_in.scalar_type() == at::kHalf),
+                "qmatmul: x must be 2-D float32, bfloat16 or float16");
     TORCH_CHECK(weights.size() == types.size() && types.size() == rows.size() && !weights.empty(),
                 "qmatmul: weights, types and rows must have the same length");
-    const at::Tensor x = x_in.contiguous();
+    // bf16/fp16 activations are converted here and y returned in their dtype: one op call per
+    // linear layer instead of three (a decode step makes ~100 calls of ~50 us each)
+    const at::Tensor x = x_in.to(at::kFloat).contiguous();
     const int64_t M = x.size(0), K = x.size(1);
     TORCH_CHECK(K % 32 == 0, "qmatmul: K must be a multiple of 32");
     const int best = tt::best_isa();
@@ -53,7 +71,7 @@ at::Tensor qmatmul(const at::Tensor& x_in, at::TensorList weights, at::IntArrayR
     }
     const int64_t N = offset.back();
     at::Tensor y = at::empty({M, N}, x.options());
-    if (M == 0 || N == 0) return y;
+    if (M == 0 || N == 0) return y.to(x_in.scalar_type());
 
     std::vector<int8_t> a(M * K);
     std::vector<float> dl(M * (K / 4)), as16(M * (K / 16));
@@ -62,6 +80,23 @@ at::Tensor qmatmul(const at::Tensor& x_in, at::TensorList weights, at::IntArrayR
                           dl.data() + m0 * (K / 4), as16.data() + m0 * (K / 16));
     });
     float* yp = y.data_ptr<float>();
+    const int64_t direct_rows = small_m < 0 ? DIRECT_MAX_ROWS : small_m;
+    if (M <= direct_rows && tt::has_direct(use)) {
+        std::vector<float> d32(M * (K / 32)), as32(M * (K / 32));
+        std::vector<int32_t> ls(M * (K / 4));
+        tt::quantize_extras(a.data(), dl.data(), M, K, d32.data(), ls.data(), as32.data());
+        // chunks of >= 64 output rows: the per-chunk overhead stays small next to the row reads
+        at::parallel_for(0, N, 64, [&](int64_t b, int64_t e) {
+            for (size_t i = 0; i < weights.size(); ++i) {
+                const int64_t lo = std::max(b, offset[i]), hi = std::min(e, offset[i + 1]);
+                if (lo >= hi) continue;
+                tt::matmul_direct(use, int(types[i]), weights[i].data_ptr<uint8_t>(), K, lo - offset[i],
+                                  hi - offset[i], a.data(), d32.data(), ls.data(), as32.data(), M,
+                                  yp + offset[i], N);
+            }
+        });
+        return finish(y, bias, x_in.scalar_type());
+    }
     // threads take whole tiles of 16 output rows (the AVX-512 kernel's unit of work)
     at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t tb, int64_t te) {
         const int64_t b = tb * 16, e = std::min(te * 16, N);
@@ -72,19 +107,22 @@ at::Tensor qmatmul(const at::Tensor& x_in, at::TensorList weights, at::IntArrayR
                             hi - offset[i], a.data(), dl.data(), as16.data(), M, yp + offset[i], N);
         }
     });
-    if (bias.has_value()) y.add_(*bias);
-    return y;
+    return finish(y, bias, x_in.scalar_type());
 }
 
 int64_t best_isa_op() { return tt::best_isa(); }
 int64_t env_isa_op() { return env_isa(); }
+// rows up to which the default ISA's calls take the direct kernels (0: it has none)
+int64_t direct_rows_op() { return tt::has_direct(env_isa()) ? DIRECT_MAX_ROWS : 0; }
 
 }  // namespace
 
 TORCH_LIBRARY(tokentop, m) {
-    m.def("qmatmul(Tensor x, Tensor[] weights, int[] types, int[] rows, Tensor? bias, int isa=-1) -> Tensor");
+    m.def("qmatmul(Tensor x, Tensor[] weights, int[] types, int[] rows, Tensor? bias, int isa=-1, "
+          "int small_m=-1) -> Tensor");
     m.def("best_isa() -> int", &best_isa_op);
     m.def("env_isa() -> int", &env_isa_op);
+    m.def("direct_rows() -> int", &direct_rows_op);
 }
 
 TORCH_LIBRARY_IMPL(tokentop, CPU, m) { m.impl("qmatmul", &qmatmul); }

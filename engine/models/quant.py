@@ -288,11 +288,22 @@ class QuantLinear(torch.nn.Module):
         """Every call computes with fp32 weights and activations (no int8 or bf16 rounding)."""
         return set(self.kernel_forms()) == {"dense-float32"}
 
+    @property
+    def small_m(self) -> int:
+        """The op's small_m: deterministic mode (rowwise) keeps the tile kernel for every row
+        count, since the direct decode kernel's bits differ from the tiles'."""
+        return 0 if self.rowwise else -1
+
     def kernel_forms(self) -> dict[str, int]:
-        """Each weight form a call can use, with a row count that selects it."""
+        """Each weight form a call can use, with a row count that selects it. "gguf" is the
+        GGUF kernel as one decode row runs it (the direct kernel where the ISA has one),
+        "gguf-tiles" the unpacked row tiles of larger calls when those differ."""
         forms = {}
         if self.gguf is not None and self.kernel_for(1) == "gguf":
             forms["gguf"] = 1
+            direct = 0 if self.small_m == 0 else kernels.direct_rows()
+            if direct and self.kernel_for(direct + 1) == "gguf":
+                forms["gguf-tiles"] = direct + 1
         if self.dense is not None:
             rows = max(1, self.dense_threshold or 1)
             if self.kernel_for(rows) == "dense":
@@ -317,8 +328,7 @@ class QuantLinear(torch.nn.Module):
         x = x.reshape(-1, self.in_features)
         if self.kernel_for(x.shape[0]) == "gguf":
             g = self.gguf
-            y = torch.ops.tokentop.qmatmul(x.float(), g.tensors, g.types, g.rows, self.bias, -1)
-            y = y.to(x.dtype)
+            y = torch.ops.tokentop.qmatmul(x, g.tensors, g.types, g.rows, self.bias, -1, self.small_m)
         else:
             xd = x.to(self.dense.dtype)
             if self.rowwise and x.shape[0] > 1:

@@ -1,0 +1,75 @@
+"""Micro-benchmark of tokentop::qmatmul on a real model's linear layers (one decode step's set).
+
+For each row count M, every linear layer of the model runs once back to back, with the direct
+kernels (small_m=16), the unpacked tiles (small_m=0) and the op's default, 2 threads unless told;
+prints the median time of the set, the GGUF bytes it reads and the rate. Run under the CPU lock:
+  flock /tmp/tokentop-cpu.lock python tools/kernel_bench.py qwen2.5-coder-0.5b [threads]
+"""
+from __future__ import annotations
+
+import sys
+import time
+from collections import defaultdict
+from statistics import median
+
+import torch
+
+from engine import kernels
+from engine.models.catalog import resolve_model
+from engine.models.decoder import Decoder
+from engine.models.gguf import load_gguf
+from engine.models.quant import LinearPolicy, QuantLinear
+
+
+def main() -> None:
+    model_name = sys.argv[1] if len(sys.argv) > 1 else "qwen2.5-coder-0.5b"
+    torch.set_num_threads(int(sys.argv[2]) if len(sys.argv) > 2 else 2)
+    model = Decoder.from_gguf(load_gguf(str(resolve_model(model_name))), LinearPolicy())
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear) and m.gguf is not None]
+    nbytes = sum(m.gguf.nbytes for m in layers)
+    by_type = defaultdict(int)
+    for m in layers:
+        for t, w in zip(m.gguf.types, m.gguf.tensors):
+            by_type[t] += w.numel()
+    print(f"{model_name}: {len(layers)} layers, {nbytes / 1e6:.0f} MB, isa {kernels.isa_name()}, "
+          f"threads {torch.get_num_threads()}, bytes by type {dict(by_type)}")
+
+    def run(m_rows: int, small_m: int, reps: int = 9) -> float:
+        xs = [torch.randn(m_rows, m.in_features) for m in layers]
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for m, x in zip(layers, xs):
+                g = m.gguf
+                kernels.qmatmul(x, g.tensors, g.types, g.rows, None, None, small_m)
+            times.append(time.perf_counter() - t0)
+        return median(times) * 1000
+
+    for m_rows in (1, 2, 3, 4, 5, 8):
+        row = [f"M={m_rows}"]
+        for label, sm in (("direct", 16), ("tiles", 0)):
+            ms = run(m_rows, sm)
+            row.append(f"{label} {ms:7.2f} ms {nbytes / ms / 1e6:5.1f} GB/s")
+        print("  ".join(row))
+    # per type at M = 1: the layers holding only that type
+    for t in sorted(by_type):
+        sub = [m for m in layers if set(m.gguf.types) == {t}]
+        if not sub:
+            continue
+        b = sum(m.gguf.nbytes for m in sub)
+        xs = [torch.randn(1, m.in_features) for m in sub]
+        res = []
+        for sm in (16, 0):
+            times = []
+            for _ in range(9):
+                t0 = time.perf_counter()
+                for m, x in zip(sub, xs):
+                    kernels.qmatmul(x, m.gguf.tensors, m.gguf.types, m.gguf.rows, None, None, sm)
+                times.append(time.perf_counter() - t0)
+            res.append(median(times) * 1000)
+        print(f"type {t}: {len(sub)} layers {b / 1e6:.0f} MB  direct {res[0]:.2f} ms "
+              f"{b / res[0] / 1e6:.1f} GB/s  tiles {res[1]:.2f} ms {b / res[1] / 1e6:.1f} GB/s")
+
+
+if __name__ == "__main__":
+    main()
