@@ -456,6 +456,7 @@ def test_randomized_invariants_every_step(mode):
     assert sum(s.preemptions for s in everyone) > 0
     if mode != "off":
         assert reuse.flights.waits > 0
+    assert (reuse.joins > 0) == (mode == "after-prefill")   # joins are stressed too
 
 
 def test_deterministic_mode_publishes_prompt_pages_only():
