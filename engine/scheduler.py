@@ -160,6 +160,8 @@ class Scheduler:
             self.running.append(seq)
             items.append(ScheduledSeq(seq, n, n == seq.num_pending))
             budget -= n
+            if computing is not None:
+                computing[seq.id] = (seq, seq.num_computed + n)   # later followers may join it
         if self.reuse is not None:
             self.reuse.note_waiting(self.waiting)   # show who waits on which leader
         return StepPlan(items, preempted)

@@ -286,6 +286,19 @@ def test_followers_join_the_step_that_completes_their_pages():
     assert pool.num_used == 0 and pool.num_cached == 8 and not reuse.flights.check()
 
 
+def test_followers_join_a_leader_admitted_in_the_same_step():
+    """A prompt that fits the budget: the leader is admitted and computes all of it in one
+    step, and its followers join that very step (their first tokens come with the leader's)."""
+    pool, sched, reuse = make(num_pages=64, budget=64, mode="after-prefill")
+    seqs = burst(sched, [list(range(1, 34))] * 3, max_tokens=3)
+    plan, _ = step(sched, reuse)
+    assert [(i.seq.id, i.num_tokens, i.samples) for i in plan.items] == [
+        ("r0", 33, True), ("r1", 1, True), ("r2", 1, True)]
+    assert [s.num_cached for s in seqs] == [0, 32, 32] and reuse.joins == 2
+    drain(sched, reuse)
+    assert pool.num_used == 0 and not reuse.flights.check()
+
+
 def test_partial_prefix_followers_join_the_leaders_last_document_chunk():
     pool, sched, reuse = make(num_pages=128, budget=40, mode="after-prefill")
     doc = list(range(1, 41))                               # 10 shared pages
