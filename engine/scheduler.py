@@ -136,11 +136,14 @@ class Scheduler:
             budget -= n + k
 
         # 2. admit waiting sequences while there is room; none in a step that preempted
-        #    (the victim would take back the pages it just gave up)
+        #    (the victim would take back the pages it just gave up). A follower may join the
+        #    step in which its leader completes the pages it waits for (engine/kv/reuse.py).
+        computing = {i.seq.id: (i.seq, i.seq.num_computed + i.num_tokens) for i in items} \
+            if self.reuse is not None and self.waiting else None
         for seq in self._admission_order():
             if budget <= 0 or len(self.running) >= self.max_active or preempted:
                 break
-            if self.reuse is not None and not self.reuse.admit(seq):
+            if self.reuse is not None and not self.reuse.admit(seq, computing):
                 continue   # waits for the leader computing its prefix; others may pass
             n = self._chunk(seq, budget)
             if n == 0 or not self._fits(seq, n) or not self._room_to_admit(seq):
@@ -157,6 +160,8 @@ class Scheduler:
             self.running.append(seq)
             items.append(ScheduledSeq(seq, n, n == seq.num_pending))
             budget -= n
+            if computing is not None:
+                computing[seq.id] = (seq, seq.num_computed + n)   # later followers may join it
         if self.reuse is not None:
             self.reuse.note_waiting(self.waiting)   # show who waits on which leader
         return StepPlan(items, preempted)

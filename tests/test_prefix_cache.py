@@ -169,6 +169,16 @@ def test_deterministic_mode_restores_whole_chunks_only():
     assert b.num_cached == 24                              # 28 available, aligned down to 8s
 
 
+def test_deterministic_mode_restores_whole_chunks_of_a_chain_ending_mid_chunk():
+    pool, sched, reuse = make(num_pages=64, budget=64, chunk=8)
+    sched.add(mkseq("a", range(1, 31)))                    # 30 tokens: 7 pages published
+    drain(sched, reuse)
+    b = mkseq("b", list(range(1, 31)) + list(range(100, 110)))   # cap 32, chain ends at 28
+    sched.add(b)
+    step(sched, reuse)
+    assert b.num_cached == 24                              # not 28: the chunks stay at 8s
+
+
 # --- publication --------------------------------------------------------------------------
 def test_incremental_publication_during_prefill_and_decode():
     pool, sched, reuse = make(budget=4)                    # one page of prefill per step
@@ -253,6 +263,95 @@ def test_after_prefill_releases_before_the_leader_finishes():
     step(sched, reuse)                                     # leader prefills, publishes
     step(sched, reuse)
     assert seqs[1].num_cached == 32 and seqs[0].state == SeqState.DECODE
+
+
+def test_followers_join_the_step_that_completes_their_pages():
+    """after-prefill: a follower is scheduled in the very step in which its leader computes
+    the last pages it waits for (the forward writes K/V before attention reads it), sharing
+    those pages, instead of waiting one more step for their publication."""
+    pool, sched, reuse = make(num_pages=64, budget=20, mode="after-prefill")
+    seqs = burst(sched, [list(range(1, 34))] * 4, max_tokens=3)   # 8 full pages + 1 token
+    plan, _ = step(sched, reuse)                          # leader: 20 tokens, 5 pages published
+    assert [i.seq.id for i in plan.items] == ["r0"] and reuse.cache.published == 5
+    plan, _ = step(sched, reuse)                          # leader's last 13 tokens: pages 5..7
+    assert [(i.seq.id, i.num_tokens, i.samples) for i in plan.items] == [
+        ("r0", 13, True), ("r1", 1, True), ("r2", 1, True), ("r3", 1, True)]
+    lead = seqs[0]
+    for f in seqs[1:]:
+        assert f.num_cached == 32 and f.block_table[:8] == lead.block_table[:8]
+        assert f.state == SeqState.DECODE and f.leader is None and f.num_published == 8
+    assert all(pool.refcount[p] == 4 for p in lead.block_table[:8])
+    assert reuse.cache.published == 8 and reuse.joins == 3 and reuse.flights.waits == 3
+    drain(sched, reuse)
+    assert pool.num_used == 0 and pool.num_cached == 8 and not reuse.flights.check()
+
+
+def test_followers_join_a_leader_admitted_in_the_same_step():
+    """A prompt that fits the budget: the leader is admitted and computes all of it in one
+    step, and its followers join that very step (their first tokens come with the leader's)."""
+    pool, sched, reuse = make(num_pages=64, budget=64, mode="after-prefill")
+    seqs = burst(sched, [list(range(1, 34))] * 3, max_tokens=3)
+    plan, _ = step(sched, reuse)
+    assert [(i.seq.id, i.num_tokens, i.samples) for i in plan.items] == [
+        ("r0", 33, True), ("r1", 1, True), ("r2", 1, True)]
+    assert [s.num_cached for s in seqs] == [0, 32, 32] and reuse.joins == 2
+    drain(sched, reuse)
+    assert pool.num_used == 0 and not reuse.flights.check()
+
+
+def test_partial_prefix_followers_join_the_leaders_last_document_chunk():
+    pool, sched, reuse = make(num_pages=128, budget=40, mode="after-prefill")
+    doc = list(range(1, 41))                               # 10 shared pages
+    prompts = [doc + [1000 + 10 * i + j for j in range(5)] for i in range(4)]
+    seqs = burst(sched, prompts, max_tokens=3)
+    step(sched, reuse)                                     # leader: doc tokens 0..39
+    plan, _ = step(sched, reuse)                           # leader's question, nothing to join
+    assert [i.seq.id for i in plan.items] == ["r0", "r1", "r2", "r3"]   # doc published: restored
+    pool, sched, reuse = make(num_pages=128, budget=30, mode="after-prefill")
+    seqs = burst(sched, prompts, max_tokens=3)
+    step(sched, reuse)                                     # leader: 30 doc tokens (7 pages)
+    plan, _ = step(sched, reuse)                           # leader: doc pages 7..9 + its question
+    assert [(i.seq.id, i.num_tokens) for i in plan.items] == [("r0", 15), ("r1", 5), ("r2", 5), ("r3", 5)]
+    assert [s.num_cached for s in seqs] == [0, 40, 40, 40] and reuse.joins == 3
+    assert all(s.state == SeqState.DECODE for s in seqs)
+
+
+@pytest.mark.parametrize("mode", ["at-completion", "off"])
+def test_no_join_outside_after_prefill(mode):
+    pool, sched, reuse = make(num_pages=64, budget=20, mode=mode)
+    seqs = burst(sched, [list(range(1, 34))] * 3, max_tokens=3)
+    step(sched, reuse)
+    plan, _ = step(sched, reuse)
+    if mode == "at-completion":
+        assert [i.seq.id for i in plan.items] == ["r0"]   # followers wait for the leader's end
+    assert reuse.joins == 0
+    drain(sched, reuse)
+    assert pool.num_used == 0
+
+
+def test_join_in_deterministic_mode_takes_whole_chunks_only():
+    pool, sched, reuse = make(num_pages=64, budget=64, chunk=8)   # chunks of 8 tokens = 2 pages
+    lead = mkseq("lead", range(1, 35), max_tokens=3)        # 34 tokens
+    follower = mkseq("f", range(1, 28), max_tokens=3, t=1.0)     # 27 tokens: hit cap 24
+    sched.add(lead)
+    sched.add(follower)
+    seen = [[(i.seq.id, i.num_tokens) for i in step(sched, reuse)[0].items] for _ in range(3)]
+    # step 3 completes tokens 16..23 (pages 4, 5): the follower joins it with 24 tokens
+    assert seen == [[("lead", 8)], [("lead", 8)], [("lead", 8), ("f", 3)]]
+    assert follower.num_cached == 24 and follower.block_table[:6] == lead.block_table[:6]
+    drain(sched, reuse)
+    # a leader of 30 tokens completes page 6 (tokens 24..27) in its last chunk (24..29): a
+    # follower extending it may not join that page alone (24 + 4 tokens is no whole chunk)
+    pool, sched, reuse = make(num_pages=64, budget=64, chunk=8)
+    lead = mkseq("lead", range(1, 31), max_tokens=3)
+    follower = mkseq("f", list(range(1, 31)) + list(range(100, 110)), max_tokens=3, t=1.0)
+    sched.add(lead)
+    sched.add(follower)
+    seen = [[(i.seq.id, i.num_tokens) for i in step(sched, reuse)[0].items] for _ in range(5)]
+    assert seen[3] == [("lead", 6)] and seen[4][-1] == ("f", 8)
+    assert follower.num_cached == 24 and reuse.joins == 0
+    drain(sched, reuse)
+    assert pool.num_used == 0
 
 
 def test_at_completion_waits_for_the_leaders_end():
@@ -370,6 +469,7 @@ def test_randomized_invariants_every_step(mode):
     assert sum(s.preemptions for s in everyone) > 0
     if mode != "off":
         assert reuse.flights.waits > 0
+    assert (reuse.joins > 0) == (mode == "after-prefill")   # joins are stressed too
 
 
 def test_deterministic_mode_publishes_prompt_pages_only():

@@ -69,7 +69,9 @@ def test_cache_off_restores_nothing(model):
 
 
 def test_identical_burst_waits_on_one_leader(model):
-    with sim_engine(model, ["sim:a:prefill=2000,decode=2000"]) as engine:
+    # 200 tokens in steps of at most 80: the followers wait through the leader's first two
+    # chunks, then join the step that computes its last pages (160..199)
+    with sim_engine(model, ["sim:a:prefill=2000,decode=2000"], worker_kw={"max_batched_tokens": 80}) as engine:
         doc = doc_ids(200)
         handles = [engine.submit(prompt_ids=doc, params=SamplingParams(max_tokens=3)) for _ in range(4)]
         seen_follow = set()
@@ -82,7 +84,22 @@ def test_identical_burst_waits_on_one_leader(model):
         assert cached == [0, 192, 192, 192]
         assert {leader for _, leader in seen_follow} == {handles[0].id}
         assert all(h.result().metrics.follow_time > 0 for h in handles[1:])
-        assert settle(engine).workers[0].prefix["single_flight_waits"] == 3
+        prefix = settle(engine).workers[0].prefix
+        assert prefix["single_flight_waits"] == 3 and prefix["single_flight_joins"] == 3
+
+
+def test_identical_burst_within_one_step_joins_without_waiting(model):
+    """A prompt within the step's budget: the followers join the leader's only prefill step
+    (submitted together, they are in the worker's queue before it plans that step)."""
+    with sim_engine(model, ["sim:a:prefill=2000,decode=2000"]) as engine:
+        doc = doc_ids(200)
+        handles = [engine.submit(prompt_ids=doc, params=SamplingParams(max_tokens=3)) for _ in range(4)]
+        results = [h.result(10) for h in handles]
+        assert sorted(r.metrics.cached_tokens for r in results) == [0, 192, 192, 192]
+        prefix = settle(engine).workers[0].prefix
+        assert prefix["prefix_cache_hits"] == 3 * 192
+        assert prefix["single_flight_joins"] + prefix["single_flight_waits"] == 3
+        assert prefix["single_flight_joins"] >= 1
 
 
 # --- cache-aware routing ---------------------------------------------------------------------

@@ -108,3 +108,22 @@ def test_real_model_cache_on_equals_off_deterministic(real_model_path):
     assert [r.token_ids for r in got] == want
     assert warm.token_ids == want[0]
     assert all(r.metrics.cached_tokens >= 64 for r in got[1:]) and warm.metrics.cached_tokens >= 64
+
+
+def test_followers_joining_the_leaders_step_read_its_pages_exactly(tiny_model_path):
+    """A cold burst (single flight after-prefill, --deterministic): followers are scheduled in
+    the very step in which their leader computes the pages they wait for, and their attention
+    reads those pages through the block table in that step; greedy output is still the same
+    as with the cache off. Identical prompts and a shared document with own endings."""
+    model = tiny_model_path("qwen2")
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    prompts = prompts_sharing(doc_len=200, n=4, seed=5)
+    prompts = prompts + [prompts[0]] * 3
+    with start(model, deterministic=True, prefix_cache="off") as engine:
+        want = [r.token_ids for r in run(engine, prompts, params, concurrent=False)]
+    with start(model, deterministic=True, single_flight="after-prefill") as engine:
+        got = run(engine, prompts, params, concurrent=True)
+        w = settled(engine)
+    assert [r.token_ids for r in got] == want
+    assert w.prefix["single_flight_joins"] > 0
+    assert sorted(r.metrics.cached_tokens for r in got)[-1] >= 192

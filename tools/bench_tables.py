@@ -97,14 +97,16 @@ def prefix(d):
            f"| 880 of 904, −96.2% |", ""]
     for title, rows in (("2. identical requests, 532-token prompt", d["identical"]),
                         ("3. shared 800-token document, different questions", d["partial_prefix"])):
-        out += [f"| {title} | N | mean TTFT s | TTFT change | slowest s | slowest change | restored per request"
-                + (" | seeds at N=8: TTFT / slowest change |" if title.startswith("2") else " |"),
-                "|---|---|---|---|---|---|---|" + ("---|" if title.startswith("2") else "")]
+        out += [f"| {title} | N | mean TTFT s | TTFT change | per-run change (median) | slowest s | slowest change "
+                "| restored per request" + (" | seeds at N=8: TTFT / slowest change |" if title.startswith("2") else " |"),
+                "|---|---|---|---|---|---|---|---|" + ("---|" if title.startswith("2") else "")]
         for row in rows:
             for m in MODES:
                 r = row[m]
                 restored = sorted(set(r["restored_tokens"]))
+                paired = r.get("mean_ttft_change_paired")
                 line = (f"| {m} | {row['n']} | {f(r['mean_ttft_s'], 2)} | {r['mean_ttft_change']}% | "
+                        f"{'—' if paired is None else f'{paired}%'} | "
                         f"{f(r['slowest_s'], 2)} | {r['slowest_change']}% | {restored} |")
                 if title.startswith("2"):
                     line += f" {SEEDS_8[m] if row['n'] == 8 else ''} |"

@@ -9,8 +9,10 @@
 4 cyclic         a working set larger than the KV cache, cycled: hit rate, no error
 5 equality       greedy tokens with the cache on vs off, --deterministic
 
-Each mode runs its own engine, one after the other (a 0.5B engine holds a few GB), on the
-same token ids; every burst uses a fresh cache_salt, so no burst warms the next.
+Each mode runs its own engine on the same token ids, the four engines side by side and their
+bursts interleaved (run r of a workload goes through the modes back to back); every burst
+uses a fresh cache_salt, so no burst warms the next. Each row also gives the median of the
+per-run changes (each run against the independent burst of the same run, minutes apart).
 """
 from __future__ import annotations
 
@@ -75,8 +77,10 @@ def _modes_table(trials: dict, ns, tag: str) -> list[dict]:
         for mode in MODES:
             ts = trials[mode][tag, n]
             ttft, slow = median([t["mean_ttft_s"] for t in ts]), median([t["slowest_s"] for t in ts])
+            paired = median([_pct(t["mean_ttft_s"], b["mean_ttft_s"]) for t, b in zip(ts, ind)])
             row[mode] = {"mean_ttft_s": round(ttft, 3), "slowest_s": round(slow, 3),
                          "mean_ttft_change": _pct(ttft, base), "slowest_change": _pct(slow, base_slow),
+                         "mean_ttft_change_paired": round(paired, 1),
                          "restored_tokens": ts[-1]["restored_tokens"],
                          "computed_prompt_tokens": ts[-1]["computed_prompt_tokens"],
                          "runs": [{k: round(v, 3) if isinstance(v, float) else v for k, v in t.items()}
@@ -94,24 +98,30 @@ def bench_prefix(args) -> dict:
     out_tokens = 16 if args.quick else 128
     ns = [2, 8] if args.quick else [2, 4, 8]
     report: dict = {"model": args.model, "runs": runs, "output_tokens": out_tokens, "seeds": SEEDS}
-    # one engine at a time (a 0.5B engine holds a few GB), the same workloads for each mode
+    # one engine per mode, all started first, and the bursts interleaved: run r of every
+    # workload goes through the four modes back to back, so a load change on a shared
+    # machine falls on all modes alike instead of on whichever mode ran during it
     trials: dict = {m: {} for m in MODES}
-    for mode, kw in MODES.items():
-        eng = start_engine([base_worker(args, max_active=8, **kw)])
-        try:
+    engines: dict = {}
+    try:
+        for mode, kw in MODES.items():
+            engines[mode] = eng = start_engine([base_worker(args, max_active=8, **kw)])
             _burst(eng, [text_ids(eng, 40, "warm up")], 4, "warmup")    # first-use costs
-            if mode == "after-prefill":
-                report["warm_vs_cold"] = _warm_vs_cold(eng, runs)
-            shared = text_ids(eng, 532, "Shared prompt:")
-            doc = text_ids(eng, 800, "Design document:")
-            questions = [eng.tokenizer.encode("\n" + q, add_special=False) for q in QUESTIONS]
-            for r in range(runs):
-                for n in ns:
+        report["warm_vs_cold"] = _warm_vs_cold(engines["after-prefill"], runs)
+        eng = engines["after-prefill"]
+        shared = text_ids(eng, 532, "Shared prompt:")
+        doc = text_ids(eng, 800, "Design document:")
+        questions = [eng.tokenizer.encode("\n" + q, add_special=False) for q in QUESTIONS]
+        for r in range(runs):
+            for n in ns:
+                for mode, eng in engines.items():
                     trials[mode].setdefault(("id", n), []).append(
                         _burst(eng, [shared] * n, out_tokens, f"id-{n}-{r}"))
+            for mode, eng in engines.items():
                 trials[mode].setdefault(("pp", 8), []).append(
                     _burst(eng, [doc + questions[i] for i in range(8)], out_tokens, f"pp-{r}"))
-        finally:
+    finally:
+        for eng in engines.values():
             stop_engine(eng)
 
     report["identical"] = _modes_table(trials, ns, "id")

@@ -29,6 +29,7 @@ class PrefixReuse:
         self.align = max(align, self.page_size)
         self.prompt_only = align > 0
         self.tracer = tracer
+        self.joins = 0      # followers that joined the step completing their leader's pages
 
     def _instant(self, name: str, args: dict) -> None:
         if self.tracer is not None and self.tracer.enabled:
@@ -38,15 +39,28 @@ class PrefixReuse:
     def arrive(self, seq: Sequence) -> None:
         self.flights.arrive(seq.id)
 
-    def admit(self, seq: Sequence) -> bool:
-        """Before admission: restore the cached prefix; False = wait for a leader."""
+    def admit(self, seq: Sequence, computing: dict | None = None) -> bool:
+        """Before admission: restore the cached prefix; False = wait for a leader.
+
+        computing: leader id -> (leader, its computed tokens after this step) for the
+        sequences already scheduled in this step. after-prefill: a follower whose missing
+        pages the leader completes in this very step joins that step (see `_join`)."""
         pages: list[int] = []
-        if seq.num_computed == 0 and not seq.block_table:
+        joined: list[int] = []
+        fresh = seq.num_computed == 0 and not seq.block_table
+        if fresh:
             limit = seq.num_tokens - 1               # the last token is computed for its logits
             pages = self.cache.match(seq, limit - limit % self.align)
+            # whole chunks only: a published chain may end inside a chunk (a prompt's last,
+            # partly filled chunk), and a restore ending there would chunk the rest differently
+            pages = pages[:len(pages) * self.page_size // self.align * self.align // self.page_size]
         have = seq.num_computed // self.page_size + len(pages)
         keys = self.cache.keys(seq, (seq.num_tokens - 1) // self.page_size)[have:]
         leader = self.flights.leader_of(seq.id, keys)
+        if leader is not None and fresh and computing and leader in computing:
+            joined = self._join(seq, have, keys, leader, *computing[leader])
+            if joined:
+                joined_from, leader = leader, self.flights.leader_of(seq.id, keys[len(joined):])
         if leader is not None:                       # wait, holding no pages
             self._follow(seq, leader)
             return False
@@ -54,13 +68,50 @@ class PrefixReuse:
             self.flights.release(seq.id)
             seq.follow_time += time.monotonic() - (seq.follow_since or time.monotonic())
             seq.leader = None
-        if pages:
-            for page in pages:
+        if pages or joined:
+            for page in pages + joined:
                 self.pool.retain(page)
-            seq.block_table = list(pages)
-            seq.num_computed = seq.num_cached = len(pages) * self.page_size
+            seq.block_table = pages + joined
+            seq.num_computed = seq.num_cached = len(seq.block_table) * self.page_size
+            # joined pages are the leader's to publish after this step (or ours, should the
+            # leader's sampling fail): cache.publish skips pages that are already keyed
             seq.num_published = len(pages)
+        if joined:
+            self.joins += 1
+            self._instant("join", {"request": seq.id, "leader": joined_from, "pages": len(joined)})
         return True
+
+    def _join(self, seq: Sequence, have: int, keys: list[bytes], leader_id: str,
+              leader: Sequence, leader_upto: int) -> list[int]:
+        """The leader's pages, from seq's page `have` on, that seq needs next and that the
+        leader completes in the step being planned (its chunk ends at leader_upto tokens).
+
+        The forward pass writes every new token's K/V of a layer before any attention of
+        that layer reads it, so a follower scheduled in the same step as the leader's chunk
+        reads those pages exactly as it would once they were published: it computes its own
+        tail one step earlier instead of waiting a step for publication. Only
+        after-prefill does this (at-completion waits for the leader's end by definition);
+        deterministic mode joins whole prefill chunks only, as it restores them."""
+        if self.flights.mode != "after-prefill":
+            return []
+        ps = self.page_size
+        limit = seq.num_tokens - 1
+        cap = (limit - limit % self.align) // ps
+        done = min(leader_upto, leader.num_tokens, len(leader.block_table) * ps) // ps
+        lead_keys = self.cache.keys(leader, done)
+        pages: list[int] = []
+        for j, key in enumerate(keys):
+            i = have + j
+            if i >= min(done, cap) or lead_keys[i] != key or self.flights.computing(key) != leader_id:
+                break
+            # equal keys name equal prefixes; compare the tokens anyway (as a hit does)
+            if any(seq.token_at(t) != leader.token_at(t) for t in range(i * ps, (i + 1) * ps)):
+                break
+            pages.append(leader.block_table[i])
+        if self.align > ps:                          # whole chunks only (deterministic mode)
+            whole = ((have + len(pages)) * ps) // self.align * self.align // ps
+            pages = pages[:max(0, whole - have)]
+        return pages
 
     def note_waiting(self, waiting) -> None:
         """Mark queued requests that will wait for a leader (admission was not reached)."""
@@ -124,4 +175,5 @@ class PrefixReuse:
         return {"prefix_cache_queries": c.queries, "prefix_cache_hits": c.hits,
                 "cached_pages": self.pool.num_cached, "evictions": c.evictions,
                 "published_pages": c.published, "single_flight_waits": self.flights.waits,
+                "single_flight_joins": self.joins,
                 "waiting_on_leader": self.flights.num_waiting}

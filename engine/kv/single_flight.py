@@ -67,6 +67,10 @@ class FlightCoordinator:
                 return leader
         return None
 
+    def computing(self, key: bytes) -> str | None:
+        """The running request computing this page now, if any."""
+        return self._inflight.get(key)
+
     def wait(self, rid: str, leader: str) -> bool:
         """Record rid as following leader; True the first time it starts waiting."""
         new = rid not in self._following
