@@ -1,8 +1,8 @@
 """Prefix reuse through the engine on simulated workers: hits, routing on reuse estimates,
 the cache-aware policy's failure modes, and a randomized stress run."""
 import random
-import zlib
 import time
+import zlib
 
 import pytest
 
