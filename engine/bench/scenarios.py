@@ -25,7 +25,7 @@ from engine.stats import median, percentile
 # prefill, decode tok/s. Only used without --llama-cpp, and labelled as not side by side.
 LLAMA_CPP = {"qwen2.5-coder-0.5b": (190.0, 37.0), "qwen2.5-coder-1.5b": (88.0, 23.0),
              "gemma-3-270m": (630.0, 60.0)}
-GOALS = {"qwen2.5-coder-0.5b": (1.5, 1.2), "qwen2.5-coder-1.5b": (1.3, 1.0)}
+GOALS = {"qwen2.5-coder-0.5b": (1.5, 1.2), "qwen2.5-coder-1.5b": (1.5, 1.0)}   # prefill, decode vs llama.cpp
 
 FILLER = ("The scheduler admits requests in arrival order, charges each step against a token "
           "budget, and preempts the youngest sequence when the page pool runs dry. ")
@@ -309,8 +309,8 @@ def bench_batching(args) -> dict:
         from engine.models.catalog import resolve_model
         side_by_side = bench_llama_server(args, base_worker(args, max_active=active), str(resolve_model(args.model)),
                                           out_tokens, runs, [1, 8])
-    goals = {"n8_at_least_3x_one_stream": eight / one >= 3.0,
-             "paged_ge_95pct_contiguous": all(k["paged_over_contiguous"] >= 0.95 for k in kv)}
+    goals = {"n8_at_least_4x_one_stream": eight / one >= 4.0,
+             "paged_ge_97pct_contiguous": all(k["paged_over_contiguous"] >= 0.97 for k in kv)}
     if sequential_too:
         goals["batched_ge_sequential_all_n"] = all(t["ratio"] >= 1.0 for t in table)
     if largest["n"] >= 32:
