@@ -17,24 +17,11 @@ import httpx
 from engine.config import EngineConfig, WorkerConfig
 from engine.devices import parse_devices
 from engine.engine import Engine
+from engine.bench.llama_server import wait_healthy
 from engine.serve.app import ServeConfig
 from engine.serve.server import HttpServer
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def wait_healthy(url: str, timeout: float = 120.0, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"{url} did not become healthy within {timeout} s")
 
 
 @contextlib.contextmanager

@@ -101,6 +101,18 @@ def test_random_blocks_every_type_isa_and_row_count(qtype, isa, kernel):
         check(run([td], x[:m], isa, small_m=KERNEL_CHOICES[kernel]), td, x[:m])
 
 
+def on_one_and_two_threads(td, x, isa, small_m):
+    """The op's output with 1 and with 2 intra-op threads."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run([td], x, isa, small_m=small_m)
+        torch.set_num_threads(2)
+        return one, run([td], x, isa, small_m=small_m)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("isa", runnable_isas())
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_direct_kernel_with_one_and_two_threads(qtype, isa):
@@ -108,14 +120,7 @@ def test_direct_kernel_with_one_and_two_threads(qtype, isa):
     k = 512 if qtype in K_TYPES else 96
     td = random_td(qtype, rows=203, cols=k, seed=7 + int(qtype))
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(6))
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = run([td], x, isa, small_m=4)
-        torch.set_num_threads(2)
-        two = run([td], x, isa, small_m=4)
-    finally:
-        torch.set_num_threads(threads)
+    one, two = on_one_and_two_threads(td, x, isa, small_m=4)
     check(one, td, x)
     assert torch.equal(one, two)
     # and a row's result does not depend on the other rows of its call (M = 1 vs M = 3)
@@ -131,14 +136,7 @@ def test_rows_and_threads_do_not_change_any_bit(isa, qtype):
     k = 512 if qtype in K_TYPES else 96
     td = random_td(qtype, rows=101, cols=k)
     x = torch.randn(13, k, generator=torch.Generator().manual_seed(2))
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = run([td], x, isa, small_m=0)
-        torch.set_num_threads(2)
-        two = run([td], x, isa, small_m=0)
-    finally:
-        torch.set_num_threads(threads)
+    one, two = on_one_and_two_threads(td, x, isa, small_m=0)
     assert torch.equal(one, two)
     alone = torch.cat([run([td], x[i:i + 1], isa, small_m=0) for i in range(13)])
     assert torch.equal(one, alone)
