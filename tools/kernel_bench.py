@@ -10,7 +10,6 @@ from __future__ import annotations
 import sys
 import time
 from collections import defaultdict
-from statistics import median
 
 import torch
 
@@ -19,6 +18,19 @@ from engine.models.catalog import resolve_model
 from engine.models.decoder import Decoder
 from engine.models.gguf import load_gguf
 from engine.models.quant import LinearPolicy, QuantLinear
+from engine.stats import median
+
+
+def time_set(layers: list[QuantLinear], m_rows: int, small_m: int, reps: int = 9) -> float:
+    """Median ms to run every layer once, back to back, on m_rows random activation rows."""
+    xs = [torch.randn(m_rows, m.in_features) for m in layers]
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for m, x in zip(layers, xs):
+            kernels.qmatmul(x, m.gguf.tensors, m.gguf.types, m.gguf.rows, None, None, small_m)
+        times.append(time.perf_counter() - t0)
+    return median(times) * 1000
 
 
 def main() -> None:
@@ -34,21 +46,10 @@ def main() -> None:
     print(f"{model_name}: {len(layers)} layers, {nbytes / 1e6:.0f} MB, isa {kernels.isa_name()}, "
           f"threads {torch.get_num_threads()}, bytes by type {dict(by_type)}")
 
-    def run(m_rows: int, small_m: int, reps: int = 9) -> float:
-        xs = [torch.randn(m_rows, m.in_features) for m in layers]
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            for m, x in zip(layers, xs):
-                g = m.gguf
-                kernels.qmatmul(x, g.tensors, g.types, g.rows, None, None, small_m)
-            times.append(time.perf_counter() - t0)
-        return median(times) * 1000
-
     for m_rows in (1, 2, 3, 4, 5, 8):
         row = [f"M={m_rows}"]
         for label, sm in (("direct", 16), ("tiles", 0)):
-            ms = run(m_rows, sm)
+            ms = time_set(layers, m_rows, sm)
             row.append(f"{label} {ms:7.2f} ms {nbytes / ms / 1e6:5.1f} GB/s")
         print("  ".join(row))
     # per type at M = 1: the layers holding only that type
@@ -57,16 +58,7 @@ def main() -> None:
         if not sub:
             continue
         b = sum(m.gguf.nbytes for m in sub)
-        xs = [torch.randn(1, m.in_features) for m in sub]
-        res = []
-        for sm in (16, 0):
-            times = []
-            for _ in range(9):
-                t0 = time.perf_counter()
-                for m, x in zip(sub, xs):
-                    kernels.qmatmul(x, m.gguf.tensors, m.gguf.types, m.gguf.rows, None, None, sm)
-                times.append(time.perf_counter() - t0)
-            res.append(median(times) * 1000)
+        res = [time_set(sub, 1, sm) for sm in (16, 0)]
         print(f"type {t}: {len(sub)} layers {b / 1e6:.0f} MB  direct {res[0]:.2f} ms "
               f"{b / res[0] / 1e6:.1f} GB/s  tiles {res[1]:.2f} ms {b / res[1] / 1e6:.1f} GB/s")
 
