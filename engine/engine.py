@@ -266,9 +266,17 @@ class Engine:
 
     def needs_remote_counts(self) -> bool:
         """Whether prompt_lengths() would ask a remote server (and may take up to its timeout)."""
+        return any(shape for _, shape, _ in self._other_model_remotes())
+
+    def _other_model_remotes(self) -> list[tuple[int, str, str]]:
+        """(index, /tokenize shape or "" for none, model) of each ready remote of another model."""
+        if not self._counters:        # no remote workers (and engine.remote, httpx, not imported)
+            return []
+        from engine.remote import TOKENIZE_SAME
+
         with self._lock:
-            return any(w.state == "ready" and w.cfg.remote and w.info.tokenize
-                       and w.info.tokenize != "same-model" for w in self._workers)
+            return [(w.index, w.info.tokenize, w.info.model) for w in self._workers
+                    if w.state == "ready" and w.cfg.remote and w.info.tokenize != TOKENIZE_SAME]
 
     def prompt_lengths(self, ids: list[int], messages: list[dict] | None = None) -> dict[int, tuple[int, str]]:
         """The prompt's length on each ready remote worker that serves another model, and where
@@ -277,15 +285,11 @@ class Engine:
         Asks the remotes over HTTP (bounded by engine/remote.py TOKENIZE_TIMEOUT in all): call it
         outside any event loop."""
         out: dict[int, tuple[int, str]] = {}
-        if not self._counters:        # no remote workers: nothing to ask (and httpx not imported)
-            return out
-        from engine.remote import TOKENIZE_SAME, TOKENIZE_TIMEOUT
-
-        with self._lock:
-            remotes = [(w.index, w.info.tokenize, w.info.model) for w in self._workers
-                       if w.state == "ready" and w.cfg.remote and w.info.tokenize != TOKENIZE_SAME]
+        remotes = self._other_model_remotes()
         if not remotes:
             return out
+        from engine.remote import TOKENIZE_TIMEOUT
+
         text = self.tokenizer.decode(list(ids)) if messages is None else ""   # what the remote is sent
         deadline = time.monotonic() + TOKENIZE_TIMEOUT
         for index, shape, model in remotes:
