@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
@@ -31,6 +32,12 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(EXIT_USAGE, f"tokentop: error: {message} (see `{self.prog} --help`)\n")
 
+
+def _executable(path: str) -> str:
+    """A flag naming a program to run: checked when read, not after tokentop's half of a bench."""
+    if not os.path.isfile(path) or not os.access(path, os.X_OK):
+        raise argparse.ArgumentTypeError(f"{path!r} is not an executable file: give the path to the program")
+    return path
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
@@ -136,9 +143,9 @@ def build_parser() -> OneLineParser:
                    help="bench batching: concurrent request counts (1 and 8 always included)")
     b.add_argument("--no-sequential", action="store_true",
                    help="bench batching: skip the one-after-another comparison")
-    b.add_argument("--llama-cpp", default=None, metavar="PYTHON",
+    b.add_argument("--llama-cpp", default=None, metavar="PYTHON", type=_executable,
                    help="bench single: a python with llama-cpp-python, to measure llama.cpp side by side")
-    b.add_argument("--llama-server", default=None, metavar="PATH",
+    b.add_argument("--llama-server", default=None, metavar="PATH", type=_executable,
                    help="bench batching: a llama-server binary; runs it on the same GGUF with -np 8 and "
                         "compares it with tokentop's HTTP server through one client at N=1 and N=8")
     add_engine_flags(b)

@@ -109,3 +109,13 @@ def test_a_16_bit_kv_store_holds_twice_the_pages_in_the_same_memory(tiny_model_p
     with Engine(EngineConfig(workers=workers, worker_mode="thread")).start(timeout=120) as engine:
         w = engine.snapshot().workers[0]
         assert w.pages_total == pages
+
+
+@pytest.mark.parametrize("flag, scenario", [("--llama-server", "batching"), ("--llama-cpp", "single")])
+def test_a_missing_reference_program_is_one_line_before_any_run(tmp_path, no_weights, capsys, flag, scenario):
+    missing = str(tmp_path / "no-such-program")
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", scenario, flag, missing])
+    _, err = capsys.readouterr()
+    assert exit_.value.code == 2 and err.count("\n") == 1, err
+    assert f"argument {flag}: '{missing}' is not an executable file" in err
