@@ -46,7 +46,7 @@ log = logging.getLogger("tokentop.kernels")
 
 _DIR = Path(__file__).parent
 SOURCES = ("qmatmul_op.cpp", "qkernels.cpp")
-DEPENDS = ("qkernels.h", "qkernels_impl.inc")
+DEPENDS = ("qkernels.h", "qkernels_impl.inc", "qkernels_direct512.inc")
 ISA_NAMES = ("scalar", "avx2", "avx512")
 # GGML type ids the op reads (gguf.GGMLQuantizationType values)
 KERNEL_TYPES = (2, 6, 8, 12, 13, 14)   # Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K
@@ -215,6 +215,6 @@ def qmatmul(x: torch.Tensor, weights: list[torch.Tensor], types: list[int], rows
             small_m: int = -1) -> torch.Tensor:
     """fp32 x [M, K] times the stacked GGUF matrices (uint8 [rows_i, row_bytes]) transposed.
     small_m: calls of at most this many rows use the direct (decode) kernels; -1 the op's
-    default (DIRECT_MAX_ROWS), 0 never (one kernel for every row count: batch-invariant)."""
+    default (direct_rows()), 0 never (one kernel for every row count: batch-invariant)."""
     level = -1 if isa is None else _isa_level(isa)
     return torch.ops.tokentop.qmatmul(x, weights, types, rows, bias, level, small_m)
