@@ -150,18 +150,19 @@ int64_t direct_max_rows(int isa) {
 }
 
 void matmul_direct(int isa, int type, const uint8_t* w, int64_t K, int64_t n0, int64_t n1,
-                   const int8_t* a, const uint8_t* au, const float* dl, const float* d32, const int32_t* ls,
+                   const int8_t* a, const uint8_t* au, const float* dl, const float* as16, const float* d32, const int32_t* ls,
                    const float* as32, int64_t M, float* y, int64_t ldy) {
     const int64_t row_bytes = K / block_weights(type) * block_bytes(type);
 #if TT_X86
     if (isa == ISA_AVX512)
-        return isa_avx512::matmul_direct512(type, w, row_bytes, K, n0, n1, au, dl, as32, M, y, ldy);
+        return isa_avx512::matmul_direct512(type, w, row_bytes, K, n0, n1, {a, au, dl, as16, as32}, M, y, ldy);
     if (isa == ISA_AVX2)
         return isa_avx2::matmul_direct(type, w, row_bytes, K, n0, n1, a, d32, ls, as32, M, y, ldy);
 #endif
     (void)row_bytes;
     (void)dl;
     (void)au;
+    (void)as16;
 }
 
 }  // namespace tt

@@ -40,10 +40,10 @@ int64_t direct_max_rows(int isa);
 
 // The same product as matmul_rows, block to register with no unpacked copy: for a few rows M
 // (decode, small batches), where unpacking costs more than the dot products. Batch-invariant
-// within itself, but not bitwise equal to matmul_rows. dl as quantize_rows gives it, au = a + 128
-// as uint8 (a ^ 0x80).
+// within itself, but not bitwise equal to matmul_rows. dl and as16 as quantize_rows gives them,
+// au = a + 128 as uint8 (a ^ 0x80).
 void matmul_direct(int isa, int type, const uint8_t* w, int64_t K, int64_t n0, int64_t n1,
-                   const int8_t* a, const uint8_t* au, const float* dl, const float* d32, const int32_t* ls,
+                   const int8_t* a, const uint8_t* au, const float* dl, const float* as16, const float* d32, const int32_t* ls,
                    const float* as32, int64_t M, float* y, int64_t ldy);
 
 }  // namespace tt

@@ -90,7 +90,7 @@ at::Tensor qmatmul(const at::Tensor& x_in, at::TensorList weights, at::IntArrayR
                 const int64_t lo = std::max(b, offset[i]), hi = std::min(e, offset[i + 1]);
                 if (lo >= hi) continue;
                 tt::matmul_direct(use, int(types[i]), weights[i].data_ptr<uint8_t>(), K, lo - offset[i],
-                                  hi - offset[i], a.data(), au.data(), dl.data(), d32.data(), ls.data(),
+                                  hi - offset[i], a.data(), au.data(), dl.data(), as16.data(), d32.data(), ls.data(),
                                   as32.data(), M,
                                   yp + offset[i], N);
             }
