@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <cstdlib>
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
