@@ -20,12 +20,14 @@ Hence, with eps = 2^-24 and n the number of fp32 additions along K (at most K/16
     |y - W x| <= sum_i |w_i| d_g(i) (1/2 + 2^-17) + the line above (activation rounding)
 The first bound is ~1e-5 relative: it pins down every code, scale and offset exactly.
 Both kernels meet it: the tiles add K/16 terms per output (scale, then bias, per 16 weights),
-the direct decode kernels K/32 per SIMD lane (one per 32 weights, plus one K-quant minimum
-term per 256) and 3 more to add the 8 lanes.
+the direct decode kernels K/32 per SIMD lane on AVX2 (one per 32 weights, plus one K-quant
+minimum term per 256) and 3 more to add the 8 lanes; on AVX-512 K/64 per lane (one per 64
+weights, plus one minimum or Q6_K offset term per 256) and 4 more to add the 16 lanes.
 
-Two kernels (qkernels_impl.inc): calls of up to direct_rows() rows (decode) take the direct
-kernels, which go from GGUF block to register with no unpacked copy; larger calls unpack
-16-row tiles once and use them for every row. Their fp32 sums differ in the last bits, so
+Two kernels: calls of up to direct_rows() rows (decode, small batches; 7 on AVX-512, 4 on
+AVX2) take the direct kernels (qkernels_impl.inc for AVX2, qkernels_direct512.inc for AVX-512),
+which go from GGUF block to register with no unpacked copy, each weight vector dotted against
+every row of the call; larger calls unpack 16-row tiles once and use them for every row. Their fp32 sums differ in the last bits, so
 deterministic mode passes small_m=0: the tiles serve every row count.
 """
 from __future__ import annotations
