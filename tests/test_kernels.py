@@ -130,8 +130,8 @@ def test_direct_kernel_with_one_and_two_threads(qtype, isa):
 @pytest.mark.parametrize("isa", runnable_isas())
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_direct_kernel_rows_1_to_16_take_the_same_bits(qtype, isa):
-    """The direct kernels serve a call of M rows in passes (8, 4, 2, 1 rows on AVX-512, 4 on
-    AVX2) with each row's sums done the same way: every M from 1 to 16 gives each row the bits
+    """The direct kernels serve a call of M rows in passes (of 8 or 4 rows, then the rest, on
+    AVX-512; of 4 on AVX2) with each row's sums done the same way: every M from 1 to 16 gives each row the bits
     it has alone, on 1 and 2 threads, odd N and K with a lone last 32-block (Q4_0/Q5_0/Q8_0)."""
     k = 768 if qtype in K_TYPES else 224
     td = random_td(qtype, rows=45, cols=k, seed=11 + int(qtype))

@@ -4,7 +4,6 @@
 
 #include <cmath>
 #include <cstring>
-#include <cstdlib>
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
