@@ -36,6 +36,7 @@ namespace isa_avx2 {
 namespace isa_avx512 {
 #define TT_LEVEL 2
 #include "qkernels_impl.inc"
+#include "qkernels_prefill.inc"
 #undef TT_LEVEL
 }  // namespace isa_avx512
 #pragma GCC pop_options
@@ -152,6 +153,43 @@ void matmul_direct(int isa, int type, const uint8_t* w, int64_t K, int64_t n0, i
         return isa_avx2::matmul_direct(type, w, row_bytes, K, n0, n1, a, d32, ls, as32, M, y, ldy);
 #endif
     (void)row_bytes;
+}
+
+bool has_panels(int isa) { return TT_X86 && isa == ISA_AVX512; }
+
+void panel_extras(const int8_t* a, const float* dl, int64_t M, int64_t K, float* d32, float* as32,
+                  int32_t* is16) {
+    for (int64_t m = 0; m < M; ++m) {
+        for (int64_t g = 0; g < K / 32; ++g) {
+            const int8_t* ag = a + m * K + 32 * g;
+            int32_t s0 = 0, s1 = 0;
+            for (int i = 0; i < 16; ++i) {
+                s0 += ag[i];
+                s1 += ag[16 + i];
+            }
+            const float d = dl[m * (K / 4) + 8 * g];
+            d32[m * (K / 32) + g] = d;
+            as32[m * (K / 32) + g] = d * float(s0 + s1);
+            is16[m * (K / 16) + 2 * g] = s0;
+            is16[m * (K / 16) + 2 * g + 1] = s1;
+        }
+    }
+}
+
+void matmul_panels(int isa, int type, const uint8_t* w, int64_t K, int64_t n0, int64_t n1, const int8_t* a,
+                   const float* d32, const float* as32, const int32_t* is16, int64_t M, float* y, int64_t ldy) {
+#if TT_X86
+    if (isa == ISA_AVX512) {
+        thread_local std::vector<uint8_t> scratch;
+        const size_t need = isa_avx512::panel_scratch_bytes(K);
+        if (scratch.size() < need) scratch.resize(need);
+        const int64_t row_bytes = K / block_weights(type) * block_bytes(type);
+        return isa_avx512::matmul_panels(type, w, row_bytes, K, n0, n1, a, d32, as32, is16, M, y, ldy,
+                                         scratch.data());
+    }
+#endif
+    (void)isa; (void)type; (void)w; (void)K; (void)n0; (void)n1; (void)a; (void)d32; (void)as32; (void)is16;
+    (void)M; (void)y; (void)ldy;
 }
 
 }  // namespace tt

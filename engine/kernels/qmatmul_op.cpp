@@ -38,12 +38,18 @@ at::Tensor finish(at::Tensor& y, const std::optional<at::Tensor>& bias, at::Scal
 // docs/benchmarks.md); more rows amortize the unpacked tiles over several activation rows.
 constexpr int64_t DIRECT_MAX_ROWS = 4;
 
+// Calls with at least this many rows take the panel kernel where the ISA has it (AVX-512):
+// measured against the tiles with tools/kernel_bench.py (docs/benchmarks.md).
+constexpr int64_t PANEL_MIN_ROWS = 64;
+
 // small_m: -1 the default above; 0 never use the direct kernels (deterministic mode: then
 // one kernel serves every row count, so a row's bits do not depend on its batch); k > 0: the
 // direct kernels for calls of at most k rows (tests).
+// big_m: -1 the panel kernel from PANEL_MIN_ROWS rows, except with small_m=0 (deterministic
+// mode keeps the tiles for every row count); 0 never; k > 0: from k rows (tests, benchmarks).
 at::Tensor qmatmul(const at::Tensor& x_in, at::TensorList weights, at::IntArrayRef types,
                    at::IntArrayRef rows, const std::optional<at::Tensor>& bias, int64_t isa,
-                   int64_t small_m) {
+                   int64_t small_m, int64_t big_m) {
     TORCH_CHECK(x_in.dim() == 2 && (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16 ||
                                     x_in.scalar_type() == at::kHalf),
                 "qmatmul: x must be 2-D float32, bfloat16 or float16");
@@ -97,6 +103,27 @@ at::Tensor qmatmul(const at::Tensor& x_in, at::TensorList weights, at::IntArrayR
         });
         return finish(y, bias, x_in.scalar_type());
     }
+    const int64_t panel_rows = big_m < 0 ? (small_m == 0 ? 0 : PANEL_MIN_ROWS) : big_m;
+    if (panel_rows > 0 && M >= panel_rows && tt::has_panels(use)) {
+        std::vector<float> d32(M * (K / 32)), as32(M * (K / 32));
+        std::vector<int32_t> is16(M * (K / 16));
+        at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+            tt::panel_extras(a.data() + m0 * K, dl.data() + m0 * (K / 4), m1 - m0, K, d32.data() + m0 * (K / 32),
+                             as32.data() + m0 * (K / 32), is16.data() + m0 * (K / 16));
+        });
+        // threads take whole panels of 32 output rows (of the stacked matrices)
+        at::parallel_for(0, (N + 31) / 32, 1, [&](int64_t pb, int64_t pe) {
+            const int64_t b = pb * 32, e = std::min(pe * 32, N);
+            for (size_t i = 0; i < weights.size(); ++i) {
+                const int64_t lo = std::max(b, offset[i]), hi = std::min(e, offset[i + 1]);
+                if (lo >= hi) continue;
+                tt::matmul_panels(use, int(types[i]), weights[i].data_ptr<uint8_t>(), K, lo - offset[i],
+                                  hi - offset[i], a.data(), d32.data(), as32.data(), is16.data(), M,
+                                  yp + offset[i], N);
+            }
+        });
+        return finish(y, bias, x_in.scalar_type());
+    }
     // threads take whole tiles of 16 output rows (the AVX-512 kernel's unit of work)
     at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t tb, int64_t te) {
         const int64_t b = tb * 16, e = std::min(te * 16, N);
@@ -119,7 +146,7 @@ int64_t direct_rows_op() { return tt::has_direct(env_isa()) ? DIRECT_MAX_ROWS : 
 
 TORCH_LIBRARY(tokentop, m) {
     m.def("qmatmul(Tensor x, Tensor[] weights, int[] types, int[] rows, Tensor? bias, int isa=-1, "
-          "int small_m=-1) -> Tensor");
+          "int small_m=-1, int big_m=-1) -> Tensor");
     m.def("best_isa() -> int", &best_isa_op);
     m.def("env_isa() -> int", &env_isa_op);
     m.def("direct_rows() -> int", &direct_rows_op);
