@@ -199,6 +199,28 @@ def test_deterministic_mode_stays_batch_invariant_for_prefill_sized_calls(isa):
     assert torch.equal(run([td], x[:PANEL_MIN_ROWS - 1], isa), run([td], x[:PANEL_MIN_ROWS - 1], isa, big_m=0))
 
 
+def test_large_prefill_outputs_reuse_a_buffer_only_once_released():
+    """Outputs of >= 32 MiB come from a pooled buffer: a result (or a view of it) still held is
+    never overwritten by a later call; once released its buffer serves the next call."""
+    td = random_td(T.Q4_K, 16384, 256, 41)
+    x1 = torch.randn(512, 256, generator=torch.Generator().manual_seed(42))
+    x2 = torch.randn(512, 256, generator=torch.Generator().manual_seed(43))
+    y1 = run([td], x1)
+    want = y1.clone()
+    view = run([td], x2)[:, 5:9]                 # the base is dropped, the view keeps its buffer
+    view_want = view.clone()
+    y2 = run([td], x2)
+    y3 = run([td], x1)
+    assert torch.equal(y1, want) and torch.equal(view, view_want) and torch.equal(y3, want)
+    assert torch.equal(y2[:, 5:9], view_want)
+    ptr = y1.data_ptr()
+    del y1
+    assert torch.equal(run([td], x1), want)
+    if kernels.isa_name() == "avx512":        # the panels' pool: the released buffer again
+        assert run([td], x2).data_ptr() == ptr
+    check(y3[:64], td, x1[:64])
+
+
 def test_isa_paths_agree_within_their_bounds():
     td = random_td(T.Q8_0, rows=33, cols=256)     # AVX2 takes Q8_0's sign trick: cover -128
     x = torch.randn(4, 256, generator=torch.Generator().manual_seed(3))

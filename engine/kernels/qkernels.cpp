@@ -157,23 +157,12 @@ void matmul_direct(int isa, int type, const uint8_t* w, int64_t K, int64_t n0, i
 
 bool has_panels(int isa) { return TT_X86 && isa == ISA_AVX512; }
 
-void panel_extras(const int8_t* a, const float* dl, int64_t M, int64_t K, float* d32, float* as32,
-                  int32_t* is16) {
-    for (int64_t m = 0; m < M; ++m) {
-        for (int64_t g = 0; g < K / 32; ++g) {
-            const int8_t* ag = a + m * K + 32 * g;
-            int32_t s0 = 0, s1 = 0;
-            for (int i = 0; i < 16; ++i) {
-                s0 += ag[i];
-                s1 += ag[16 + i];
-            }
-            const float d = dl[m * (K / 4) + 8 * g];
-            d32[m * (K / 32) + g] = d;
-            as32[m * (K / 32) + g] = d * float(s0 + s1);
-            is16[m * (K / 16) + 2 * g] = s0;
-            is16[m * (K / 16) + 2 * g + 1] = s1;
-        }
-    }
+void quantize_panel_rows(int isa, const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* a, float* d32,
+                         float* as32, int32_t* is16) {
+#if TT_X86
+    if (isa == ISA_AVX512) return isa_avx512::quantize_panel_rows(x, ldx, M, K, a, d32, as32, is16);
+#endif
+    (void)isa; (void)x; (void)ldx; (void)M; (void)K; (void)a; (void)d32; (void)as32; (void)is16;
 }
 
 void matmul_panels(int isa, int type, const uint8_t* w, int64_t K, int64_t n0, int64_t n1, const int8_t* a,

@@ -6,7 +6,10 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <c10/core/InferenceMode.h>
+
 #include <algorithm>
+#include <mutex>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
@@ -37,6 +40,31 @@ at::Tensor finish(at::Tensor& y, const std::optional<at::Tensor>& bias, at::Scal
 // Calls with at most this many rows take the direct kernels (measured break-even, see
 // docs/benchmarks.md); more rows amortize the unpacked tiles over several activation rows.
 constexpr int64_t DIRECT_MAX_ROWS = 4;
+
+// A prefill output over glibc's largest mmap threshold (32 MiB, e.g. the 1.5B model's gate|up
+// at 500 rows) was a fresh mapping every call: its first touch cost ~9000 page faults, 13 ms of
+// a 34 ms call (measured). Such outputs reuse a pooled buffer once the caller has let go of it
+// (the pool holds the only reference to its storage); smaller ones come from malloc's heap.
+constexpr size_t POOL_MIN_BYTES = size_t(32) << 20;
+constexpr size_t POOL_SIZE = 2;
+
+at::Tensor pooled_output(int64_t M, int64_t N, const at::TensorOptions& opts) {
+    static std::mutex mu;
+    static std::vector<at::Tensor> pool;
+    const bool inference = c10::InferenceMode::is_enabled();
+    std::lock_guard<std::mutex> lock(mu);
+    for (at::Tensor& t : pool) {
+        if (t.storage().use_count() == 1 && t.is_inference() == inference && t.numel() >= M * N)
+            return t.narrow(0, 0, M * N).view({M, N});
+    }
+    at::Tensor t = at::empty({M * N}, opts);
+    if (pool.size() < POOL_SIZE) pool.push_back(t);
+    else {                     // replace a free one (e.g. a smaller buffer), if any
+        for (at::Tensor& p : pool)
+            if (p.storage().use_count() == 1) { p = t; break; }
+    }
+    return t.view({M, N});
+}
 
 // Calls with at least this many rows take the panel kernel where the ISA has it (AVX-512):
 // measured against the tiles with tools/kernel_bench.py (docs/benchmarks.md).
@@ -76,9 +104,35 @@ at::Tensor qmatmul(const at::Tensor& x_in, at::TensorList weights, at::IntArrayR
         offset[i + 1] = offset[i] + rows[i];
     }
     const int64_t N = offset.back();
-    at::Tensor y = at::empty({M, N}, x.options());
+    const int64_t panel_rows = big_m < 0 ? (small_m == 0 ? 0 : PANEL_MIN_ROWS) : big_m;
+    const bool panels = panel_rows > 0 && M >= panel_rows && tt::has_panels(use);
+    at::Tensor y = panels && size_t(M) * size_t(N) * sizeof(float) >= POOL_MIN_BYTES
+                       ? pooled_output(M, N, x.options()) : at::empty({M, N}, x.options());
     if (M == 0 || N == 0) return y.to(x_in.scalar_type());
 
+    if (panels) {
+        std::vector<int8_t> a(M * K);
+        std::vector<float> d32(M * (K / 32)), as32(M * (K / 32));
+        std::vector<int32_t> is16(M * (K / 16));
+        at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+            tt::quantize_panel_rows(use, x.data_ptr<float>() + m0 * K, K, m1 - m0, K, a.data() + m0 * K,
+                                    d32.data() + m0 * (K / 32), as32.data() + m0 * (K / 32),
+                                    is16.data() + m0 * (K / 16));
+        });
+        float* yp = y.data_ptr<float>();
+        // threads take whole panels of 32 output rows (of the stacked matrices)
+        at::parallel_for(0, (N + 31) / 32, 1, [&](int64_t pb, int64_t pe) {
+            const int64_t b = pb * 32, e = std::min(pe * 32, N);
+            for (size_t i = 0; i < weights.size(); ++i) {
+                const int64_t lo = std::max(b, offset[i]), hi = std::min(e, offset[i + 1]);
+                if (lo >= hi) continue;
+                tt::matmul_panels(use, int(types[i]), weights[i].data_ptr<uint8_t>(), K, lo - offset[i],
+                                  hi - offset[i], a.data(), d32.data(), as32.data(), is16.data(), M,
+                                  yp + offset[i], N);
+            }
+        });
+        return finish(y, bias, x_in.scalar_type());
+    }
     std::vector<int8_t> a(M * K);
     std::vector<float> dl(M * (K / 4)), as16(M * (K / 16));
     at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
@@ -98,27 +152,6 @@ at::Tensor qmatmul(const at::Tensor& x_in, at::TensorList weights, at::IntArrayR
                 if (lo >= hi) continue;
                 tt::matmul_direct(use, int(types[i]), weights[i].data_ptr<uint8_t>(), K, lo - offset[i],
                                   hi - offset[i], a.data(), d32.data(), ls.data(), as32.data(), M,
-                                  yp + offset[i], N);
-            }
-        });
-        return finish(y, bias, x_in.scalar_type());
-    }
-    const int64_t panel_rows = big_m < 0 ? (small_m == 0 ? 0 : PANEL_MIN_ROWS) : big_m;
-    if (panel_rows > 0 && M >= panel_rows && tt::has_panels(use)) {
-        std::vector<float> d32(M * (K / 32)), as32(M * (K / 32));
-        std::vector<int32_t> is16(M * (K / 16));
-        at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-            tt::panel_extras(a.data() + m0 * K, dl.data() + m0 * (K / 4), m1 - m0, K, d32.data() + m0 * (K / 32),
-                             as32.data() + m0 * (K / 32), is16.data() + m0 * (K / 16));
-        });
-        // threads take whole panels of 32 output rows (of the stacked matrices)
-        at::parallel_for(0, (N + 31) / 32, 1, [&](int64_t pb, int64_t pe) {
-            const int64_t b = pb * 32, e = std::min(pe * 32, N);
-            for (size_t i = 0; i < weights.size(); ++i) {
-                const int64_t lo = std::max(b, offset[i]), hi = std::min(e, offset[i + 1]);
-                if (lo >= hi) continue;
-                tt::matmul_panels(use, int(types[i]), weights[i].data_ptr<uint8_t>(), K, lo - offset[i],
-                                  hi - offset[i], a.data(), d32.data(), as32.data(), is16.data(), M,
                                   yp + offset[i], N);
             }
         });
