@@ -157,6 +157,14 @@ void matmul_direct(int isa, int type, const uint8_t* w, int64_t K, int64_t n0, i
 
 bool has_panels(int isa) { return TT_X86 && isa == ISA_AVX512; }
 
+int64_t panel_rows() {
+#if TT_X86
+    return isa_avx512::PANEL_ROWS;
+#else
+    return 32;
+#endif
+}
+
 void quantize_panel_rows(int isa, const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* a, float* d32,
                          float* as32, int32_t* is16) {
 #if TT_X86

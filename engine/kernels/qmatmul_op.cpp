@@ -66,8 +66,10 @@ at::Tensor pooled_output(int64_t M, int64_t N, const at::TensorOptions& opts) {
     return t.view({M, N});
 }
 
-// Calls with at least this many rows take the panel kernel where the ISA has it (AVX-512):
-// measured against the tiles with tools/kernel_bench.py (docs/benchmarks.md).
+// Calls with at least this many rows take the panel kernel where the ISA has it (AVX-512).
+// tools/kernel_bench.py --prefill (Zen 5, 2 threads): at 32 rows the panels won on the 0.5B's
+// layers (37 vs 49 ms) and lost on the 1.5B's (182 vs 173 ms: unpacking a whole panel costs
+// more at few rows); at 64 rows they won on both (54 vs 88, 227 vs 298 ms).
 constexpr int64_t PANEL_MIN_ROWS = 64;
 
 // small_m: -1 the default above; 0 never use the direct kernels (deterministic mode: then
@@ -120,9 +122,10 @@ at::Tensor qmatmul(const at::Tensor& x_in, at::TensorList weights, at::IntArrayR
                                     is16.data() + m0 * (K / 16));
         });
         float* yp = y.data_ptr<float>();
-        // threads take whole panels of 32 output rows (of the stacked matrices)
-        at::parallel_for(0, (N + 31) / 32, 1, [&](int64_t pb, int64_t pe) {
-            const int64_t b = pb * 32, e = std::min(pe * 32, N);
+        // threads take whole panels of output rows (of the stacked matrices)
+        const int64_t P = tt::panel_rows();
+        at::parallel_for(0, (N + P - 1) / P, 1, [&](int64_t pb, int64_t pe) {
+            const int64_t b = pb * P, e = std::min(pe * P, N);
             for (size_t i = 0; i < weights.size(); ++i) {
                 const int64_t lo = std::max(b, offset[i]), hi = std::min(e, offset[i + 1]);
                 if (lo >= hi) continue;
