@@ -25,12 +25,12 @@ term per 256) and 3 more to add the 8 lanes.
 
 Three kernels: calls of up to direct_rows() rows (decode) take the direct kernels
 (qkernels_impl.inc), which go from GGUF block to register with no unpacked copy; larger calls
-unpack 16-row tiles once and use them for every row; on AVX-512, calls of at least
-PANEL_MIN_ROWS rows (prefill) take the panel kernel (qkernels_prefill.inc): 32 output rows
-unpacked over all of K, every activation row run through them with the accumulators in
-registers, code offsets subtracted inside the integer dots and K-quant scales applied per 32
-(at most K/16 fp32 additions, within the bound above). Their fp32 sums differ in the last bits,
-so deterministic mode passes small_m=0: the tiles serve every row count.
+unpack 16-row tiles once and use them for every row; on AVX-512, calls of more than 16 rows
+(PANEL_MIN_ROWS: prefill, large batches) take the panel kernel (qkernels_prefill.inc): 32
+output rows unpacked over all of K, every activation row run through them with the
+accumulators in registers, code offsets subtracted inside the integer dots and K-quant scales
+applied per 32 (at most K/16 fp32 additions, within the bound above). Their fp32 sums differ
+in the last bits, so deterministic mode passes small_m=0: the tiles serve every row count.
 """
 from __future__ import annotations
 

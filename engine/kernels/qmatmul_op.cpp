@@ -67,10 +67,11 @@ at::Tensor pooled_output(int64_t M, int64_t N, const at::TensorOptions& opts) {
 }
 
 // Calls with at least this many rows take the panel kernel where the ISA has it (AVX-512).
-// tools/kernel_bench.py --prefill (Zen 5, 2 threads): at 32 rows the panels won on the 0.5B's
-// layers (37 vs 49 ms) and lost on the 1.5B's (182 vs 173 ms: unpacking a whole panel costs
-// more at few rows); at 64 rows they won on both (54 vs 88, 227 vs 298 ms).
-constexpr int64_t PANEL_MIN_ROWS = 64;
+// tools/kernel_bench.py --prefill (Zen 5, 2 threads, all linear layers of a step, tiles vs
+// panels): 1.5B 8 rows 79 vs 62 ms, 16 rows 118 vs 77, 32 rows 171 vs 108; 0.5B 8 rows 23 vs
+// 17, 16 rows 36 vs 21. Calls of up to 16 rows are left to the small-call kernels (direct and
+// tiles, tuned separately); above, the panels.
+constexpr int64_t PANEL_MIN_ROWS = 17;
 
 // small_m: -1 the default above; 0 never use the direct kernels (deterministic mode: then
 // one kernel serves every row count, so a row's bits do not depend on its batch); k > 0: the
