@@ -299,7 +299,7 @@ def test_without_a_compiler_the_model_falls_back_with_one_log_line(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
-@pytest.mark.parametrize("m", (1, 7))
+@pytest.mark.parametrize("m", (1, 7, 23))   # 23: the panels on AVX-512
 def test_half_activations_are_converted_in_the_op(dtype, m):
     """bf16/fp16 x: the same as converting to fp32 before and y back after (bias included)."""
     td = random_td(T.Q4_K, rows=19, cols=256, seed=9)
