@@ -23,10 +23,14 @@ Both kernels meet it: the tiles add K/16 terms per output (scale, then bias, per
 the direct decode kernels K/32 per SIMD lane (one per 32 weights, plus one K-quant minimum
 term per 256) and 3 more to add the 8 lanes.
 
-Two kernels (qkernels_impl.inc): calls of up to direct_rows() rows (decode) take the direct
-kernels, which go from GGUF block to register with no unpacked copy; larger calls unpack
-16-row tiles once and use them for every row. Their fp32 sums differ in the last bits, so
-deterministic mode passes small_m=0: the tiles serve every row count.
+Three kernels: calls of up to direct_rows() rows (decode) take the direct kernels
+(qkernels_impl.inc), which go from GGUF block to register with no unpacked copy; larger calls
+unpack 16-row tiles once and use them for every row; on AVX-512, calls of more than 16 rows
+(PANEL_MIN_ROWS: prefill, large batches) take the panel kernel (qkernels_prefill.inc): 32
+output rows unpacked over all of K, every activation row run through them with the
+accumulators in registers, code offsets subtracted inside the integer dots and K-quant scales
+applied per 32 (at most K/16 fp32 additions, within the bound above). Their fp32 sums differ
+in the last bits, so deterministic mode passes small_m=0: the tiles serve every row count.
 """
 from __future__ import annotations
 
@@ -46,7 +50,7 @@ log = logging.getLogger("tokentop.kernels")
 
 _DIR = Path(__file__).parent
 SOURCES = ("qmatmul_op.cpp", "qkernels.cpp")
-DEPENDS = ("qkernels.h", "qkernels_impl.inc")
+DEPENDS = ("qkernels.h", "qkernels_impl.inc", "qkernels_prefill.inc")
 ISA_NAMES = ("scalar", "avx2", "avx512")
 # GGML type ids the op reads (gguf.GGMLQuantizationType values)
 KERNEL_TYPES = (2, 6, 8, 12, 13, 14)   # Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K
@@ -158,7 +162,7 @@ def _fail(reason: str) -> bool:
 
 def _register_fake() -> None:
     @torch.library.register_fake("tokentop::qmatmul")
-    def _(x, weights, types, rows, bias=None, isa=-1, small_m=-1):
+    def _(x, weights, types, rows, bias=None, isa=-1, small_m=-1, big_m=-1):
         return x.new_empty(x.shape[0], sum(rows))
 
 
@@ -212,9 +216,11 @@ def _isa_level(name: str) -> int:
 
 def qmatmul(x: torch.Tensor, weights: list[torch.Tensor], types: list[int], rows: list[int],
             bias: torch.Tensor | None = None, isa: str | None = None,
-            small_m: int = -1) -> torch.Tensor:
+            small_m: int = -1, big_m: int = -1) -> torch.Tensor:
     """fp32 x [M, K] times the stacked GGUF matrices (uint8 [rows_i, row_bytes]) transposed.
     small_m: calls of at most this many rows use the direct (decode) kernels; -1 the op's
-    default (DIRECT_MAX_ROWS), 0 never (one kernel for every row count: batch-invariant)."""
+    default (DIRECT_MAX_ROWS), 0 never (one kernel for every row count: batch-invariant).
+    big_m: calls of at least this many rows use the panel (prefill) kernel where the ISA has
+    it; -1 the op's default (PANEL_MIN_ROWS, none with small_m=0), 0 never."""
     level = -1 if isa is None else _isa_level(isa)
-    return torch.ops.tokentop.qmatmul(x, weights, types, rows, bias, level, small_m)
+    return torch.ops.tokentop.qmatmul(x, weights, types, rows, bias, level, small_m, big_m)
