@@ -198,3 +198,46 @@ def test_top_candidates_is_topk(V):
         torch.testing.assert_close(logits[r, got[r]].sort().values, want.values[r].sort().values, atol=0, rtol=0)
     for r in (0, 2, 3):
         assert set(got[r].tolist()) == set(want.indices[r].tolist())
+
+
+@needs_kernels
+@pytest.mark.parametrize("V", [151936, 1000, 65, 1])
+def test_greedy_pick_matches_the_full_sampler(V, monkeypatch):
+    from engine import sampling
+    from engine.config import SamplingParams
+
+    kernels.load()
+    g = _gen(V)
+    logits = torch.randn(5, V, generator=g) * 4
+    logits[1] = logits[1].round()                 # ties: the lowest id wins
+    logits[2, : V // 2] = float("-inf")           # masked tokens
+    logits[3, -1] = 50.0                          # the max in the last (partial) block
+    samplers = [sampling.RequestSampler(SamplingParams(max_tokens=1, temperature=0.0)) for _ in range(5)]
+    fast = sampling._plain_greedy(logits, samplers)
+    assert fast is not None
+    monkeypatch.setattr(sampling, "_plain_greedy", lambda *a: None)
+    full = sampling.sample(logits, samplers)
+    assert torch.equal(fast.tokens, full.tokens)
+    assert torch.equal(fast.tokens, logits.argmax(-1))
+    torch.testing.assert_close(fast.logprobs, full.logprobs, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+def test_greedy_pick_leaves_unusable_rows_and_other_requests_to_the_full_sampler():
+    from engine import sampling
+    from engine.config import SamplingParams
+
+    kernels.load()
+    greedy = SamplingParams(max_tokens=1, temperature=0.0)
+    logits = torch.randn(2, 300)
+    logits[1, 7] = float("nan")
+    samplers = [sampling.RequestSampler(greedy) for _ in range(2)]
+    assert sampling._plain_greedy(logits, samplers) is None
+    res = sampling.sample(logits, samplers)
+    assert 1 in res.errors and "NaN" in str(res.errors[1]) and int(res.tokens[0]) == int(logits[0].argmax())
+    logits[1, 7] = 0.0
+    for other in (SamplingParams(max_tokens=1, temperature=0.7),
+                  SamplingParams(max_tokens=1, temperature=0.0, logprobs=3),
+                  SamplingParams(max_tokens=1, temperature=0.0, repetition_penalty=1.3)):
+        assert sampling._plain_greedy(logits, [sampling.RequestSampler(greedy),
+                                               sampling.RequestSampler(other)]) is None

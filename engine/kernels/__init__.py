@@ -178,6 +178,12 @@ def _register_fake() -> None:
     def _(q, k_store, v_store, slots, lengths, softcap):
         return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
+    @torch.library.register_fake("tokentop::greedy_pick")
+    def _(logits):
+        R = logits.shape[0]
+        return (logits.new_empty(R, dtype=torch.int64), logits.new_empty(R),
+                logits.new_empty(R, dtype=torch.bool))
+
 
 def available() -> bool:
     return load()

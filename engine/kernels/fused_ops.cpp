@@ -5,6 +5,7 @@
 //   act_mul          act(gate) * up for a [T, 2F] gate|up row (silu or gelu-tanh)
 //   rope_store_kv    optional QK-norm, rotary on q and k, q scaled, K/V written to their slots
 //   decode_attention one query row per sequence over its paged keys (softmax(q k^T) v)
+//   greedy_pick      argmax of each logits row and its logprob, in two passes over the row
 // Every row is computed on its own, in a fixed order: results never depend on the batch.
 // Hot loops are plain C++ cloned per ISA (GCC target_clones picks one at load time), written so
 // the compiler vectorizes them without reassociating sums (16 independent accumulators).
@@ -20,6 +21,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
@@ -379,6 +381,74 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_store, cons
     return out;
 }
 
+// Max, NaN flag and exp-sum of one row of logits, in blocks of 64 values over ACC lanes (the
+// lanes keep the reductions vectorized); the first index of the max is then searched in the
+// first block that holds it.
+TT_CLONES void greedy_row(const float* x, int64_t V, int64_t* id, float* logprob, bool* ok) {
+    constexpr int64_t B = 64;
+    const float ninf = -std::numeric_limits<float>::infinity();
+    float best = ninf;
+    int64_t best_block = 0;
+    bool nan = false;
+    for (int64_t b0 = 0; b0 < V; b0 += B) {
+        float m;
+        if (b0 + B <= V) {
+            float mv[ACC];
+            int nv[ACC] = {};
+            for (int k = 0; k < ACC; ++k) mv[k] = ninf;
+            for (int64_t i = 0; i < B; i += ACC)
+                for (int k = 0; k < ACC; ++k) {
+                    const float v = x[b0 + i + k];
+                    mv[k] = v > mv[k] ? v : mv[k];
+                    nv[k] |= v != v;
+                }
+            m = ninf;
+            for (int k = 0; k < ACC; ++k) {
+                m = mv[k] > m ? mv[k] : m;
+                nan |= nv[k] != 0;
+            }
+        } else {
+            m = ninf;
+            for (int64_t i = b0; i < V; ++i) {
+                m = x[i] > m ? x[i] : m;
+                nan |= x[i] != x[i];
+            }
+        }
+        if (m > best) {   // strictly greater: the first block with the max wins
+            best = m;
+            best_block = b0;
+        }
+    }
+    int64_t i = best_block;
+    while (i + 1 < V && x[i] != best) ++i;   // found in this block unless the row is all NaN
+    double sum = 0.0;
+    int64_t j = 0;
+    for (; j + B <= V; j += B) {
+        float acc[ACC] = {};
+        for (int64_t t = 0; t < B; t += ACC)
+            for (int k = 0; k < ACC; ++k) acc[k] += exp_approx(x[j + t + k] - best);
+        sum += reduce(acc);
+    }
+    for (; j < V; ++j) sum += exp_approx(x[j] - best);
+    *ok = !nan && std::isfinite(best);
+    *id = i;
+    *logprob = float(-std::log(sum));   // the chosen token's logit is the max: x - max = 0
+}
+
+// Greedy choice of each row (the lowest id among equal maxima) and its logprob.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> greedy_pick(const at::Tensor& logits) {
+    check_f32(logits, "logits");
+    TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "logits [R, V]");
+    const int64_t R = logits.size(0), V = logits.size(1);
+    at::Tensor ids = at::empty({R}, logits.options().dtype(at::kLong));
+    at::Tensor lp = at::empty({R}, logits.options());
+    at::Tensor ok = at::empty({R}, logits.options().dtype(at::kBool));
+    const float* x = logits.data_ptr<float>();
+    for (int64_t r = 0; r < R; ++r)
+        greedy_row(x + r * V, V, ids.data_ptr<int64_t>() + r, lp.data_ptr<float>() + r, ok.data_ptr<bool>() + r);
+    return {ids, lp, ok};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokentop, m) {
@@ -389,6 +459,7 @@ TORCH_LIBRARY_FRAGMENT(tokentop, m) {
           "Tensor slots) -> Tensor");
     m.def("decode_attention(Tensor q, Tensor k_store, Tensor v_store, Tensor slots, Tensor lengths, "
           "float softcap) -> Tensor");
+    m.def("greedy_pick(Tensor logits) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(tokentop, CPU, m) {
@@ -396,4 +467,5 @@ TORCH_LIBRARY_IMPL(tokentop, CPU, m) {
     m.impl("act_mul", &act_mul);
     m.impl("rope_store_kv", &rope_store_kv);
     m.impl("decode_attention", &decode_attention);
+    m.impl("greedy_pick", &greedy_pick);
 }
