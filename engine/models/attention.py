@@ -6,7 +6,9 @@ sequences of a step share one padded, masked, batched attention; a prefill chunk
 per sequence (torch's fused CPU kernel) with a causal mask over its cached context plus its
 new tokens. Sliding-window layers only read the keys inside the window. GQA is a grouped
 reshape of the queries, or the fused kernel's own GQA (the profiler shows no repeat): K/V
-are never repeated per query head.
+are never repeated per query head. With the fused C++ ops (engine/models/fused.py) every
+decode row of the step, in any mode, goes to one decode_attention call that reads each row's
+own slots in place: no gather copy, no mask, no padding.
 """
 from __future__ import annotations
 
