@@ -5,7 +5,9 @@ layers get fp32 inputs and give fp32 outputs; each casts to what the kernel it p
 call wants (the GGUF kernel quantizes rows to int8 per 32 values itself; a dense copy: its
 dtype), so a dense fp32 layer never rounds its activations to bf16 and back. A forward step takes a flat batch of several sequences
 (engine/models/batch.py) and returns fp32 logits for the requested rows only: the lm_head is
-a quarter of a decode step, wasted on prompt rows.
+a quarter of a decode step, wasted on prompt rows. The work between the linear layers (norms,
+residual adds, rope and K/V writes, decode attention, the gated activation) is four C++ ops
+per layer (engine/models/fused.py), or the same in plain torch where they are not built.
 """
 from __future__ import annotations
 
@@ -14,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.attention import AttentionPlan, attend, plan_attention
-from engine.models.fused import ACTIVATIONS, FUSED, FusedOps, TorchOps, ops_for
 from engine.models.batch import ForwardBatch, KVStore
+from engine.models.fused import ACTIVATIONS, FUSED, FusedOps, TorchOps, ops_for
 from engine.models.gguf import GGUFFile, ModelConfig
 from engine.models.quant import LinearPolicy, dequantize, dequantize_rows, make_embedding, make_linear
 from engine.models.rope import RotaryTable
@@ -51,7 +53,6 @@ class Block(nn.Module):
 
         self.attn_norm = norm("attn_norm")
         self.qkv_proj = linear("attn_q", "attn_k", "attn_v", bias=c.qkv_bias)
-        self.qk_width = (c.n_heads + c.n_kv_heads) * c.head_dim
         self.o_proj = linear("attn_output")
         self.qkv_proj.op, self.o_proj.op = "attention-qkv", "attention-output"
         # gemma's QK-norm: one weight row per head of the fused [q heads | k heads] block
@@ -61,7 +62,6 @@ class Block(nn.Module):
         self.post_attn_norm = norm("post_attention_norm") if c.post_norms else None
         self.ffn_norm = norm("ffn_norm")
         self.gate_up_proj = linear("ffn_gate", "ffn_up")
-        self.ffn_dim = c.ffn_dim
         self.down_proj = linear("ffn_down")
         self.gate_up_proj.op, self.down_proj.op = "mlp-gate-up", "mlp-down"
         self.post_ffn_norm = norm("post_ffw_norm") if c.post_norms else None
