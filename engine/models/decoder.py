@@ -172,7 +172,7 @@ class Decoder(nn.Module):
             if batch.logits_rows.numel() == 0:   # a prefill chunk that samples nothing
                 return torch.empty(0, c.vocab_size, device=dev)
             x = x.index_select(0, batch.logits_rows.to(dev))
-            h = F.rms_norm(x, self.final_norm.shape, self.final_norm, c.norm_eps)
+            h = ops.add_rms_norm(x, None, self.final_norm, c.norm_eps)
             logits = self.lm_head(h)
             if not self.lm_head.exact:
                 logits = self._refine(logits, h)
