@@ -49,7 +49,8 @@ import torch
 log = logging.getLogger("tokentop.kernels")
 
 _DIR = Path(__file__).parent
-SOURCES = ("qmatmul_op.cpp", "qkernels.cpp")
+# fused_ops.cpp: the per-layer ops around the matmuls (engine/models/fused.py)
+SOURCES = ("qmatmul_op.cpp", "qkernels.cpp", "fused_ops.cpp")
 DEPENDS = ("qkernels.h", "qkernels_impl.inc", "qkernels_prefill.inc")
 ISA_NAMES = ("scalar", "avx2", "avx512")
 # GGML type ids the op reads (gguf.GGMLQuantizationType values)
@@ -164,6 +165,28 @@ def _register_fake() -> None:
     @torch.library.register_fake("tokentop::qmatmul")
     def _(x, weights, types, rows, bias=None, isa=-1, small_m=-1, big_m=-1):
         return x.new_empty(x.shape[0], sum(rows))
+
+    @torch.library.register_fake("tokentop::add_rms_norm")
+    def _(x, delta, w, eps):
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("tokentop::act_mul")
+    def _(gate_up, act):
+        return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+
+    @torch.library.register_fake("tokentop::rope_store_kv")
+    def _(qkv, cos, sin, qk_norm, eps, q_scale, n_heads, n_kv, interleaved, k_store, v_store, slots):
+        return qkv.new_empty(qkv.shape[0], n_heads, cos.shape[1])
+
+    @torch.library.register_fake("tokentop::decode_attention")
+    def _(q, k_store, v_store, slots, lengths, softcap):
+        return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+    @torch.library.register_fake("tokentop::greedy_pick")
+    def _(logits):
+        R = logits.shape[0]
+        return (logits.new_empty(R, dtype=torch.int64), logits.new_empty(R),
+                logits.new_empty(R, dtype=torch.bool))
 
 
 def available() -> bool:
