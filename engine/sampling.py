@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from engine import kernels
 from engine.config import SamplingParams
 from engine.errors import TokentopError
 
@@ -270,11 +271,30 @@ def draw_from(weights: Tensor, u: Tensor | float) -> Tensor:
     return _inverse_cdf(cum, torch.as_tensor(u, dtype=torch.float64, device=cum.device))
 
 
+def _plain_greedy(logits: Tensor, samplers: Sequence[RequestSampler]) -> SampleResult | None:
+    """Every row greedy, without penalties or top logprobs: the C++ op greedy_pick does the
+    argmax and the chosen logprob in two passes over each row (~0.3 ms less per step than the
+    full scoring over a 152k vocabulary). None when it does not apply, or a row is unusable
+    (the full path then says why)."""
+    if (logits.device.type != "cpu" or logits.dim() != 2 or logits.shape[0] != len(samplers)
+            or not (kernels.is_loaded() and kernels.available())):
+        return None
+    if any(not s.params.greedy or s.has_penalties or s.params.logprobs for s in samplers):
+        return None
+    tokens, logprobs, ok = torch.ops.tokentop.greedy_pick(logits.float().contiguous())
+    if not bool(ok.all()):
+        return None
+    return SampleResult(tokens, logprobs, [[] for _ in samplers])
+
+
 def sample(logits: Tensor, samplers: Sequence[RequestSampler]) -> SampleResult:
     """Pick one token per row. A row whose logits are unusable fails alone (result.errors)."""
     n_rows, dev = len(samplers), logits.device
     if n_rows == 0:
         return SampleResult(torch.empty(0, dtype=torch.int64), torch.empty(0), [])
+    fast = _plain_greedy(logits, samplers)
+    if fast is not None:
+        return fast
     sc = _score(logits, samplers)
     ok = sc.ok.tolist()
     errors = {i: SamplingError(i, _describe_failure(sc.raw[i])) for i in range(n_rows) if not ok[i]}

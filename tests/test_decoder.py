@@ -162,11 +162,20 @@ ARCH_CASES = {
 }
 
 
+@pytest.mark.parametrize("ops", ["torch", "fused"])
 @pytest.mark.parametrize("arch", list(ARCH_CASES))
-def test_matches_naive_reference(tiny_model_path, arch):
+def test_matches_naive_reference(tiny_model_path, arch, ops):
+    """Dense fp32 linears, with the per-layer work in torch or in the fused C++ ops."""
+    from engine import kernels
+    from engine.models.fused import FUSED
+
+    if ops == "fused" and not kernels.available():
+        pytest.skip("kernel library could not be built")
     path = tiny_model_path(arch, **ARCH_CASES[arch])
     naive = NaiveModel(path).logits(tokens := tokens_for(12, seed=1))
     model = Decoder.from_gguf(load_gguf(path), FP32)
+    if ops == "fused":
+        model.ops = FUSED
     kv = model.new_kv_store(64)
     slots = torch.arange(64)
 

@@ -77,10 +77,10 @@ def check(y: torch.Tensor, td: TensorData, x: torch.Tensor) -> None:
 
 
 def run(td_list: list[TensorData], x: torch.Tensor, isa: str | None = None, bias=None,
-        small_m: int = -1) -> torch.Tensor:
+        small_m: int = -1, big_m: int = -1) -> torch.Tensor:
     ws = [torch.from_numpy(td.raw).reshape(-1) for td in td_list]
     return kernels.qmatmul(x, ws, [int(td.ggml_type) for td in td_list], [td.shape[0] for td in td_list],
-                           bias, isa, small_m)
+                           bias, isa, small_m, big_m)
 
 
 # The op's two kernels, each forced for every row count: the direct (decode) kernels read
@@ -151,7 +151,7 @@ def test_direct_kernel_rows_1_to_16_take_the_same_bits(qtype, isa):
 def test_rows_and_threads_do_not_change_any_bit(isa, qtype):
     """With small_m=0 (what deterministic mode passes) one kernel serves every M, and each
     output is computed the same way whatever M or the split over threads: batch-invariant by
-    construction. The default switches kernels at DIRECT_MAX_ROWS and is not."""
+    construction. The default switches kernels at direct_rows() and is not."""
     k = 512 if qtype in K_TYPES else 96
     td = random_td(qtype, rows=101, cols=k)
     x = torch.randn(13, k, generator=torch.Generator().manual_seed(2))
@@ -160,6 +160,84 @@ def test_rows_and_threads_do_not_change_any_bit(isa, qtype):
     alone = torch.cat([run([td], x[i:i + 1], isa, small_m=0) for i in range(13)])
     assert torch.equal(one, alone)
     assert torch.equal(run([td], x[:5], isa, small_m=0), one[:5])
+
+
+# The panel (prefill) kernel, forced for every row count with big_m=1: AVX-512 runs it, the
+# other ISAs keep their tiles (the same checks then cover their fallback).
+PANEL_MIN_ROWS = 17     # qmatmul_op.cpp: the default switches to the panels at this many rows
+
+
+@pytest.mark.parametrize("isa", runnable_isas())
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_panel_kernel_every_type_isa_and_row_count(qtype, isa):
+    """Odd N (a part-filled last panel and tile), odd M (every remainder of the 4-row blocks),
+    K with a part-filled unpack chunk; outliers as real activations have."""
+    k = 768 if qtype in K_TYPES else 224
+    td = random_td(qtype, rows=45, cols=k, seed=11 + int(qtype))
+    x = torch.randn(39, k, generator=torch.Generator().manual_seed(12))
+    x[:, 3] *= 50
+    x[7] = 0.0                                   # an all-zero row: d = 0 in every group
+    for m in (1, 2, 3, 5, 6, 7, 13, 39):
+        check(run([td], x[:m], isa, big_m=1), td, x[:m])
+
+
+@pytest.mark.parametrize("isa", runnable_isas())
+def test_panel_kernel_stacked_types_threads_and_rows(isa):
+    """Stacked matrices of mixed types (boundaries inside a 32-row panel), bias, 1 and 2
+    threads: same bits; every row as computed alone by the same kernel: same bits."""
+    parts = [random_td(T.Q4_K, 40, 512, 21), random_td(T.Q6_K, 37, 512, 22), random_td(T.Q8_0, 19, 512, 23)]
+    bias = torch.randn(96)
+    x = torch.randn(70, 512, generator=torch.Generator().manual_seed(24))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run(parts, x, isa, bias=bias, big_m=1)
+        torch.set_num_threads(2)
+        two = run(parts, x, isa, bias=bias, big_m=1)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    col = 0
+    for p in parts:
+        check(one[:, col:col + p.shape[0]] - bias[col:col + p.shape[0]], p, x)
+        col += p.shape[0]
+    alone = torch.cat([run(parts, x[i:i + 1], isa, bias=bias, small_m=0, big_m=1) for i in (0, 33, 69)])
+    assert torch.equal(alone, one[[0, 33, 69]])
+
+
+@pytest.mark.parametrize("isa", runnable_isas())
+def test_deterministic_mode_stays_batch_invariant_for_prefill_sized_calls(isa):
+    """small_m=0 keeps one kernel (the tiles) for every row count, panels or not: a prompt's
+    rows have the same bits in a 70-row call as one by one. The default takes the panels
+    from PANEL_MIN_ROWS rows where the ISA has them."""
+    td = random_td(T.Q4_K, 33, 512, 31)
+    x = torch.randn(PANEL_MIN_ROWS + 6, 512, generator=torch.Generator().manual_seed(32))
+    batch = run([td], x, isa, small_m=0)
+    assert torch.equal(batch, torch.cat([run([td], x[i:i + 1], isa, small_m=0) for i in range(len(x))]))
+    assert torch.equal(run([td], x, isa), run([td], x, isa, big_m=1))
+    assert torch.equal(run([td], x[:PANEL_MIN_ROWS - 1], isa), run([td], x[:PANEL_MIN_ROWS - 1], isa, big_m=0))
+
+
+def test_large_prefill_outputs_reuse_a_buffer_only_once_released():
+    """Outputs of >= 32 MiB come from a pooled buffer: a result (or a view of it) still held is
+    never overwritten by a later call; once released its buffer serves the next call."""
+    td = random_td(T.Q4_K, 16384, 256, 41)
+    x1 = torch.randn(512, 256, generator=torch.Generator().manual_seed(42))
+    x2 = torch.randn(512, 256, generator=torch.Generator().manual_seed(43))
+    y1 = run([td], x1)
+    want = y1.clone()
+    view = run([td], x2)[:, 5:9]                 # the base is dropped, the view keeps its buffer
+    view_want = view.clone()
+    y2 = run([td], x2)
+    y3 = run([td], x1)
+    assert torch.equal(y1, want) and torch.equal(view, view_want) and torch.equal(y3, want)
+    assert torch.equal(y2[:, 5:9], view_want)
+    ptr = y1.data_ptr()
+    del y1
+    assert torch.equal(run([td], x1), want)
+    if kernels.isa_name() == "avx512":        # the panels' pool: the released buffer again
+        assert run([td], x2).data_ptr() == ptr
+    check(y3[:64], td, x1[:64])
 
 
 def test_isa_paths_agree_within_their_bounds():
@@ -240,7 +318,7 @@ def test_without_a_compiler_the_model_falls_back_with_one_log_line(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
-@pytest.mark.parametrize("m", (1, 7))
+@pytest.mark.parametrize("m", (1, 7, 23))   # 23: the panels on AVX-512
 def test_half_activations_are_converted_in_the_op(dtype, m):
     """bf16/fp16 x: the same as converting to fp32 before and y back after (bias included)."""
     td = random_td(T.Q4_K, rows=19, cols=256, seed=9)

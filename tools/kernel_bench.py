@@ -4,6 +4,8 @@ For each row count M, every linear layer of the model runs once back to back, wi
 kernels (small_m=16), the unpacked tiles (small_m=0) and the op's default, 2 threads unless told;
 prints the median time of the set, the GGUF bytes it reads and the rate. Run under the CPU lock:
   flock /tmp/tokentop-cpu.lock python tools/kernel_bench.py qwen2.5-coder-0.5b [threads]
+`--prefill` instead times many-row calls (prefill): the tiles against the panel kernel
+(big_m=1, AVX-512), per row count and, at 512 rows, per layer shape, in GMAC/s.
 """
 from __future__ import annotations
 
@@ -21,14 +23,14 @@ from engine.models.quant import LinearPolicy, QuantLinear
 from engine.stats import median
 
 
-def time_set(layers: list[QuantLinear], m_rows: int, small_m: int, reps: int = 9) -> float:
+def time_set(layers: list[QuantLinear], m_rows: int, small_m: int, reps: int = 9, big_m: int = 0) -> float:
     """Median ms to run every layer once, back to back, on m_rows random activation rows."""
     xs = [torch.randn(m_rows, m.in_features) for m in layers]
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         for m, x in zip(layers, xs):
-            kernels.qmatmul(x, m.gguf.tensors, m.gguf.types, m.gguf.rows, None, None, small_m)
+            kernels.qmatmul(x, m.gguf.tensors, m.gguf.types, m.gguf.rows, None, None, small_m, big_m)
         times.append(time.perf_counter() - t0)
     return median(times) * 1000
 
@@ -45,9 +47,33 @@ def read_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
     return nbytes / median(times) / 1e9
 
 
+def macs(layers: list[QuantLinear], m_rows: int) -> int:
+    return m_rows * sum(m.in_features * sum(m.gguf.rows) for m in layers)
+
+
+def prefill(layers: list[QuantLinear]) -> None:
+    """Tiles (small_m=0, big_m=0) against panels (big_m=1) for many-row calls."""
+    for m_rows in (8, 12, 16, 24, 32, 64, 128, 512):
+        reps = 5 if m_rows <= 64 else 3
+        row = [f"M={m_rows:3d}"]
+        for label, bm in (("tiles", 0), ("panels", 1)):
+            ms = time_set(layers, m_rows, 0, reps, big_m=bm)
+            row.append(f"{label} {ms:8.2f} ms {macs(layers, m_rows) / ms / 1e6:6.1f} GMAC/s")
+        print("  ".join(row), flush=True)
+    shapes = defaultdict(list)     # at 512 rows, per layer shape (types, rows, K)
+    for m in layers:
+        if m.op != "lm-head":
+            shapes[(tuple(m.gguf.types), tuple(m.gguf.rows), m.in_features)].append(m)
+    for key, sub in shapes.items():
+        res = [time_set(sub, 512, 0, 3, big_m=bm) for bm in (0, 1)]
+        print(f"types {key[0]} rows {key[1]} K {key[2]} x{len(sub)}: tiles {macs(sub, 512) / res[0] / 1e6:6.1f}"
+              f"  panels {macs(sub, 512) / res[1] / 1e6:6.1f} GMAC/s", flush=True)
+
+
 def main() -> None:
-    model_name = sys.argv[1] if len(sys.argv) > 1 else "qwen2.5-coder-0.5b"
-    torch.set_num_threads(int(sys.argv[2]) if len(sys.argv) > 2 else 2)
+    args = [a for a in sys.argv[1:] if a != "--prefill"]
+    model_name = args[0] if args else "qwen2.5-coder-0.5b"
+    torch.set_num_threads(int(args[1]) if len(args) > 1 else 2)
     model = Decoder.from_gguf(load_gguf(str(resolve_model(model_name))), LinearPolicy())
     layers = [m for m in model.modules() if isinstance(m, QuantLinear) and m.gguf is not None]
     nbytes = sum(m.gguf.nbytes for m in layers)
@@ -57,6 +83,8 @@ def main() -> None:
             by_type[t] += w.numel()
     print(f"{model_name}: {len(layers)} layers, {nbytes / 1e6:.0f} MB, isa {kernels.isa_name()}, "
           f"threads {torch.get_num_threads()}, bytes by type {dict(by_type)}")
+    if "--prefill" in sys.argv[1:]:
+        return prefill([m for m in layers if m.op != "lm-head"])
 
     print(f"plain read of 1 GiB: {read_bandwidth():.1f} GB/s; default direct rows: {kernels.direct_rows()}")
     for m_rows in (1, 2, 3, 4, 5, 6, 7, 8, 12, 16):

@@ -24,11 +24,16 @@ the direct decode kernels K/32 per SIMD lane on AVX2 (one per 32 weights, plus o
 minimum term per 256) and 3 more to add the 8 lanes; on AVX-512 K/64 per lane (one per 64
 weights, plus one minimum or Q6_K offset term per 256) and 4 more to add the 16 lanes.
 
-Two kernels: calls of up to direct_rows() rows (decode, small batches; 7 on AVX-512, 4 on
+Three kernels: calls of up to direct_rows() rows (decode, small batches; 7 on AVX-512, 4 on
 AVX2) take the direct kernels (qkernels_impl.inc for AVX2, qkernels_direct512.inc for AVX-512),
 which go from GGUF block to register with no unpacked copy, each weight vector dotted against
-every row of the call; larger calls unpack 16-row tiles once and use them for every row. Their fp32 sums differ in the last bits, so
-deterministic mode passes small_m=0: the tiles serve every row count.
+every row of the call; larger calls unpack 16-row tiles once and use them for every row; on
+AVX-512, calls of more than 16 rows (PANEL_MIN_ROWS: prefill, large batches) take the panel
+kernel (qkernels_prefill.inc): 32 output rows unpacked over all of K, every activation row run
+through them with the accumulators in registers, code offsets subtracted inside the integer
+dots and K-quant scales applied per 32 (at most K/16 fp32 additions, within the bound above).
+Their fp32 sums differ in the last bits, so deterministic mode passes small_m=0: the tiles
+serve every row count.
 """
 from __future__ import annotations
 
@@ -47,8 +52,9 @@ import torch
 log = logging.getLogger("tokentop.kernels")
 
 _DIR = Path(__file__).parent
-SOURCES = ("qmatmul_op.cpp", "qkernels.cpp")
-DEPENDS = ("qkernels.h", "qkernels_impl.inc", "qkernels_direct512.inc")
+# fused_ops.cpp: the per-layer ops around the matmuls (engine/models/fused.py)
+SOURCES = ("qmatmul_op.cpp", "qkernels.cpp", "fused_ops.cpp")
+DEPENDS = ("qkernels.h", "qkernels_impl.inc", "qkernels_prefill.inc", "qkernels_direct512.inc")
 ISA_NAMES = ("scalar", "avx2", "avx512")
 # GGML type ids the op reads (gguf.GGMLQuantizationType values)
 KERNEL_TYPES = (2, 6, 8, 12, 13, 14)   # Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K
@@ -160,8 +166,30 @@ def _fail(reason: str) -> bool:
 
 def _register_fake() -> None:
     @torch.library.register_fake("tokentop::qmatmul")
-    def _(x, weights, types, rows, bias=None, isa=-1, small_m=-1):
+    def _(x, weights, types, rows, bias=None, isa=-1, small_m=-1, big_m=-1):
         return x.new_empty(x.shape[0], sum(rows))
+
+    @torch.library.register_fake("tokentop::add_rms_norm")
+    def _(x, delta, w, eps):
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("tokentop::act_mul")
+    def _(gate_up, act):
+        return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+
+    @torch.library.register_fake("tokentop::rope_store_kv")
+    def _(qkv, cos, sin, qk_norm, eps, q_scale, n_heads, n_kv, interleaved, k_store, v_store, slots):
+        return qkv.new_empty(qkv.shape[0], n_heads, cos.shape[1])
+
+    @torch.library.register_fake("tokentop::decode_attention")
+    def _(q, k_store, v_store, slots, lengths, softcap):
+        return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+    @torch.library.register_fake("tokentop::greedy_pick")
+    def _(logits):
+        R = logits.shape[0]
+        return (logits.new_empty(R, dtype=torch.int64), logits.new_empty(R),
+                logits.new_empty(R, dtype=torch.bool))
 
 
 def available() -> bool:
@@ -214,9 +242,11 @@ def _isa_level(name: str) -> int:
 
 def qmatmul(x: torch.Tensor, weights: list[torch.Tensor], types: list[int], rows: list[int],
             bias: torch.Tensor | None = None, isa: str | None = None,
-            small_m: int = -1) -> torch.Tensor:
+            small_m: int = -1, big_m: int = -1) -> torch.Tensor:
     """fp32 x [M, K] times the stacked GGUF matrices (uint8 [rows_i, row_bytes]) transposed.
     small_m: calls of at most this many rows use the direct (decode) kernels; -1 the op's
-    default (direct_rows()), 0 never (one kernel for every row count: batch-invariant)."""
+    default (direct_rows()), 0 never (one kernel for every row count: batch-invariant).
+    big_m: calls of at least this many rows use the panel (prefill) kernel where the ISA has
+    it; -1 the op's default (PANEL_MIN_ROWS, none with small_m=0), 0 never."""
     level = -1 if isa is None else _isa_level(isa)
-    return torch.ops.tokentop.qmatmul(x, weights, types, rows, bias, level, small_m)
+    return torch.ops.tokentop.qmatmul(x, weights, types, rows, bias, level, small_m, big_m)

@@ -37,6 +37,7 @@ namespace isa_avx512 {
 #define TT_LEVEL 2
 #include "qkernels_impl.inc"
 #include "qkernels_direct512.inc"
+#include "qkernels_prefill.inc"
 #undef TT_LEVEL
 }  // namespace isa_avx512
 #pragma GCC pop_options
@@ -163,6 +164,40 @@ void matmul_direct(int isa, int type, const uint8_t* w, int64_t K, int64_t n0, i
     (void)dl;
     (void)au;
     (void)as16;
+}
+
+bool has_panels(int isa) { return TT_X86 && isa == ISA_AVX512; }
+
+int64_t panel_rows() {
+#if TT_X86
+    return isa_avx512::PANEL_ROWS;
+#else
+    return 32;
+#endif
+}
+
+void quantize_panel_rows(int isa, const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* a, float* d32,
+                         float* as32, int32_t* is16) {
+#if TT_X86
+    if (isa == ISA_AVX512) return isa_avx512::quantize_panel_rows(x, ldx, M, K, a, d32, as32, is16);
+#endif
+    (void)isa; (void)x; (void)ldx; (void)M; (void)K; (void)a; (void)d32; (void)as32; (void)is16;
+}
+
+void matmul_panels(int isa, int type, const uint8_t* w, int64_t K, int64_t n0, int64_t n1, const int8_t* a,
+                   const float* d32, const float* as32, const int32_t* is16, int64_t M, float* y, int64_t ldy) {
+#if TT_X86
+    if (isa == ISA_AVX512) {
+        thread_local std::vector<uint8_t> scratch;
+        const size_t need = isa_avx512::panel_scratch_bytes(K);
+        if (scratch.size() < need) scratch.resize(need);
+        const int64_t row_bytes = K / block_weights(type) * block_bytes(type);
+        return isa_avx512::matmul_panels(type, w, row_bytes, K, n0, n1, a, d32, as32, is16, M, y, ldy,
+                                         scratch.data());
+    }
+#endif
+    (void)isa; (void)type; (void)w; (void)K; (void)n0; (void)n1; (void)a; (void)d32; (void)as32; (void)is16;
+    (void)M; (void)y; (void)ldy;
 }
 
 }  // namespace tt

@@ -46,4 +46,19 @@ void matmul_direct(int isa, int type, const uint8_t* w, int64_t K, int64_t n0, i
                    const int8_t* a, const uint8_t* au, const float* dl, const float* as16, const float* d32, const int32_t* ls,
                    const float* as32, int64_t M, float* y, int64_t ldy);
 
+// Prefill (many activation rows): whether `isa` has the panel kernel (AVX-512), and the kernel.
+// It unpacks a panel of output rows over all of K once and runs every activation row through
+// it with the accumulators in registers (qkernels_prefill.inc). Not bitwise equal to
+// matmul_rows (code offsets are subtracted in the integers, K-quant scales applied per 32).
+bool has_panels(int isa);
+int64_t panel_rows();                    // output rows per panel: the unit threads take
+// quantize_rows' a (the same values) and, per activation row, d32 the scale of each 32-group
+// (K/32), as32 = d32 * (sum of the group's a) (K/32), is16 the sum of each 16 a (K/16), in one
+// pass (has_panels ISAs only).
+void quantize_panel_rows(int isa, const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* a, float* d32,
+                         float* as32, int32_t* is16);
+void matmul_panels(int isa, int type, const uint8_t* w, int64_t K, int64_t n0, int64_t n1,
+                   const int8_t* a, const float* d32, const float* as32, const int32_t* is16, int64_t M,
+                   float* y, int64_t ldy);
+
 }  // namespace tt

@@ -6,7 +6,10 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <c10/core/InferenceMode.h>
+
 #include <algorithm>
+#include <mutex>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
@@ -34,13 +37,47 @@ at::Tensor finish(at::Tensor& y, const std::optional<at::Tensor>& bias, at::Scal
     return dtype == at::kFloat ? y : y.to(dtype);
 }
 
+// A prefill output over glibc's largest mmap threshold (32 MiB, e.g. the 1.5B model's gate|up
+// at 500 rows) was a fresh mapping every call: its first touch cost ~9000 page faults, 13 ms of
+// a 34 ms call (measured). Such outputs reuse a pooled buffer once the caller has let go of it
+// (the pool holds the only reference to its storage); smaller ones come from malloc's heap.
+constexpr size_t POOL_MIN_BYTES = size_t(32) << 20;
+constexpr size_t POOL_SIZE = 2;
+
+at::Tensor pooled_output(int64_t M, int64_t N, const at::TensorOptions& opts) {
+    static std::mutex mu;
+    static std::vector<at::Tensor> pool;
+    const bool inference = c10::InferenceMode::is_enabled();
+    std::lock_guard<std::mutex> lock(mu);
+    for (at::Tensor& t : pool) {
+        if (t.storage().use_count() == 1 && t.is_inference() == inference && t.numel() >= M * N)
+            return t.narrow(0, 0, M * N).view({M, N});
+    }
+    at::Tensor t = at::empty({M * N}, opts);
+    if (pool.size() < POOL_SIZE) pool.push_back(t);
+    else {                     // replace a free one (e.g. a smaller buffer), if any
+        for (at::Tensor& p : pool)
+            if (p.storage().use_count() == 1) { p = t; break; }
+    }
+    return t.view({M, N});
+}
+
+// Calls with at least this many rows take the panel kernel where the ISA has it (AVX-512).
+// tools/kernel_bench.py --prefill (Zen 5, 2 threads, all linear layers of a step, tiles vs
+// panels): 1.5B 8 rows 79 vs 62 ms, 16 rows 118 vs 77, 32 rows 171 vs 108; 0.5B 8 rows 23 vs
+// 17, 16 rows 36 vs 21. Calls of up to 16 rows are left to the small-call kernels (direct and
+// tiles, tuned separately); above, the panels.
+constexpr int64_t PANEL_MIN_ROWS = 17;
+
 // small_m: -1 the default, tt::direct_max_rows (calls of more rows amortize the unpacked
 // tiles over several activation rows); 0 never use the direct kernels (deterministic mode: then
 // one kernel serves every row count, so a row's bits do not depend on its batch); k > 0: the
 // direct kernels for calls of at most k rows (tests).
+// big_m: -1 the panel kernel from PANEL_MIN_ROWS rows, except with small_m=0 (deterministic
+// mode keeps the tiles for every row count); 0 never; k > 0: from k rows (tests, benchmarks).
 at::Tensor qmatmul(const at::Tensor& x_in, at::TensorList weights, at::IntArrayRef types,
                    at::IntArrayRef rows, const std::optional<at::Tensor>& bias, int64_t isa,
-                   int64_t small_m) {
+                   int64_t small_m, int64_t big_m) {
     TORCH_CHECK(x_in.dim() == 2 && (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16 ||
                                     x_in.scalar_type() == at::kHalf),
                 "qmatmul: x must be 2-D float32, bfloat16 or float16");
@@ -67,9 +104,36 @@ at::Tensor qmatmul(const at::Tensor& x_in, at::TensorList weights, at::IntArrayR
         offset[i + 1] = offset[i] + rows[i];
     }
     const int64_t N = offset.back();
-    at::Tensor y = at::empty({M, N}, x.options());
+    const int64_t panel_rows = big_m < 0 ? (small_m == 0 ? 0 : PANEL_MIN_ROWS) : big_m;
+    const bool panels = panel_rows > 0 && M >= panel_rows && tt::has_panels(use);
+    at::Tensor y = panels && size_t(M) * size_t(N) * sizeof(float) >= POOL_MIN_BYTES
+                       ? pooled_output(M, N, x.options()) : at::empty({M, N}, x.options());
     if (M == 0 || N == 0) return y.to(x_in.scalar_type());
 
+    if (panels) {
+        std::vector<int8_t> a(M * K);
+        std::vector<float> d32(M * (K / 32)), as32(M * (K / 32));
+        std::vector<int32_t> is16(M * (K / 16));
+        at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+            tt::quantize_panel_rows(use, x.data_ptr<float>() + m0 * K, K, m1 - m0, K, a.data() + m0 * K,
+                                    d32.data() + m0 * (K / 32), as32.data() + m0 * (K / 32),
+                                    is16.data() + m0 * (K / 16));
+        });
+        float* yp = y.data_ptr<float>();
+        // threads take whole panels of output rows (of the stacked matrices)
+        const int64_t P = tt::panel_rows();
+        at::parallel_for(0, (N + P - 1) / P, 1, [&](int64_t pb, int64_t pe) {
+            const int64_t b = pb * P, e = std::min(pe * P, N);
+            for (size_t i = 0; i < weights.size(); ++i) {
+                const int64_t lo = std::max(b, offset[i]), hi = std::min(e, offset[i + 1]);
+                if (lo >= hi) continue;
+                tt::matmul_panels(use, int(types[i]), weights[i].data_ptr<uint8_t>(), K, lo - offset[i],
+                                  hi - offset[i], a.data(), d32.data(), as32.data(), is16.data(), M,
+                                  yp + offset[i], N);
+            }
+        });
+        return finish(y, bias, x_in.scalar_type());
+    }
     std::vector<int8_t> a(M * K);
     std::vector<float> dl(M * (K / 4)), as16(M * (K / 16));
     at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
@@ -119,7 +183,7 @@ int64_t direct_rows_op() { return tt::direct_max_rows(env_isa()); }
 
 TORCH_LIBRARY(tokentop, m) {
     m.def("qmatmul(Tensor x, Tensor[] weights, int[] types, int[] rows, Tensor? bias, int isa=-1, "
-          "int small_m=-1) -> Tensor");
+          "int small_m=-1, int big_m=-1) -> Tensor");
     m.def("best_isa() -> int", &best_isa_op);
     m.def("env_isa() -> int", &env_isa_op);
     m.def("direct_rows() -> int", &direct_rows_op);

@@ -6,7 +6,9 @@ sequences of a step share one padded, masked, batched attention; a prefill chunk
 per sequence (torch's fused CPU kernel) with a causal mask over its cached context plus its
 new tokens. Sliding-window layers only read the keys inside the window. GQA is a grouped
 reshape of the queries, or the fused kernel's own GQA (the profiler shows no repeat): K/V
-are never repeated per query head.
+are never repeated per query head. With the fused C++ ops (engine/models/fused.py) every
+decode row of the step, in any mode, goes to one decode_attention call that reads each row's
+own slots in place: no gather copy, no mask, no padding.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.models.batch import ForwardBatch, SeqSlice
+from engine.models.fused import FUSED
 
 NEG_INF = float("-inf")
 
@@ -40,6 +43,8 @@ class DecodeGroup:
     rows: torch.Tensor | None        # their query rows, None when they are rows 0..B-1 in order
     slots: torch.Tensor              # [B, Lmax] key slots, padded with slot 0
     mask: torch.Tensor | None        # additive [B, 1, Lmax], None when nothing is padded
+    lengths: torch.Tensor | None = None  # [B] keys of each row: set for the fused op, which
+                                         # reads only those (no mask, no padding read)
 
 
 @dataclass
@@ -80,17 +85,20 @@ def _single(seq: SeqSlice, window: int | None) -> SingleSeq:
     return SingleSeq(slice(seq.start, seq.start + n), seq.slots[k0:seq.context_len], 0, num_keys, mask, causal)
 
 
-def _decode_group(seqs: list[SeqSlice], window: int | None) -> DecodeGroup:
+def _decode_group(seqs: list[SeqSlice], window: int | None, fused: bool = False) -> DecodeGroup:
     key_slots = [s.slots[_key_start(s, window):s.context_len] for s in seqs]
     lengths = [int(k.shape[0]) for k in key_slots]
     lmax = max(lengths)
-    slots = torch.nn.utils.rnn.pad_sequence(key_slots, batch_first=True, padding_value=0)
+    slots = (key_slots[0][None] if len(key_slots) == 1
+             else torch.nn.utils.rnn.pad_sequence(key_slots, batch_first=True, padding_value=0))
+    in_order = all(s.start == i for i, s in enumerate(seqs))
+    rows = None if in_order else torch.tensor([s.start for s in seqs])
+    if fused:
+        return DecodeGroup(rows, slots, None, torch.tensor(lengths))
     mask = None
     if min(lengths) != lmax:
         padded = torch.arange(lmax).unsqueeze(0) >= torch.tensor(lengths).unsqueeze(1)
         mask = torch.zeros(padded.shape).masked_fill_(padded, NEG_INF)[:, None, :]
-    in_order = all(s.start == i for i, s in enumerate(seqs))
-    rows = None if in_order else torch.tensor([s.start for s in seqs])
     return DecodeGroup(rows, slots, mask)
 
 
@@ -105,20 +113,23 @@ def _as_decodes(seq: SeqSlice) -> list[SeqSlice]:
 
 
 def plan_attention(batch: ForwardBatch, window: int | None, *, batch_decodes: bool = True,
-                   device: torch.device | str = "cpu") -> AttentionPlan:
+                   device: torch.device | str = "cpu", fused: bool = False) -> AttentionPlan:
     """Index tensors and masks for one step; `window` is the sliding window (None = global).
 
     With batch_decodes=False (deterministic mode) every sequence is attended alone, so its
-    result cannot depend on how long its batch-mates' contexts are.
+    result cannot depend on how long its batch-mates' contexts are. fused=True: every decode
+    row goes to the fused C++ op (engine/models/fused.py), batched in any mode: it attends
+    each row over its own keys alone, in an order that does not depend on the batch.
     """
     seqs = [r for s in batch.seqs for r in _as_decodes(s)]
+    batch_decodes = batch_decodes or fused
     decodes = [s for s in seqs if s.length == 1] if batch_decodes else []
     singles = [_single(s, window) for s in seqs if not (batch_decodes and s.length == 1)]
     # One decode alone is cheaper on the single path (no padding, a view in contiguous mode).
-    if len(decodes) == 1:
+    if len(decodes) == 1 and not fused:
         singles.append(_single(decodes[0], window))
         decodes = []
-    group = _decode_group(decodes, window) if decodes else None
+    group = _decode_group(decodes, window, fused) if decodes else None
     plan = AttentionPlan(singles, group, batch.num_tokens)
     return _to_device(plan, device) if torch.device(device).type != "cpu" else plan
 
@@ -129,7 +140,7 @@ def _to_device(plan: AttentionPlan, device) -> AttentionPlan:
         s.slots, s.mask = move(s.slots), move(s.mask)
     if plan.decode is not None:
         d = plan.decode
-        plan.decode = DecodeGroup(move(d.rows), move(d.slots), move(d.mask))
+        plan.decode = DecodeGroup(move(d.rows), move(d.slots), move(d.mask), move(d.lengths))
     return plan
 
 
@@ -185,15 +196,10 @@ def attend(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, plan: 
         # torch would first copy all of it.
         B, L = d.slots.shape
         qd = q[:B] if d.rows is None else q.index_select(0, d.rows)
-        flat = d.slots.view(-1)
-        k = k_store.index_select(0, flat).view(B, L, KV, hd).to(q.dtype)
-        v = v_store.index_select(0, flat).view(B, L, KV, hd).to(q.dtype)
-        qg = qd.view(B, KV, G, hd)
-        heads = []
-        for h in range(KV):
-            scores = _finish_scores(torch.bmm(qg[:, h], k[:, :, h].transpose(1, 2)), d.mask, softcap)
-            heads.append(torch.bmm(scores, v[:, :, h]))                   # [B, G, hd]
-        o = (heads[0] if KV == 1 else torch.stack(heads, dim=1)).reshape(B, H * hd)
+        if d.lengths is not None:
+            o = FUSED.decode_attention(qd.contiguous(), k_store, v_store, d.slots, d.lengths, softcap)
+        else:
+            o = _decode_bmm(qd, k_store, v_store, d, softcap)
         if out is None:
             return o
         if d.rows is None:
@@ -201,6 +207,22 @@ def attend(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, plan: 
         else:
             out.index_copy_(0, d.rows, o)
     return out
+
+
+def _decode_bmm(qd: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, d: DecodeGroup,
+                softcap: float | None) -> torch.Tensor:
+    B, L = d.slots.shape
+    _, H, hd = qd.shape
+    KV = k_store.shape[1]
+    flat = d.slots.view(-1)
+    k = k_store.index_select(0, flat).view(B, L, KV, hd).to(qd.dtype)
+    v = v_store.index_select(0, flat).view(B, L, KV, hd).to(qd.dtype)
+    qg = qd.reshape(B, KV, H // KV, hd)
+    heads = []
+    for h in range(KV):
+        scores = _finish_scores(torch.bmm(qg[:, h], k[:, :, h].transpose(1, 2)), d.mask, softcap)
+        heads.append(torch.bmm(scores, v[:, :, h]))                   # [B, G, hd]
+    return (heads[0] if KV == 1 else torch.stack(heads, dim=1)).reshape(B, H * hd)
 
 
 def _finish_scores(scores: torch.Tensor, mask: torch.Tensor | None, softcap: float | None) -> torch.Tensor:

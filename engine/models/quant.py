@@ -338,6 +338,16 @@ class QuantLinear(torch.nn.Module):
             y = y.to(x.dtype)
         return y.reshape(*lead, self.out_features)
 
+    def direct_call(self):
+        """This layer as a plain function of 2-D x, without nn.Module dispatch and buffer
+        lookups (~4 us a call, 0.4 ms of a 0.5B decode step): the op call _forward makes when
+        the GGUF kernel is the only form. None when the layer has other forms."""
+        g = self.gguf
+        if g is None or self.dense is not None:
+            return None
+        op, bias, small_m = torch.ops.tokentop.qmatmul.default, self.bias, self.small_m
+        return lambda x: op(x, g.tensors, g.types, g.rows, bias, -1, small_m)
+
     def extra_repr(self) -> str:
         return (f"{self.name}: in={self.in_features}, out={self.out_features}, "
                 f"forms={'+'.join(self.kernel_forms())}, dense_threshold={self.dense_threshold}")

@@ -36,9 +36,9 @@ def inverse_frequencies(head_dim: int, base: float, scaling: dict | None,
 class RotaryTable:
     """cos/sin for positions [0, capacity), grown by doubling when a longer position shows up.
 
-    Rotation is written as x*cos + swap(x)*sin_signed, where swap exchanges the two members
-    of each pair (one roll or flip) and the sign of rotate-half lives in the table: three
-    ops per application instead of the six of slice/negate/concatenate.
+    Rotation is x*cos + swap(x)*sin_signed, where swap exchanges the two members of each
+    pair and the sign of rotate-half lives in the table (applied by rope_store_kv in
+    engine/models/fused.py, with the K/V write).
     """
 
     def __init__(self, head_dim: int, base: float, *, interleaved: bool = False,
@@ -63,20 +63,11 @@ class RotaryTable:
             self.sin_signed = torch.cat((-sin, sin), dim=-1)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin of shape [T, 1, head_dim], ready to broadcast over heads."""
+        """cos and signed sin [T, head_dim] of each position (contiguous rows)."""
         needed = int(positions.max()) + 1 if positions.numel() else 0
         if needed > self.cos.shape[0]:
             cap = self.cos.shape[0]
             while cap < needed:
                 cap *= 2
             self._grow(cap)
-        return self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)
-
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, head_dim] (any float dtype); returns fp32 when the tables are fp32."""
-        return torch.addcmul(x * cos, self._swap(x), sin_signed)
-
-    def _swap(self, x: torch.Tensor) -> torch.Tensor:
-        if self.interleaved:
-            return x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
-        return x.roll(self.head_dim // 2, dims=-1)
+        return self.cos[positions], self.sin_signed[positions]

@@ -1,0 +1,471 @@
+// The per-layer work around the quantized matmuls, one C++ op per stretch of elementwise code:
+// a decode step of the 0.5B ran ~40 small torch ops per layer (~3 ms of its 16 ms in dispatch
+// and temporaries). Reference semantics: engine/models/fused.py (the torch fallback).
+//   add_rms_norm     x += delta (optional), return rms_norm(x) * w
+//   act_mul          act(gate) * up for a [T, 2F] gate|up row (silu or gelu-tanh)
+//   rope_store_kv    optional QK-norm, rotary on q and k, q scaled, K/V written to their slots
+//   decode_attention one query row per sequence over its paged keys (softmax(q k^T) v)
+//   greedy_pick      argmax of each logits row and its logprob, in two passes over the row
+// Every row is computed on its own, in a fixed order: results never depend on the batch.
+// Hot loops are plain C++ cloned per ISA (GCC target_clones picks one at load time), written so
+// the compiler vectorizes them without reassociating sums (16 independent accumulators).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define TT_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+// lets the clamps and selects below become vector blends (this file raises no FP traps)
+#pragma GCC optimize("no-trapping-math")
+#else
+#define TT_CLONES
+#endif
+
+namespace {
+
+constexpr int ACC = 16;   // independent partial sums: one AVX-512 register of lanes
+
+// 2^n * p(r) with n = round(x / ln2), |r| <= ln2/2, p the Cephes expf polynomial (~2 ulp);
+// written branch-free so that a loop over it vectorizes (std::exp does not).
+inline float exp_approx(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    x = x > 88.0f ? 88.0f : x;
+    // round to nearest by adding and removing 1.5 * 2^23 (no libm call, vectorizes)
+    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+template <typename T>
+inline float to_f(T v) { return static_cast<float>(v); }
+
+// the ACC partial sums added as a tree (a few shuffles, not a chain of 16 dependent adds)
+inline float reduce(float* acc) {
+    for (int w = ACC / 2; w > 0; w /= 2)
+        for (int j = 0; j < w; ++j) acc[j] += acc[j + w];
+    return acc[0];
+}
+
+// dot and axpy are inlined into their (cloned) callers, so each clone gets its own vector width
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t n) {
+    float acc[ACC] = {};
+    int64_t i = 0;
+    for (; i + ACC <= n; i += ACC)
+        for (int j = 0; j < ACC; ++j) acc[j] += a[i + j] * to_f(b[i + j]);
+    float s = 0.0f;
+    for (; i < n; ++i) s += a[i] * to_f(b[i]);
+    return s + reduce(acc);
+}
+
+// fp32 rows (the default KV store): one vector accumulator, reduced by halving shuffles
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+typedef float v4 __attribute__((vector_size(16), aligned(4)));
+
+template <>
+inline float dot<float>(const float* a, const float* b, int64_t n) {
+    v16 acc = {};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) acc += *(const v16*)(a + i) * *(const v16*)(b + i);
+    v8 h8 = __builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7) +
+            __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
+    float s = (h4[0] + h4[2]) + (h4[1] + h4[3]);
+    for (; i < n; ++i) s += a[i] * b[i];
+    return s;
+}
+
+template <typename T>
+inline void axpy(float w, const T* x, float* y, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) y[i] += w * to_f(x[i]);
+}
+
+// s[i] = exp(s[i] - mx); returns the sum (in ACC partial sums, then in order)
+inline float exp_shifted(float* s, int64_t n, float mx) {
+    for (int64_t i = 0; i < n; ++i) s[i] = exp_approx(s[i] - mx);
+    float acc[ACC] = {};
+    int64_t i = 0;
+    for (; i + ACC <= n; i += ACC)
+        for (int j = 0; j < ACC; ++j) acc[j] += s[i + j];
+    float sum = 0.0f;
+    for (; i < n; ++i) sum += s[i];
+    return sum + reduce(acc);
+}
+
+// out = x * rsqrt(mean(x^2) + eps) * w
+inline void rms_norm_row(const float* x, const float* w, float eps, float* out, int64_t n) {
+    const float inv = 1.0f / std::sqrt(dot(x, x, n) / float(n) + eps);
+    for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inv * w[i];
+}
+
+// x += d (when given), out = rms_norm(x) * w
+TT_CLONES void add_rms_norm_row(float* x, const float* d, const float* w, float eps, float* out, int64_t n) {
+    if (d)
+        for (int64_t i = 0; i < n; ++i) x[i] += d[i];
+    rms_norm_row(x, w, eps, out, n);
+}
+
+TT_CLONES void silu_mul_row(const float* g, const float* u, float* out, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) out[i] = g[i] / (1.0f + exp_approx(-g[i])) * u[i];
+}
+
+// gelu with the tanh approximation; tanh(y) = 1 - 2 / (exp(2y) + 1)
+TT_CLONES void gelu_tanh_mul_row(const float* g, const float* u, float* out, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) {
+        const float x = g[i];
+        const float y = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+        const float t = 1.0f - 2.0f / (exp_approx(2.0f * y) + 1.0f);
+        out[i] = 0.5f * x * (1.0f + t) * u[i];
+    }
+}
+
+// Rows of a [T, ...] op: one thread for a decode row (waking the pool costs more than the row).
+template <typename F>
+void for_rows(int64_t T, int64_t grain, const F& f) {
+    if (T <= grain) {
+        f(0, T);
+    } else {
+        at::parallel_for(0, T, grain, f);
+    }
+}
+
+void check_f32(const at::Tensor& t, const char* name) {
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(),
+                name, " must be a contiguous fp32 CPU tensor");
+}
+
+at::Tensor add_rms_norm(at::Tensor x, const c10::optional<at::Tensor>& delta, const at::Tensor& w,
+                        double eps) {
+    check_f32(x, "x");
+    check_f32(w, "w");
+    TORCH_CHECK(x.dim() == 2 && w.dim() == 1 && w.size(0) == x.size(1), "x [T, n], w [n]");
+    const int64_t T = x.size(0), n = x.size(1);
+    if (delta) {
+        check_f32(*delta, "delta");
+        TORCH_CHECK(delta->sizes() == x.sizes(), "delta must have x's shape");
+    }
+    at::Tensor out = at::empty({T, n}, x.options());
+    float* xp = x.data_ptr<float>();
+    const float* dp = delta ? delta->data_ptr<float>() : nullptr;
+    const float* wp = w.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    for_rows(T, 16, [&](int64_t b, int64_t e) {
+        for (int64_t t = b; t < e; ++t) {
+            add_rms_norm_row(xp + t * n, dp ? dp + t * n : nullptr, wp, float(eps), op + t * n, n);
+        }
+    });
+    return out;
+}
+
+at::Tensor act_mul(const at::Tensor& gate_up, int64_t act) {
+    check_f32(gate_up, "gate_up");
+    TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up [T, 2F]");
+    TORCH_CHECK(act == 0 || act == 1, "act: 0 silu, 1 gelu-tanh");
+    const int64_t T = gate_up.size(0), F = gate_up.size(1) / 2;
+    at::Tensor out = at::empty({T, F}, gate_up.options());
+    const float* g = gate_up.data_ptr<float>();
+    float* o = out.data_ptr<float>();
+    for_rows(T, 4, [&](int64_t b, int64_t e) {
+        for (int64_t t = b; t < e; ++t) {
+            const float* gt = g + t * 2 * F;
+            if (act == 0) silu_mul_row(gt, gt + F, o + t * F, F);
+            else gelu_tanh_mul_row(gt, gt + F, o + t * F, F);
+        }
+    });
+    return out;
+}
+
+// out = x * c + swap(x) * s, swap pairing dims (i, i + hd/2) (NeoX) or (2i, 2i+1) (interleaved);
+// the sign of rotate-half lives in the signed-sin table, as in engine/models/rope.py
+inline void rotate(const float* x, const float* c, const float* s, bool interleaved, int64_t hd,
+                   float* out) {
+    const int64_t half = hd / 2;
+    for (int64_t i = 0; i < hd; ++i) {
+        const int64_t j = interleaved ? (i ^ 1) : (i < half ? i + half : i - half);
+        out[i] = x[i] * c[i] + x[j] * s[i];
+    }
+}
+
+template <typename S>
+void store_row(const float* src, S* dst, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<S>(src[i]);
+}
+
+template <typename S>
+void rope_rows(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+               const float* qk_norm, float eps, float q_scale, int64_t H, int64_t KV, bool interleaved,
+               at::Tensor& k_store, at::Tensor& v_store, const int64_t* slots, at::Tensor& q) {
+    const int64_t T = qkv.size(0), hd = cos.size(1), width = qkv.size(1);
+    const float* src = qkv.data_ptr<float>();
+    const float* cp = cos.data_ptr<float>();
+    const float* sp = sin.data_ptr<float>();
+    S* ks = k_store.data_ptr<S>();
+    S* vs = v_store.data_ptr<S>();
+    float* qp = q.data_ptr<float>();
+    for_rows(T, 8, [&](int64_t b, int64_t e) {
+        std::vector<float> normed(hd), cq(hd), sq(hd), rot(hd);
+        for (int64_t t = b; t < e; ++t) {
+            const float* row = src + t * width;
+            const float* c = cp + t * hd;
+            const float* s = sp + t * hd;
+            for (int64_t i = 0; i < hd; ++i) {   // q's tables carry the attention scale
+                cq[i] = c[i] * q_scale;
+                sq[i] = s[i] * q_scale;
+            }
+            for (int64_t h = 0; h < H + KV; ++h) {
+                const float* x = row + h * hd;
+                if (qk_norm) {
+                    rms_norm_row(x, qk_norm + h * hd, eps, normed.data(), hd);
+                    x = normed.data();
+                }
+                if (h < H) {
+                    rotate(x, cq.data(), sq.data(), interleaved, hd, qp + (t * H + h) * hd);
+                } else {
+                    rotate(x, c, s, interleaved, hd, rot.data());
+                    store_row(rot.data(), ks + (slots[t] * KV + (h - H)) * hd, hd);
+                }
+            }
+            store_row(row + (H + KV) * hd, vs + slots[t] * KV * hd, KV * hd);
+        }
+    });
+}
+
+void check_store(const at::Tensor& s, const char* name) {
+    TORCH_CHECK(s.device().is_cpu() && s.is_contiguous() && s.dim() == 3, name,
+                " must be a contiguous [slots, kv_heads, head_dim] CPU tensor");
+}
+
+void check_slots(const at::Tensor& slots, int64_t num_slots) {
+    TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous(), "slots must be contiguous int64");
+    const int64_t* p = slots.data_ptr<int64_t>();
+    for (int64_t i = 0; i < slots.numel(); ++i)
+        TORCH_CHECK(p[i] >= 0 && p[i] < num_slots, "KV slot ", p[i], " out of range [0, ", num_slots, ")");
+}
+
+at::Tensor rope_store_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                         const c10::optional<at::Tensor>& qk_norm, double eps, double q_scale,
+                         int64_t n_heads, int64_t n_kv, bool interleaved, at::Tensor k_store,
+                         at::Tensor v_store, const at::Tensor& slots) {
+    check_f32(qkv, "qkv");
+    check_f32(cos, "cos");
+    check_f32(sin, "sin");
+    check_store(k_store, "k_store");
+    check_store(v_store, "v_store");
+    const int64_t T = qkv.size(0), hd = cos.size(1);
+    TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (n_heads + 2 * n_kv) * hd, "qkv [T, (H + 2 KV) hd]");
+    TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == T && hd % 2 == 0, "cos/sin [T, hd]");
+    TORCH_CHECK(k_store.size(1) == n_kv && k_store.size(2) == hd && v_store.sizes() == k_store.sizes() &&
+                v_store.scalar_type() == k_store.scalar_type(), "K/V stores [slots, KV, hd]");
+    TORCH_CHECK(slots.numel() == T, "one slot per row");
+    check_slots(slots, k_store.size(0));
+    const float* qn = nullptr;
+    if (qk_norm) {
+        check_f32(*qk_norm, "qk_norm");
+        TORCH_CHECK(qk_norm->numel() == (n_heads + n_kv) * hd, "qk_norm [H + KV, hd]");
+        qn = qk_norm->data_ptr<float>();
+    }
+    at::Tensor q = at::empty({T, n_heads, hd}, qkv.options());
+    const int64_t* sl = slots.data_ptr<int64_t>();
+    const float e = float(eps), sc = float(q_scale);
+    switch (k_store.scalar_type()) {
+        case at::kFloat:
+            rope_rows<float>(qkv, cos, sin, qn, e, sc, n_heads, n_kv, interleaved, k_store, v_store, sl, q);
+            break;
+        case at::kBFloat16:
+            rope_rows<c10::BFloat16>(qkv, cos, sin, qn, e, sc, n_heads, n_kv, interleaved, k_store, v_store, sl, q);
+            break;
+        case at::kHalf:
+            rope_rows<c10::Half>(qkv, cos, sin, qn, e, sc, n_heads, n_kv, interleaved, k_store, v_store, sl, q);
+            break;
+        default:
+            TORCH_CHECK(false, "K/V store dtype must be fp32, bf16 or fp16");
+    }
+    return q;
+}
+
+// One query head group (G heads sharing a KV head) of one sequence over its L keys; each key
+// and value row is read once for all G heads. scores: [G, L] scratch.
+template <typename S>
+TT_CLONES void attend_group(const float* q, const S* k, const S* v, int64_t row_stride, const int64_t* slots,
+                            int64_t L, int64_t G, int64_t hd, float softcap, float* scores, float* out) {
+    for (int64_t j = 0; j < L; ++j) {
+        const S* kj = k + slots[j] * row_stride;
+        for (int64_t g = 0; g < G; ++g) scores[g * L + j] = dot(q + g * hd, kj, hd);
+    }
+    std::vector<float> inv(G);
+    for (int64_t g = 0; g < G; ++g) {
+        float* sg = scores + g * L;
+        if (softcap > 0.0f)
+            for (int64_t j = 0; j < L; ++j) sg[j] = std::tanh(sg[j] / softcap) * softcap;
+        float mx = sg[0];
+        for (int64_t j = 1; j < L; ++j) mx = sg[j] > mx ? sg[j] : mx;
+        inv[g] = 1.0f / exp_shifted(sg, L, mx);
+    }
+    std::fill(out, out + G * hd, 0.0f);
+    for (int64_t j = 0; j < L; ++j) {
+        const S* vj = v + slots[j] * row_stride;
+        for (int64_t g = 0; g < G; ++g) axpy(scores[g * L + j], vj, out + g * hd, hd);
+    }
+    for (int64_t g = 0; g < G; ++g)
+        for (int64_t i = 0; i < hd; ++i) out[g * hd + i] *= inv[g];
+}
+
+template <typename S>
+void attend_rows(const at::Tensor& q, const at::Tensor& k_store, const at::Tensor& v_store,
+                 const at::Tensor& slots, const at::Tensor& lengths, float softcap, at::Tensor& out) {
+    const int64_t B = q.size(0), H = q.size(1), hd = q.size(2), KV = k_store.size(1), G = H / KV;
+    const int64_t Lmax = slots.size(1), row_stride = KV * hd;
+    const float* qp = q.data_ptr<float>();
+    const S* kp = k_store.data_ptr<S>();
+    const S* vp = v_store.data_ptr<S>();
+    const int64_t* sl = slots.data_ptr<int64_t>();
+    const int64_t* len = lengths.data_ptr<int64_t>();
+    float* op = out.data_ptr<float>();
+    // one task per (sequence, KV head): each reads its keys once for its G query heads
+    at::parallel_for(0, B * KV, 1, [&](int64_t b0, int64_t e0) {
+        std::vector<float> scores(G * Lmax);
+        for (int64_t i = b0; i < e0; ++i) {
+            const int64_t b = i / KV, h = i % KV;
+            attend_group(qp + (b * H + h * G) * hd, kp + h * hd, vp + h * hd, row_stride, sl + b * Lmax,
+                         len[b], G, hd, softcap, scores.data(), op + (b * H + h * G) * hd);
+        }
+    });
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_store, const at::Tensor& v_store,
+                            const at::Tensor& slots, const at::Tensor& lengths, double softcap) {
+    check_f32(q, "q");
+    check_store(k_store, "k_store");
+    check_store(v_store, "v_store");
+    TORCH_CHECK(q.dim() == 3 && q.size(2) == k_store.size(2) && q.size(1) % k_store.size(1) == 0,
+                "q [B, H, hd] with H a multiple of the KV heads");
+    TORCH_CHECK(v_store.sizes() == k_store.sizes() && v_store.scalar_type() == k_store.scalar_type(),
+                "K and V stores must match");
+    TORCH_CHECK(slots.dim() == 2 && slots.size(0) == q.size(0), "slots [B, Lmax]");
+    TORCH_CHECK(lengths.scalar_type() == at::kLong && lengths.numel() == q.size(0) && lengths.is_contiguous(),
+                "lengths: int64 [B]");
+    check_slots(slots, k_store.size(0));
+    const int64_t* len = lengths.data_ptr<int64_t>();
+    for (int64_t b = 0; b < q.size(0); ++b)
+        TORCH_CHECK(len[b] >= 1 && len[b] <= slots.size(1), "length ", len[b], " outside [1, Lmax]");
+    at::Tensor out = at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
+    const float cap = float(softcap);
+    switch (k_store.scalar_type()) {
+        case at::kFloat: attend_rows<float>(q, k_store, v_store, slots, lengths, cap, out); break;
+        case at::kBFloat16: attend_rows<c10::BFloat16>(q, k_store, v_store, slots, lengths, cap, out); break;
+        case at::kHalf: attend_rows<c10::Half>(q, k_store, v_store, slots, lengths, cap, out); break;
+        default: TORCH_CHECK(false, "K/V store dtype must be fp32, bf16 or fp16");
+    }
+    return out;
+}
+
+// Max, NaN flag and exp-sum of one row of logits, in blocks of 64 values over ACC lanes (the
+// lanes keep the reductions vectorized); the first index of the max is then searched in the
+// first block that holds it.
+TT_CLONES void greedy_row(const float* x, int64_t V, int64_t* id, float* logprob, bool* ok) {
+    constexpr int64_t B = 64;
+    const float ninf = -std::numeric_limits<float>::infinity();
+    float best = ninf;
+    int64_t best_block = 0;
+    bool nan = false;
+    for (int64_t b0 = 0; b0 < V; b0 += B) {
+        float m;
+        if (b0 + B <= V) {
+            float mv[ACC];
+            int nv[ACC] = {};
+            for (int k = 0; k < ACC; ++k) mv[k] = ninf;
+            for (int64_t i = 0; i < B; i += ACC)
+                for (int k = 0; k < ACC; ++k) {
+                    const float v = x[b0 + i + k];
+                    mv[k] = v > mv[k] ? v : mv[k];
+                    nv[k] |= v != v;
+                }
+            m = ninf;
+            for (int k = 0; k < ACC; ++k) {
+                m = mv[k] > m ? mv[k] : m;
+                nan |= nv[k] != 0;
+            }
+        } else {
+            m = ninf;
+            for (int64_t i = b0; i < V; ++i) {
+                m = x[i] > m ? x[i] : m;
+                nan |= x[i] != x[i];
+            }
+        }
+        if (m > best) {   // strictly greater: the first block with the max wins
+            best = m;
+            best_block = b0;
+        }
+    }
+    int64_t i = best_block;
+    while (i + 1 < V && x[i] != best) ++i;   // found in this block unless the row is all NaN
+    double sum = 0.0;
+    int64_t j = 0;
+    for (; j + B <= V; j += B) {
+        float acc[ACC] = {};
+        for (int64_t t = 0; t < B; t += ACC)
+            for (int k = 0; k < ACC; ++k) acc[k] += exp_approx(x[j + t + k] - best);
+        sum += reduce(acc);
+    }
+    for (; j < V; ++j) sum += exp_approx(x[j] - best);
+    *ok = !nan && std::isfinite(best);
+    *id = i;
+    *logprob = float(-std::log(sum));   // the chosen token's logit is the max: x - max = 0
+}
+
+// Greedy choice of each row (the lowest id among equal maxima) and its logprob.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> greedy_pick(const at::Tensor& logits) {
+    check_f32(logits, "logits");
+    TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "logits [R, V]");
+    const int64_t R = logits.size(0), V = logits.size(1);
+    at::Tensor ids = at::empty({R}, logits.options().dtype(at::kLong));
+    at::Tensor lp = at::empty({R}, logits.options());
+    at::Tensor ok = at::empty({R}, logits.options().dtype(at::kBool));
+    const float* x = logits.data_ptr<float>();
+    for (int64_t r = 0; r < R; ++r)
+        greedy_row(x + r * V, V, ids.data_ptr<int64_t>() + r, lp.data_ptr<float>() + r, ok.data_ptr<bool>() + r);
+    return {ids, lp, ok};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tokentop, m) {
+    m.def("add_rms_norm(Tensor(a!) x, Tensor? delta, Tensor w, float eps) -> Tensor");
+    m.def("act_mul(Tensor gate_up, int act) -> Tensor");
+    m.def("rope_store_kv(Tensor qkv, Tensor cos, Tensor sin, Tensor? qk_norm, float eps, float q_scale, "
+          "int n_heads, int n_kv, bool interleaved, Tensor(a!) k_store, Tensor(b!) v_store, "
+          "Tensor slots) -> Tensor");
+    m.def("decode_attention(Tensor q, Tensor k_store, Tensor v_store, Tensor slots, Tensor lengths, "
+          "float softcap) -> Tensor");
+    m.def("greedy_pick(Tensor logits) -> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(tokentop, CPU, m) {
+    m.impl("add_rms_norm", &add_rms_norm);
+    m.impl("act_mul", &act_mul);
+    m.impl("rope_store_kv", &rope_store_kv);
+    m.impl("decode_attention", &decode_attention);
+    m.impl("greedy_pick", &greedy_pick);
+}
