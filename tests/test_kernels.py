@@ -129,10 +129,29 @@ def test_direct_kernel_with_one_and_two_threads(qtype, isa):
 
 @pytest.mark.parametrize("isa", runnable_isas())
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_direct_kernel_rows_1_to_16_take_the_same_bits(qtype, isa):
+    """The direct kernels serve a call of M rows in passes (of 8 or 4 rows, then the rest, on
+    AVX-512; of 4 on AVX2) with each row's sums done the same way: every M from 1 to 16 gives each row the bits
+    it has alone, on 1 and 2 threads, odd N and K with a lone last 32-block (Q4_0/Q5_0/Q8_0)."""
+    k = 768 if qtype in K_TYPES else 224
+    td = random_td(qtype, rows=45, cols=k, seed=11 + int(qtype))
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(8))
+    x[:, 3] *= 40
+    alone = torch.cat([run([td], x[i:i + 1], isa, small_m=16) for i in range(16)])
+    for m in range(1, 17):
+        one, two = on_one_and_two_threads(td, x[:m], isa, small_m=16)
+        check(one, td, x[:m])
+        assert torch.equal(one, two), m
+        if kernels.best_isa() >= 1 and isa != "scalar":
+            assert torch.equal(one, alone[:m]), m
+
+
+@pytest.mark.parametrize("isa", runnable_isas())
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_rows_and_threads_do_not_change_any_bit(isa, qtype):
     """With small_m=0 (what deterministic mode passes) one kernel serves every M, and each
     output is computed the same way whatever M or the split over threads: batch-invariant by
-    construction. The default switches kernels at DIRECT_MAX_ROWS and is not."""
+    construction. The default switches kernels at direct_rows() and is not."""
     k = 512 if qtype in K_TYPES else 96
     td = random_td(qtype, rows=101, cols=k)
     x = torch.randn(13, k, generator=torch.Generator().manual_seed(2))

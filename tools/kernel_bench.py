@@ -35,6 +35,18 @@ def time_set(layers: list[QuantLinear], m_rows: int, small_m: int, reps: int = 9
     return median(times) * 1000
 
 
+def read_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
+    """GB/s of a plain read of nbytes (float32 sum over torch's threads): the memory ceiling the
+    kernels' rates compare with."""
+    buf = torch.ones(nbytes // 4)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        buf.sum()
+        times.append(time.perf_counter() - t0)
+    return nbytes / median(times) / 1e9
+
+
 def macs(layers: list[QuantLinear], m_rows: int) -> int:
     return m_rows * sum(m.in_features * sum(m.gguf.rows) for m in layers)
 
@@ -74,7 +86,8 @@ def main() -> None:
     if "--prefill" in sys.argv[1:]:
         return prefill([m for m in layers if m.op != "lm-head"])
 
-    for m_rows in (1, 2, 3, 4, 5, 8):
+    print(f"plain read of 1 GiB: {read_bandwidth():.1f} GB/s; default direct rows: {kernels.direct_rows()}")
+    for m_rows in (1, 2, 3, 4, 5, 6, 7, 8, 12, 16):
         row = [f"M={m_rows}"]
         for label, sm in (("direct", 16), ("tiles", 0)):
             ms = time_set(layers, m_rows, sm)

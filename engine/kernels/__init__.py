@@ -20,17 +20,20 @@ Hence, with eps = 2^-24 and n the number of fp32 additions along K (at most K/16
     |y - W x| <= sum_i |w_i| d_g(i) (1/2 + 2^-17) + the line above (activation rounding)
 The first bound is ~1e-5 relative: it pins down every code, scale and offset exactly.
 Both kernels meet it: the tiles add K/16 terms per output (scale, then bias, per 16 weights),
-the direct decode kernels K/32 per SIMD lane (one per 32 weights, plus one K-quant minimum
-term per 256) and 3 more to add the 8 lanes.
+the direct decode kernels K/32 per SIMD lane on AVX2 (one per 32 weights, plus one K-quant
+minimum term per 256) and 3 more to add the 8 lanes; on AVX-512 K/64 per lane (one per 64
+weights, plus one minimum or Q6_K offset term per 256) and 4 more to add the 16 lanes.
 
-Three kernels: calls of up to direct_rows() rows (decode) take the direct kernels
-(qkernels_impl.inc), which go from GGUF block to register with no unpacked copy; larger calls
-unpack 16-row tiles once and use them for every row; on AVX-512, calls of more than 16 rows
-(PANEL_MIN_ROWS: prefill, large batches) take the panel kernel (qkernels_prefill.inc): 32
-output rows unpacked over all of K, every activation row run through them with the
-accumulators in registers, code offsets subtracted inside the integer dots and K-quant scales
-applied per 32 (at most K/16 fp32 additions, within the bound above). Their fp32 sums differ
-in the last bits, so deterministic mode passes small_m=0: the tiles serve every row count.
+Three kernels: calls of up to direct_rows() rows (decode, small batches; 7 on AVX-512, 4 on
+AVX2) take the direct kernels (qkernels_impl.inc for AVX2, qkernels_direct512.inc for AVX-512),
+which go from GGUF block to register with no unpacked copy, each weight vector dotted against
+every row of the call; larger calls unpack 16-row tiles once and use them for every row; on
+AVX-512, calls of more than 16 rows (PANEL_MIN_ROWS: prefill, large batches) take the panel
+kernel (qkernels_prefill.inc): 32 output rows unpacked over all of K, every activation row run
+through them with the accumulators in registers, code offsets subtracted inside the integer
+dots and K-quant scales applied per 32 (at most K/16 fp32 additions, within the bound above).
+Their fp32 sums differ in the last bits, so deterministic mode passes small_m=0: the tiles
+serve every row count.
 """
 from __future__ import annotations
 
@@ -51,7 +54,7 @@ log = logging.getLogger("tokentop.kernels")
 _DIR = Path(__file__).parent
 # fused_ops.cpp: the per-layer ops around the matmuls (engine/models/fused.py)
 SOURCES = ("qmatmul_op.cpp", "qkernels.cpp", "fused_ops.cpp")
-DEPENDS = ("qkernels.h", "qkernels_impl.inc", "qkernels_prefill.inc")
+DEPENDS = ("qkernels.h", "qkernels_impl.inc", "qkernels_prefill.inc", "qkernels_direct512.inc")
 ISA_NAMES = ("scalar", "avx2", "avx512")
 # GGML type ids the op reads (gguf.GGMLQuantizationType values)
 KERNEL_TYPES = (2, 6, 8, 12, 13, 14)   # Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K
@@ -242,7 +245,7 @@ def qmatmul(x: torch.Tensor, weights: list[torch.Tensor], types: list[int], rows
             small_m: int = -1, big_m: int = -1) -> torch.Tensor:
     """fp32 x [M, K] times the stacked GGUF matrices (uint8 [rows_i, row_bytes]) transposed.
     small_m: calls of at most this many rows use the direct (decode) kernels; -1 the op's
-    default (DIRECT_MAX_ROWS), 0 never (one kernel for every row count: batch-invariant).
+    default (direct_rows()), 0 never (one kernel for every row count: batch-invariant).
     big_m: calls of at least this many rows use the panel (prefill) kernel where the ISA has
     it; -1 the op's default (PANEL_MIN_ROWS, none with small_m=0), 0 never."""
     level = -1 if isa is None else _isa_level(isa)

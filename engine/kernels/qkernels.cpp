@@ -36,6 +36,7 @@ namespace isa_avx2 {
 namespace isa_avx512 {
 #define TT_LEVEL 2
 #include "qkernels_impl.inc"
+#include "qkernels_direct512.inc"
 #include "qkernels_prefill.inc"
 #undef TT_LEVEL
 }  // namespace isa_avx512
@@ -142,17 +143,27 @@ void quantize_extras(const int8_t* a, const float* dl, int64_t M, int64_t K, flo
 
 bool has_direct(int isa) { return TT_X86 && isa >= ISA_AVX2; }
 
+int64_t direct_max_rows(int isa) {
+    if (!has_direct(isa)) return 0;
+    // tools/kernel_bench.py, 2 threads, Zen 5: the AVX-512 direct kernels beat the tiles up to
+    // 7 rows on the 0.5B and 1.5B models (M = 8: tiles 7-10% faster); AVX2's up to 4
+    return isa == ISA_AVX512 ? 7 : 4;
+}
+
 void matmul_direct(int isa, int type, const uint8_t* w, int64_t K, int64_t n0, int64_t n1,
-                   const int8_t* a, const float* d32, const int32_t* ls, const float* as32, int64_t M,
-                   float* y, int64_t ldy) {
+                   const int8_t* a, const uint8_t* au, const float* dl, const float* as16, const float* d32, const int32_t* ls,
+                   const float* as32, int64_t M, float* y, int64_t ldy) {
     const int64_t row_bytes = K / block_weights(type) * block_bytes(type);
 #if TT_X86
     if (isa == ISA_AVX512)
-        return isa_avx512::matmul_direct(type, w, row_bytes, K, n0, n1, a, d32, ls, as32, M, y, ldy);
+        return isa_avx512::matmul_direct512(type, w, row_bytes, K, n0, n1, {a, au, dl, as16, as32}, M, y, ldy);
     if (isa == ISA_AVX2)
         return isa_avx2::matmul_direct(type, w, row_bytes, K, n0, n1, a, d32, ls, as32, M, y, ldy);
 #endif
     (void)row_bytes;
+    (void)dl;
+    (void)au;
+    (void)as16;
 }
 
 bool has_panels(int isa) { return TT_X86 && isa == ISA_AVX512; }

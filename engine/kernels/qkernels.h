@@ -34,12 +34,17 @@ void quantize_extras(const int8_t* a, const float* dl, int64_t M, int64_t K, flo
 // Whether `isa` has the direct kernels (AVX2 and AVX-512; the portable path keeps unpacking).
 bool has_direct(int isa);
 
+// Calls of at most this many rows take the direct kernels by default on `isa` (measured
+// break-even against the tiles, tools/kernel_bench.py); 0 where it has none.
+int64_t direct_max_rows(int isa);
+
 // The same product as matmul_rows, block to register with no unpacked copy: for a few rows M
-// (decode), where unpacking costs more than the dot products. Batch-invariant within itself,
-// but not bitwise equal to matmul_rows.
+// (decode, small batches), where unpacking costs more than the dot products. Batch-invariant
+// within itself, but not bitwise equal to matmul_rows. dl and as16 as quantize_rows gives them,
+// au = a + 128 as uint8 (a ^ 0x80).
 void matmul_direct(int isa, int type, const uint8_t* w, int64_t K, int64_t n0, int64_t n1,
-                   const int8_t* a, const float* d32, const int32_t* ls, const float* as32, int64_t M,
-                   float* y, int64_t ldy);
+                   const int8_t* a, const uint8_t* au, const float* dl, const float* as16, const float* d32, const int32_t* ls,
+                   const float* as32, int64_t M, float* y, int64_t ldy);
 
 // Prefill (many activation rows): whether `isa` has the panel kernel (AVX-512), and the kernel.
 // It unpacks a panel of output rows over all of K once and runs every activation row through

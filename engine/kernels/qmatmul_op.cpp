@@ -37,10 +37,6 @@ at::Tensor finish(at::Tensor& y, const std::optional<at::Tensor>& bias, at::Scal
     return dtype == at::kFloat ? y : y.to(dtype);
 }
 
-// Calls with at most this many rows take the direct kernels (measured break-even, see
-// docs/benchmarks.md); more rows amortize the unpacked tiles over several activation rows.
-constexpr int64_t DIRECT_MAX_ROWS = 4;
-
 // A prefill output over glibc's largest mmap threshold (32 MiB, e.g. the 1.5B model's gate|up
 // at 500 rows) was a fresh mapping every call: its first touch cost ~9000 page faults, 13 ms of
 // a 34 ms call (measured). Such outputs reuse a pooled buffer once the caller has let go of it
@@ -73,7 +69,8 @@ at::Tensor pooled_output(int64_t M, int64_t N, const at::TensorOptions& opts) {
 // tiles, tuned separately); above, the panels.
 constexpr int64_t PANEL_MIN_ROWS = 17;
 
-// small_m: -1 the default above; 0 never use the direct kernels (deterministic mode: then
+// small_m: -1 the default, tt::direct_max_rows (calls of more rows amortize the unpacked
+// tiles over several activation rows); 0 never use the direct kernels (deterministic mode: then
 // one kernel serves every row count, so a row's bits do not depend on its batch); k > 0: the
 // direct kernels for calls of at most k rows (tests).
 // big_m: -1 the panel kernel from PANEL_MIN_ROWS rows, except with small_m=0 (deterministic
@@ -144,18 +141,21 @@ at::Tensor qmatmul(const at::Tensor& x_in, at::TensorList weights, at::IntArrayR
                           dl.data() + m0 * (K / 4), as16.data() + m0 * (K / 16));
     });
     float* yp = y.data_ptr<float>();
-    const int64_t direct_rows = small_m < 0 ? DIRECT_MAX_ROWS : small_m;
+    const int64_t direct_rows = small_m < 0 ? tt::direct_max_rows(use) : small_m;
     if (M <= direct_rows && tt::has_direct(use)) {
         std::vector<float> d32(M * (K / 32)), as32(M * (K / 32));
         std::vector<int32_t> ls(M * (K / 4));
         tt::quantize_extras(a.data(), dl.data(), M, K, d32.data(), ls.data(), as32.data());
+        std::vector<uint8_t> au(M * K);          // a + 128, unsigned (the AVX-512 kernels' operand)
+        for (int64_t i = 0; i < M * K; ++i) au[i] = uint8_t(a[i]) ^ 0x80;
         // chunks of >= 64 output rows: the per-chunk overhead stays small next to the row reads
         at::parallel_for(0, N, 64, [&](int64_t b, int64_t e) {
             for (size_t i = 0; i < weights.size(); ++i) {
                 const int64_t lo = std::max(b, offset[i]), hi = std::min(e, offset[i + 1]);
                 if (lo >= hi) continue;
                 tt::matmul_direct(use, int(types[i]), weights[i].data_ptr<uint8_t>(), K, lo - offset[i],
-                                  hi - offset[i], a.data(), d32.data(), ls.data(), as32.data(), M,
+                                  hi - offset[i], a.data(), au.data(), dl.data(), as16.data(), d32.data(), ls.data(),
+                                  as32.data(), M,
                                   yp + offset[i], N);
             }
         });
@@ -177,7 +177,7 @@ at::Tensor qmatmul(const at::Tensor& x_in, at::TensorList weights, at::IntArrayR
 int64_t best_isa_op() { return tt::best_isa(); }
 int64_t env_isa_op() { return env_isa(); }
 // rows up to which the default ISA's calls take the direct kernels (0: it has none)
-int64_t direct_rows_op() { return tt::has_direct(env_isa()) ? DIRECT_MAX_ROWS : 0; }
+int64_t direct_rows_op() { return tt::direct_max_rows(env_isa()); }
 
 }  // namespace
 
