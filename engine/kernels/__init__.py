@@ -24,11 +24,11 @@ the direct decode kernels K/32 per SIMD lane on AVX2 (one per 32 weights, plus o
 minimum term per 256) and 3 more to add the 8 lanes; on AVX-512 K/64 per lane (one per 64
 weights, plus one minimum or Q6_K offset term per 256) and 4 more to add the 16 lanes.
 
-Three kernels: calls of up to direct_rows() rows (decode, small batches; 7 on AVX-512, 4 on
+Three kernels: calls of up to direct_rows() rows (decode, small batches; 5 on AVX-512, 4 on
 AVX2) take the direct kernels (qkernels_impl.inc for AVX2, qkernels_direct512.inc for AVX-512),
 which go from GGUF block to register with no unpacked copy, each weight vector dotted against
-every row of the call; larger calls unpack 16-row tiles once and use them for every row; on
-AVX-512, calls of more than 16 rows (PANEL_MIN_ROWS: prefill, large batches) take the panel
+every row of the call; on AVX2 larger calls unpack 16-row tiles once and use them for every
+row; on AVX-512, calls of 6 rows or more (PANEL_MIN_ROWS: batches, prefill) take the panel
 kernel (qkernels_prefill.inc): 32 output rows unpacked over all of K, every activation row run
 through them with the accumulators in registers, code offsets subtracted inside the integer
 dots and K-quant scales applied per 32 (at most K/16 fp32 additions, within the bound above).
@@ -205,9 +205,10 @@ def describe() -> str:
     """One line for `tokentop models` and the start-up log."""
     if not load():
         return f"quantized kernels: unavailable ({_state['reason']}); dense torch matmuls"
+    larger = "unpacked panels" if isa_name() == "avx512" else "unpacked tiles"
     return (f"quantized kernels: GGUF-native, {isa_name()} (best on this CPU: "
             f"{isa_name(best_isa())}); every call size runs on the GGUF bytes (direct "
-            f"block-to-register kernels up to {direct_rows()} rows, unpacked tiles above)")
+            f"block-to-register kernels up to {direct_rows()} rows, {larger} above)")
 
 
 def best_isa() -> int:

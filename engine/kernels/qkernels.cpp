@@ -145,9 +145,10 @@ bool has_direct(int isa) { return TT_X86 && isa >= ISA_AVX2; }
 
 int64_t direct_max_rows(int isa) {
     if (!has_direct(isa)) return 0;
-    // tools/kernel_bench.py, 2 threads, Zen 5: the AVX-512 direct kernels beat the tiles up to
-    // 7 rows on the 0.5B and 1.5B models (M = 8: tiles 7-10% faster); AVX2's up to 4
-    return isa == ISA_AVX512 ? 7 : 4;
+    // 2 threads, Zen 5, all linear layers of a step: AVX-512's direct kernels beat the panels
+    // (qmatmul_op.cpp's PANEL_MIN_ROWS) up to 5 rows (0.5B at 4 rows 16.2 vs 18.7 ms, 6 rows
+    // 22.9 vs 20.1); AVX2's beat its tiles up to 4
+    return isa == ISA_AVX512 ? 5 : 4;
 }
 
 void matmul_direct(int isa, int type, const uint8_t* w, int64_t K, int64_t n0, int64_t n1,

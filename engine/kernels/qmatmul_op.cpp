@@ -62,19 +62,21 @@ at::Tensor pooled_output(int64_t M, int64_t N, const at::TensorOptions& opts) {
     return t.view({M, N});
 }
 
-// Calls with at least this many rows take the panel kernel where the ISA has it (AVX-512).
-// tools/kernel_bench.py --prefill (Zen 5, 2 threads, all linear layers of a step, tiles vs
-// panels): 1.5B 8 rows 79 vs 62 ms, 16 rows 118 vs 77, 32 rows 171 vs 108; 0.5B 8 rows 23 vs
-// 17, 16 rows 36 vs 21. Calls of up to 16 rows are left to the small-call kernels (direct and
-// tiles, tuned separately); above, the panels.
-constexpr int64_t PANEL_MIN_ROWS = 17;
+// Calls with at least this many rows take the panel kernel where the ISA has it (AVX-512);
+// fewer rows take the direct kernels (tt::direct_max_rows is 5 there). All linear layers of a
+// step, Zen 5, 2 threads, direct / tiles / panels in ms: 0.5B 6 rows 22.9 / 27.1 / 20.1,
+// 8 rows 38.0 / 30.4 / 23.6, 16 rows 60.1 / 45.2 / 29.2; 1.5B 6 rows 63.3 / 82.9 / 63.2, 8 rows
+// 117.6 / 91.5 / 72.3, 16 rows 212 / 135 / 88 (docs/benchmarks.md). So on AVX-512 the tiles
+// serve only deterministic mode.
+constexpr int64_t PANEL_MIN_ROWS = 6;
 
 // small_m: -1 the default, tt::direct_max_rows (calls of more rows amortize the unpacked
 // tiles over several activation rows); 0 never use the direct kernels (deterministic mode: then
 // one kernel serves every row count, so a row's bits do not depend on its batch); k > 0: the
 // direct kernels for calls of at most k rows (tests).
-// big_m: -1 the panel kernel from PANEL_MIN_ROWS rows, except with small_m=0 (deterministic
-// mode keeps the tiles for every row count); 0 never; k > 0: from k rows (tests, benchmarks).
+// big_m: -1 the panel kernel from PANEL_MIN_ROWS rows (or above a forced small_m), except with
+// small_m=0 (deterministic mode keeps the tiles for every row count); 0 never; k > 0: from k
+// rows (tests, benchmarks).
 at::Tensor qmatmul(const at::Tensor& x_in, at::TensorList weights, at::IntArrayRef types,
                    at::IntArrayRef rows, const std::optional<at::Tensor>& bias, int64_t isa,
                    int64_t small_m, int64_t big_m) {
@@ -104,7 +106,8 @@ at::Tensor qmatmul(const at::Tensor& x_in, at::TensorList weights, at::IntArrayR
         offset[i + 1] = offset[i] + rows[i];
     }
     const int64_t N = offset.back();
-    const int64_t panel_rows = big_m < 0 ? (small_m == 0 ? 0 : PANEL_MIN_ROWS) : big_m;
+    // a forced small_m (k > 0) keeps the direct kernels up to k rows, panels or not
+    const int64_t panel_rows = big_m >= 0 ? big_m : small_m == 0 ? 0 : std::max(PANEL_MIN_ROWS, small_m + 1);
     const bool panels = panel_rows > 0 && M >= panel_rows && tt::has_panels(use);
     at::Tensor y = panels && size_t(M) * size_t(N) * sizeof(float) >= POOL_MIN_BYTES
                        ? pooled_output(M, N, x.options()) : at::empty({M, N}, x.options());

@@ -297,7 +297,8 @@ class QuantLinear(torch.nn.Module):
     def kernel_forms(self) -> dict[str, int]:
         """Each weight form a call can use, with a row count that selects it. "gguf" is the
         GGUF kernel as one decode row runs it (the direct kernel where the ISA has one),
-        "gguf-tiles" the unpacked row tiles of larger calls when those differ."""
+        "gguf-tiles" the kernel of larger calls when it differs (unpacked row tiles, or the panels
+        on AVX-512)."""
         forms = {}
         if self.gguf is not None and self.kernel_for(1) == "gguf":
             forms["gguf"] = 1

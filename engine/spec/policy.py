@@ -63,9 +63,9 @@ class LengthK:
 
 class RowCost:
     """Seconds of a step by its exact row count: measured at start-up (calibrate), then kept
-    current by the steps the worker runs (EMA). Kernels change at row thresholds (this CPU's
-    int4 kernel costs about the same for 1-4 rows and 50% more from 5), so no straight line
-    would do; unseen counts are interpolated, or extrapolated from the last two."""
+    current by the steps the worker runs (EMA). Kernels change at row thresholds (the direct
+    kernels cost about the same for 1-2 rows, then the panels or tiles take over), so no
+    straight line would do; unseen counts are interpolated, or extrapolated from the last two."""
 
     ALPHA = 0.2
 
