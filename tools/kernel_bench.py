@@ -1,7 +1,8 @@
 """Micro-benchmark of tokentop::qmatmul on a real model's linear layers (one decode step's set).
 
 For each row count M, every linear layer of the model runs once back to back, with the direct
-kernels (small_m=16), the unpacked tiles (small_m=0) and the op's default, 2 threads unless told;
+kernels (small_m=16), the unpacked tiles (small_m=0) and the panels (big_m=1; AVX-512 only,
+elsewhere the op's other kernels), 2 threads unless told;
 prints the median time of the set, the GGUF bytes it reads and the rate. Run under the CPU lock:
   flock /tmp/tokentop-cpu.lock python tools/kernel_bench.py qwen2.5-coder-0.5b [threads]
 `--prefill` instead times many-row calls (prefill): the tiles against the panel kernel
@@ -89,8 +90,8 @@ def main() -> None:
     print(f"plain read of 1 GiB: {read_bandwidth():.1f} GB/s; default direct rows: {kernels.direct_rows()}")
     for m_rows in (1, 2, 3, 4, 5, 6, 7, 8, 12, 16):
         row = [f"M={m_rows}"]
-        for label, sm in (("direct", 16), ("tiles", 0)):
-            ms = time_set(layers, m_rows, sm)
+        for label, sm, bm in (("direct", 16, 0), ("tiles", 0, 0), ("panels", -1, 1)):
+            ms = time_set(layers, m_rows, sm, big_m=bm)
             row.append(f"{label} {ms:7.2f} ms {nbytes / ms / 1e6:5.1f} GB/s")
         print("  ".join(row))
     # per type at M = 1: the layers holding only that type
