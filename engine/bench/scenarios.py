@@ -64,7 +64,8 @@ def prompt_of(engine, n_tokens: int, salt: str = "") -> list[int]:
 
 
 # --- single ------------------------------------------------------------------------------
-def _single_child(worker: WorkerConfig, runs: int, prompt_len: int, out_tokens: int, q) -> None:
+def _single_child(worker: WorkerConfig, runs: int, prompt_len: int, out_tokens: int, q,
+                  overhead: bool = True) -> None:
     try:
         import torch
         torch.set_num_threads(worker.threads)
@@ -84,9 +85,9 @@ def _single_child(worker: WorkerConfig, runs: int, prompt_len: int, out_tokens: 
             rss, rss_end = peak_rss_mb(), rss_now_mb()
             from engine import kernels
             from engine.models.catalog import resolve_model
-            overhead = _framework_overhead(engine, str(resolve_model(worker.model)), worker)
+            extra = _framework_overhead(engine, str(resolve_model(worker.model)), worker) if overhead else {}
             q.put({"prefill_tok_s": prefill, "decode_tok_s": decode, "peak_rss_mb": rss,
-                   "rss_after_runs": rss_end, "decode_step_ms": round(1000 / median(decode), 2), **overhead,
+                   "rss_after_runs": rss_end, "decode_step_ms": round(1000 / median(decode), 2), **extra,
                    "linear_kernels": kernels.describe()})
         finally:
             engine.shutdown()
@@ -184,18 +185,55 @@ def _llama_cpp(python: str, model: str, threads: int, runs: int, out_tokens: int
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _tokentop_single(worker: WorkerConfig, runs: int, out_tokens: int, overhead: bool) -> dict:
+    """One bench-single child process (its own engine, so each round starts cold alike)."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_single_child, args=(worker, runs, 500, out_tokens, q, overhead))
+    p.start()
+    res = q.get()
+    p.join()
+    return res
+
+
+def merge_rounds(rounds: list[dict]) -> dict:
+    """One result from several rounds' results: the runs' lists joined, the peak RSS the
+    largest, everything else (overhead, kernels, RSS after the runs) from the last round."""
+    merged = dict(rounds[-1])
+    for key in ("prefill_tok_s", "decode_tok_s"):
+        merged[key] = [v for r in rounds for v in r[key]]
+    merged["peak_rss_mb"] = max(r["peak_rss_mb"] for r in rounds)
+    if "decode_step_ms" in merged:
+        merged["decode_step_ms"] = round(1000 / median(merged["decode_tok_s"]), 2)
+    return merged
+
+
+def paired_ratio(ours: list[float], theirs: list[float]) -> float:
+    """Median of the run-by-run ratios of two interleaved series: each pair ran within seconds
+    of each other, so a slow spell of the shared machine (its read bandwidth swings ~1.4x over
+    minutes) lands on both sides of a pair instead of on one side of the comparison."""
+    return median([a / b for a, b in zip(ours, theirs)])
+
+
 def bench_single(args) -> dict:
+    """tokentop and llama.cpp alternate, one run each per round (ABAB...), each in a fresh
+    process; the ratios are the medians of the rounds' ratios."""
     runs = 1 if args.quick else args.runs
     out_tokens = 32 if args.quick else 128
     rows = []
     for model in [m.strip() for m in args.models.split(",") if m.strip()]:
         worker = base_worker(args, model=model)
-        ctx = mp.get_context("spawn")
-        q = ctx.Queue()
-        p = ctx.Process(target=_single_child, args=(worker, runs, 500, out_tokens, q))
-        p.start()
-        res = q.get()
-        p.join()
+        if not args.llama_cpp:
+            res = _tokentop_single(worker, runs, out_tokens, overhead=True)
+            refs = []
+        else:
+            ours, refs = [], []
+            for r in range(runs):
+                ours.append(_tokentop_single(worker, 1, out_tokens, overhead=r == runs - 1))
+                refs.append(_llama_cpp(args.llama_cpp, model, worker.threads, 1, out_tokens))
+                if "error" in ours[-1] or "error" in refs[-1]:
+                    break
+            res = ours[-1] if "error" in ours[-1] else merge_rounds(ours)
         row = {"model": model, "device": worker.device, "threads": worker.threads, "weights": worker.weights,
                "activation_dtype": worker.activation_dtype,
                "kv_dtype": resolve_kv_dtype(worker.device, worker.kv_dtype),
@@ -207,14 +245,17 @@ def bench_single(args) -> dict:
             continue
         row["prefill_tok_s_median"] = median(res["prefill_tok_s"])
         row["decode_tok_s_median"] = median(res["decode_tok_s"])
+        paired = False
         if args.llama_cpp:
-            ref = _llama_cpp(args.llama_cpp, model, worker.threads, runs, out_tokens)
-            ref["source"] = "measured in this run (llama-cpp-python, same GGUF file, same threads)"
+            ref = refs[-1] if "error" in refs[-1] else merge_rounds(refs)
+            ref["source"] = ("measured in this run, interleaved with tokentop's runs (llama-cpp-python, "
+                             "same GGUF file, same threads)")
             if "error" not in ref:
                 ref["prefill_tok_s_median"] = median(ref["prefill_tok_s"])
                 ref["decode_tok_s_median"] = median(ref["decode_tok_s"])
                 lp, ld = ref["prefill_tok_s_median"], ref["decode_tok_s_median"]
                 row["rss_ratio"] = round(res["peak_rss_mb"] / ref["peak_rss_mb"], 3)
+                paired = True
         elif model in LLAMA_CPP:
             lp, ld = LLAMA_CPP[model]
             ref = {"prefill_tok_s_median": lp, "decode_tok_s_median": ld,
@@ -224,8 +265,14 @@ def bench_single(args) -> dict:
             ref = None
         row["llama_cpp"] = ref
         if ref and "error" not in ref:
-            row["prefill_ratio"] = round(row["prefill_tok_s_median"] / lp, 3)
-            row["decode_ratio"] = round(row["decode_tok_s_median"] / ld, 3)
+            if paired:     # medians of the rounds' ratios (see paired_ratio)
+                row["prefill_ratio"] = round(paired_ratio(res["prefill_tok_s"], ref["prefill_tok_s"]), 3)
+                row["decode_ratio"] = round(paired_ratio(res["decode_tok_s"], ref["decode_tok_s"]), 3)
+                row["ratio_of_medians"] = {"prefill": round(row["prefill_tok_s_median"] / lp, 3),
+                                           "decode": round(row["decode_tok_s_median"] / ld, 3)}
+            else:
+                row["prefill_ratio"] = round(row["prefill_tok_s_median"] / lp, 3)
+                row["decode_ratio"] = round(row["decode_tok_s_median"] / ld, 3)
             if model in GOALS:
                 gp, gd = GOALS[model]
                 row["goals"] = {"prefill_ratio": gp, "decode_ratio": gd,
