@@ -120,7 +120,7 @@ def _naive_attention(q, k_store, v_store, slots, lengths, softcap):
 
 
 @needs_kernels
-@pytest.mark.parametrize("hd", [64, 40])
+@pytest.mark.parametrize("hd", [64, 128, 40])   # 64 and 128: the constant-size clones
 @pytest.mark.parametrize("softcap", [0.0, 20.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("threads", [1, 2])
@@ -220,6 +220,27 @@ def test_greedy_pick_matches_the_full_sampler(V, monkeypatch):
     assert torch.equal(fast.tokens, full.tokens)
     assert torch.equal(fast.tokens, logits.argmax(-1))
     torch.testing.assert_close(fast.logprobs, full.logprobs, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("threads", [1, 2])
+def test_greedy_pick_rows_do_not_depend_on_the_batch(threads):
+    kernels.load()
+    g = _gen(8)
+    logits = torch.randn(8, 151936, generator=g) * 4
+    logits[5, 100:200] = float("nan")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ids, lp, ok = torch.ops.tokentop.greedy_pick(logits)
+        alone = [torch.ops.tokentop.greedy_pick(logits[r:r + 1].contiguous()) for r in range(8)]
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(ids, torch.cat([a[0] for a in alone]))
+    lp_alone = torch.cat([a[1] for a in alone])
+    assert torch.equal(lp[ok], lp_alone[ok])   # the NaN row is flagged, its logprob not compared
+    assert ok.tolist() == [r != 5 for r in range(8)] and ok.tolist() == torch.cat([a[2] for a in alone]).tolist()
+    assert torch.equal(ids[ok], logits[ok].argmax(-1))
 
 
 @needs_kernels
