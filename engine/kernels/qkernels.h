@@ -40,11 +40,30 @@ int64_t direct_max_rows(int isa);
 
 // The same product as matmul_rows, block to register with no unpacked copy: for a few rows M
 // (decode, small batches), where unpacking costs more than the dot products. Batch-invariant
-// within itself, but not bitwise equal to matmul_rows. dl and as16 as quantize_rows gives them,
-// au = a + 128 as uint8 (a ^ 0x80).
+// within itself, but not bitwise equal to matmul_rows. AVX2 (matmul_direct): a, d32, ls, as32
+// from quantize_rows / quantize_extras.
 void matmul_direct(int isa, int type, const uint8_t* w, int64_t K, int64_t n0, int64_t n1,
-                   const int8_t* a, const uint8_t* au, const float* dl, const float* as16, const float* d32, const int32_t* ls,
-                   const float* as32, int64_t M, float* y, int64_t ldy);
+                   const int8_t* a, const float* d32, const int32_t* ls, const float* as32, int64_t M,
+                   float* y, int64_t ldy);
+
+// AVX-512's direct kernels (qkernels_direct512.inc) quantize the activations as each weight
+// type is scaled: Q4_0 / Q5_0 / Q8_0 per 32 weights (au = a + 128 as uint8, dl = d per 4-weight
+// lane, K/4 floats), the K-quants per 256 like llama.cpp's Q8_K (ak, dk: K/256 scales, as16k /
+// as32k = dk * the sum of ak over each 16 / 32 weights), so a super-block's dot product stays in
+// integers. quantize_direct512 fills the forms whose pointers are not null.
+struct DirectActs {
+    const uint8_t* au;
+    const float* dl;
+    const int8_t* ak;
+    const float* dk;
+    const float* as16k;
+    const float* as32k;
+};
+bool is_k_quant(int type);
+void quantize_direct512(const float* x, int64_t ldx, int64_t M, int64_t K, uint8_t* au, float* dl, int8_t* ak,
+                        float* dk, float* as16k, float* as32k);
+void matmul_direct512(int type, const uint8_t* w, int64_t K, int64_t n0, int64_t n1, const DirectActs& act,
+                      int64_t M, float* y, int64_t ldy);
 
 // Prefill (many activation rows): whether `isa` has the panel kernel (AVX-512), and the kernel.
 // It unpacks a panel of output rows over all of K once and runs every activation row through

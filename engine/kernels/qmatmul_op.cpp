@@ -137,28 +137,48 @@ at::Tensor qmatmul(const at::Tensor& x_in, at::TensorList weights, at::IntArrayR
         });
         return finish(y, bias, x_in.scalar_type());
     }
+    float* yp = y.data_ptr<float>();
+    const int64_t direct_rows = small_m < 0 ? tt::direct_max_rows(use) : small_m;
+    const bool direct = M <= direct_rows && tt::has_direct(use);
+    if (direct && use == tt::ISA_AVX512) {
+        // each type's form of the activations (qkernels.h), quantized once for the call
+        bool k_types = false, w32_types = false;
+        for (int64_t t : types) (tt::is_k_quant(int(t)) ? k_types : w32_types) = true;
+        std::vector<uint8_t> au(w32_types ? M * K : 0);
+        std::vector<float> dl(w32_types ? M * (K / 4) : 0);
+        std::vector<int8_t> ak(k_types ? M * K : 0);
+        std::vector<float> dk(k_types ? M * (K / 256) : 0), as16k(k_types ? M * (K / 16) : 0),
+            as32k(k_types ? M * (K / 32) : 0);
+        tt::quantize_direct512(x.data_ptr<float>(), K, M, K, w32_types ? au.data() : nullptr, dl.data(),
+                               k_types ? ak.data() : nullptr, dk.data(), as16k.data(), as32k.data());
+        const tt::DirectActs act{au.data(), dl.data(), ak.data(), dk.data(), as16k.data(), as32k.data()};
+        // chunks of >= 64 output rows: the per-chunk overhead stays small next to the row reads
+        at::parallel_for(0, N, 64, [&](int64_t b, int64_t e) {
+            for (size_t i = 0; i < weights.size(); ++i) {
+                const int64_t lo = std::max(b, offset[i]), hi = std::min(e, offset[i + 1]);
+                if (lo >= hi) continue;
+                tt::matmul_direct512(int(types[i]), weights[i].data_ptr<uint8_t>(), K, lo - offset[i],
+                                     hi - offset[i], act, M, yp + offset[i], N);
+            }
+        });
+        return finish(y, bias, x_in.scalar_type());
+    }
     std::vector<int8_t> a(M * K);
     std::vector<float> dl(M * (K / 4)), as16(M * (K / 16));
     at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
         tt::quantize_rows(x.data_ptr<float>() + m0 * K, K, m1 - m0, K, a.data() + m0 * K,
                           dl.data() + m0 * (K / 4), as16.data() + m0 * (K / 16));
     });
-    float* yp = y.data_ptr<float>();
-    const int64_t direct_rows = small_m < 0 ? tt::direct_max_rows(use) : small_m;
-    if (M <= direct_rows && tt::has_direct(use)) {
+    if (direct) {
         std::vector<float> d32(M * (K / 32)), as32(M * (K / 32));
         std::vector<int32_t> ls(M * (K / 4));
         tt::quantize_extras(a.data(), dl.data(), M, K, d32.data(), ls.data(), as32.data());
-        std::vector<uint8_t> au(M * K);          // a + 128, unsigned (the AVX-512 kernels' operand)
-        for (int64_t i = 0; i < M * K; ++i) au[i] = uint8_t(a[i]) ^ 0x80;
-        // chunks of >= 64 output rows: the per-chunk overhead stays small next to the row reads
         at::parallel_for(0, N, 64, [&](int64_t b, int64_t e) {
             for (size_t i = 0; i < weights.size(); ++i) {
                 const int64_t lo = std::max(b, offset[i]), hi = std::min(e, offset[i + 1]);
                 if (lo >= hi) continue;
                 tt::matmul_direct(use, int(types[i]), weights[i].data_ptr<uint8_t>(), K, lo - offset[i],
-                                  hi - offset[i], a.data(), au.data(), dl.data(), as16.data(), d32.data(), ls.data(),
-                                  as32.data(), M,
+                                  hi - offset[i], a.data(), d32.data(), ls.data(), as32.data(), M,
                                   yp + offset[i], N);
             }
         });
