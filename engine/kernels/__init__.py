@@ -236,6 +236,12 @@ def direct_rows() -> int:
     return int(torch.ops.tokentop.direct_rows())
 
 
+def batch_rows() -> int:
+    """The fewest rows for which a call takes the kernel of batches and prefill by default (the
+    panels on AVX-512, the unpacked tiles elsewhere)."""
+    return int(torch.ops.tokentop.batch_rows())
+
+
 def status() -> dict:
     """For `tokentop models` and the start-up log."""
     ok = load()

@@ -201,6 +201,13 @@ int64_t best_isa_op() { return tt::best_isa(); }
 int64_t env_isa_op() { return env_isa(); }
 // rows up to which the default ISA's calls take the direct kernels (0: it has none)
 int64_t direct_rows_op() { return tt::direct_max_rows(env_isa()); }
+// the fewest rows for which the default ISA's calls take the kernel of batches and prefill
+// (the panels on AVX-512, the tiles elsewhere): what the load-time self-check runs it with
+int64_t batch_rows_op() {
+    const int use = env_isa();
+    const int64_t after_direct = tt::direct_max_rows(use) + 1;
+    return tt::has_panels(use) ? std::min(PANEL_MIN_ROWS, after_direct) : after_direct;
+}
 
 }  // namespace
 
@@ -210,6 +217,7 @@ TORCH_LIBRARY(tokentop, m) {
     m.def("best_isa() -> int", &best_isa_op);
     m.def("env_isa() -> int", &env_isa_op);
     m.def("direct_rows() -> int", &direct_rows_op);
+    m.def("batch_rows() -> int", &batch_rows_op);
 }
 
 TORCH_LIBRARY_IMPL(tokentop, CPU, m) { m.impl("qmatmul", &qmatmul); }
