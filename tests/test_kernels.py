@@ -3,8 +3,8 @@
 The two bounds checked are derived in engine/kernels/__init__.py: against W x̂ (x̂ = the
 activations as the kernel quantizes them) only fp32 rounding may differ, which pins every code,
 scale and offset; against W x the activation rounding adds at most sum |w_i| d_g / 2. The activations' groups are
-what the kernel quantizes them with: 32 weights, except AVX-512's direct kernels, which quantize
-them per 256 against K-quant weights (act_group).
+what the kernel quantizes them with: 32 weights, except the direct kernels, which quantize them
+per 256 against K-quant weights (act_group).
 """
 from __future__ import annotations
 
@@ -61,12 +61,13 @@ def quantize_activations(x: torch.Tensor, group: int = 32) -> tuple[torch.Tensor
 
 def act_group(qtype: T, m: int, isa: str | None = None, small_m: int = -1, big_m: int = -1) -> int:
     """The activation group the op takes for a call of m rows (qmatmul_op.cpp's dispatch): 256 for
-    K-quant weights in AVX-512's direct kernels, else 32. A wrong answer fails check's W x̂ bound."""
+    K-quant weights in the direct kernels (AVX2, AVX-512), else 32. A wrong answer fails check's
+    W x̂ bound."""
     isa = isa or kernels.isa_name()
     panel_rows = big_m if big_m >= 0 else 0 if small_m == 0 else max(PANEL_MIN_ROWS, small_m + 1)
     panels = isa == "avx512" and 0 < panel_rows <= m
-    direct = not panels and m <= (kernels.direct_rows() if small_m < 0 else small_m)
-    return 256 if isa == "avx512" and direct and qtype in K_TYPES else 32
+    direct = not panels and m <= (kernels.direct_rows(isa) if small_m < 0 else small_m)
+    return 256 if isa != "scalar" and direct and qtype in K_TYPES else 32
 
 
 def weight_bias(td: TensorData) -> torch.Tensor:
@@ -191,7 +192,7 @@ def test_panel_kernel_every_type_isa_and_row_count(qtype, isa):
     x[:, 3] *= 50
     x[7] = 0.0                                   # an all-zero row: d = 0 in every group
     for m in (1, 2, 3, 5, 6, 7, 13, 39):
-        check(run([td], x[:m], isa, big_m=1), td, x[:m])
+        check(run([td], x[:m], isa, big_m=1), td, x[:m], act_group(qtype, m, isa, big_m=1))
 
 
 @pytest.mark.parametrize("isa", runnable_isas())

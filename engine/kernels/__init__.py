@@ -230,10 +230,10 @@ def isa_name(level: int | None = None) -> str:
     return ISA_NAMES[level]
 
 
-def direct_rows() -> int:
-    """Calls of at most this many rows take the direct (decode) kernels by default; larger
-    ones the unpacked row tiles. 0 where the default ISA has no direct kernels (portable)."""
-    return int(torch.ops.tokentop.direct_rows())
+def direct_rows(isa: str | None = None) -> int:
+    """Calls of at most this many rows take the direct (decode) kernels by default (on `isa`, or
+    the default ISA); larger ones the panels or tiles. 0 where it has no direct kernels (portable)."""
+    return int(torch.ops.tokentop.direct_rows(-1 if isa is None else _isa_level(isa)))
 
 
 def batch_rows() -> int:
