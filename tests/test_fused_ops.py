@@ -150,6 +150,23 @@ def test_decode_attention(hd, softcap, dtype, threads):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_decode_attention_reads_every_16_bit_value_exactly(dtype):
+    """Every fp16 / bf16 bit pattern (subnormals, signed zeros, Inf, NaN) as a V row of a sequence
+    whose one key has softmax weight 1: the output is the value converted to fp32, bit for bit
+    (the op converts 16-bit K/V with its own vectorizable code, not c10's)."""
+    hd = 64
+    n = 65536 // hd
+    v_store = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(dtype).view(n, 1, hd)
+    k_store = torch.zeros(n, 1, hd, dtype=dtype)
+    out = FUSED.decode_attention(torch.zeros(n, 1, hd), k_store, v_store, torch.arange(n).view(n, 1),
+                                 torch.ones(n, dtype=torch.long), 0.0)
+    want = v_store.float().view(n, hd)
+    assert torch.equal(out.isnan(), want.isnan())
+    assert torch.equal(out[~want.isnan()], want[~want.isnan()])
+
+
+@needs_kernels
 def test_fused_ops_refuse_bad_slots_and_shapes():
     q = torch.randn(1, 4, 16)
     store = torch.zeros(10, 2, 16)

@@ -2,7 +2,9 @@
 
 The two bounds checked are derived in engine/kernels/__init__.py: against W x̂ (x̂ = the
 activations as the kernel quantizes them) only fp32 rounding may differ, which pins every code,
-scale and offset; against W x the activation rounding adds at most sum |w_i| d_g / 2.
+scale and offset; against W x the activation rounding adds at most sum |w_i| d_g / 2. The activations' groups are
+what the kernel quantizes them with: 32 weights, except the direct kernels, which quantize them
+per 256 against K-quant weights (act_group).
 """
 from __future__ import annotations
 
@@ -47,14 +49,25 @@ def random_td(qtype: T, rows: int, cols: int, seed: int = 0) -> TensorData:
     return TensorData("w", qtype, (rows, cols), np.ascontiguousarray(raw).reshape(rows, -1))
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_activations(x: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     """x̂ and the scale d per weight, exactly as the kernel computes them (fp32 ops, fp64 result)."""
     m, k = x.shape
-    g = x.view(m, k // 32, 32)
+    g = x.view(m, k // group, group)
     d = g.abs().amax(-1, keepdim=True) / 127
     inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
     a = torch.round(g * inv).clamp(-127, 127)
-    return (a.double() * d.double()).view(m, k), d.double().expand(-1, -1, 32).reshape(m, k)
+    return (a.double() * d.double()).view(m, k), d.double().expand(-1, -1, group).reshape(m, k)
+
+
+def act_group(qtype: T, m: int, isa: str | None = None, small_m: int = -1, big_m: int = -1) -> int:
+    """The activation group the op takes for a call of m rows (qmatmul_op.cpp's dispatch): 256 for
+    K-quant weights in the direct kernels (AVX2, AVX-512), else 32. A wrong answer fails check's
+    W x̂ bound."""
+    isa = isa or kernels.isa_name()
+    panel_rows = big_m if big_m >= 0 else 0 if small_m == 0 else max(PANEL_MIN_ROWS, small_m + 1)
+    panels = isa == "avx512" and 0 < panel_rows <= m
+    direct = not panels and m <= (kernels.direct_rows(isa) if small_m < 0 else small_m)
+    return 256 if isa != "scalar" and direct and qtype in K_TYPES else 32
 
 
 def weight_bias(td: TensorData) -> torch.Tensor:
@@ -64,9 +77,9 @@ def weight_bias(td: TensorData) -> torch.Tensor:
     return torch.from_numpy(np.repeat(np.abs(b), c.group, axis=1)).double()
 
 
-def check(y: torch.Tensor, td: TensorData, x: torch.Tensor) -> None:
+def check(y: torch.Tensor, td: TensorData, x: torch.Tensor, group: int = 32) -> None:
     w = dequantize(td).double()
-    xhat, d = quantize_activations(x)
+    xhat, d = quantize_activations(x, group)
     k = x.shape[1]
     fp32_bound = (k / 16 + 32) * EPS32 * (xhat.abs() @ (w.abs() + 2 * weight_bias(td)).T)
     err_hat = (y.double() - xhat @ w.T).abs()
@@ -98,7 +111,8 @@ def test_random_blocks_every_type_isa_and_row_count(qtype, isa, kernel):
     x = torch.randn(16, k, generator=torch.Generator().manual_seed(1))
     x[:, 5] *= 40                               # an outlier channel, as real activations have
     for m in range(1, 17):
-        check(run([td], x[:m], isa, small_m=KERNEL_CHOICES[kernel]), td, x[:m])
+        small_m = KERNEL_CHOICES[kernel]
+        check(run([td], x[:m], isa, small_m=small_m), td, x[:m], act_group(qtype, m, isa, small_m))
 
 
 def on_one_and_two_threads(td, x, isa, small_m):
@@ -121,7 +135,7 @@ def test_direct_kernel_with_one_and_two_threads(qtype, isa):
     td = random_td(qtype, rows=203, cols=k, seed=7 + int(qtype))
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(6))
     one, two = on_one_and_two_threads(td, x, isa, small_m=4)
-    check(one, td, x)
+    check(one, td, x, act_group(qtype, 3, isa, small_m=4))
     assert torch.equal(one, two)
     # and a row's result does not depend on the other rows of its call (M = 1 vs M = 3)
     assert torch.equal(torch.cat([run([td], x[i:i + 1], isa, small_m=4) for i in range(3)]), one)
@@ -140,7 +154,7 @@ def test_direct_kernel_rows_1_to_16_take_the_same_bits(qtype, isa):
     alone = torch.cat([run([td], x[i:i + 1], isa, small_m=16) for i in range(16)])
     for m in range(1, 17):
         one, two = on_one_and_two_threads(td, x[:m], isa, small_m=16)
-        check(one, td, x[:m])
+        check(one, td, x[:m], act_group(qtype, m, isa, small_m=16))
         assert torch.equal(one, two), m
         if kernels.best_isa() >= 1 and isa != "scalar":
             assert torch.equal(one, alone[:m]), m
@@ -178,7 +192,7 @@ def test_panel_kernel_every_type_isa_and_row_count(qtype, isa):
     x[:, 3] *= 50
     x[7] = 0.0                                   # an all-zero row: d = 0 in every group
     for m in (1, 2, 3, 5, 6, 7, 13, 39):
-        check(run([td], x[:m], isa, big_m=1), td, x[:m])
+        check(run([td], x[:m], isa, big_m=1), td, x[:m], act_group(qtype, m, isa, big_m=1))
 
 
 @pytest.mark.parametrize("isa", runnable_isas())
@@ -244,16 +258,23 @@ def test_isa_paths_agree_within_their_bounds():
     td = random_td(T.Q8_0, rows=33, cols=256)     # AVX2 takes Q8_0's sign trick: cover -128
     x = torch.randn(4, 256, generator=torch.Generator().manual_seed(3))
     for isa in runnable_isas():
-        check(run([td], x, isa), td, x)
+        check(run([td], x, isa), td, x, act_group(T.Q8_0, 4, isa))
 
 
 def test_stacked_matrices_of_mixed_types_with_bias():
-    parts = [random_td(T.Q5_0, 24, 256, 1), random_td(T.Q5_0, 8, 256, 2), random_td(T.Q8_0, 9, 256, 3)]
-    bias = torch.randn(41)
+    """32-wise and K-quant parts in one call: on AVX-512's direct kernels each takes its own
+    form of the activations (per 32 / per 256), both quantized once for the call."""
+    parts = [random_td(T.Q5_0, 24, 256, 1), random_td(T.Q4_K, 13, 256, 5), random_td(T.Q5_0, 8, 256, 2),
+             random_td(T.Q8_0, 9, 256, 3), random_td(T.Q6_K, 7, 256, 6)]
+    bias = torch.randn(61)
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(4))
     fused = run(parts, x, bias=bias)
     alone = torch.cat([run([p], x) for p in parts], dim=1) + bias
     assert torch.equal(fused, alone)
+    col = 0
+    for p in parts:
+        check(fused[:, col:col + p.shape[0]] - bias[col:col + p.shape[0]], p, x, act_group(p.ggml_type, 3))
+        col += p.shape[0]
 
 
 def test_bad_inputs_raise():
@@ -296,8 +317,8 @@ def test_real_tensors_of_the_bundled_model(real_model_path):
         x[:, 7] *= 30
         for isa in runnable_isas():
             for small_m in KERNEL_CHOICES.values():
-                check(run([sub], x, isa, small_m=small_m), sub, x)
-                check(run([sub], x[:1], isa, small_m=small_m), sub, x[:1])
+                check(run([sub], x, isa, small_m=small_m), sub, x, act_group(qtype, 6, isa, small_m))
+                check(run([sub], x[:1], isa, small_m=small_m), sub, x[:1], act_group(qtype, 1, isa, small_m))
 
 
 def test_without_a_compiler_the_model_falls_back_with_one_log_line(tmp_path):

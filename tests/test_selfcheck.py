@@ -31,7 +31,7 @@ def test_tiny_model_passes_and_every_form_is_checked(tiny_model_path, policy):
     assert ("gguf" in forms) == kernels.available()
     # both GGUF kernels: the direct one of decode rows and the tiles of larger calls
     assert ("gguf-tiles" in forms) == (kernels.available() and kernels.direct_rows() > 0
-                                       and (policy.dense_threshold or 1 << 30) > kernels.direct_rows() + 1)
+                                       and (policy.dense_threshold or 1 << 30) > kernels.batch_rows())
     quantized_dense = any(r.form.startswith("dense") and all(t.startswith("Q") for t in r.types.split("+"))
                           for r in results)
     assert quantized_dense == (policy.dense_threshold is not None or not kernels.available())

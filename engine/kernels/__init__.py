@@ -2,15 +2,19 @@
 
 The op computes y = x W^T straight from the GGUF blocks of Q4_0, Q5_0, Q8_0, Q4_K, Q5_K and
 Q6_K matrices (the mmap'd file is the weight). It follows llama.cpp's scheme: each activation
-row is quantized once to int8 with one scale per 32 values, then integer dot products
-(AVX-512 VNNI vpdpbusd, AVX2 maddubs/madd, or portable C++), picked at run time from cpuid.
+row is quantized once to int8 with one scale per 32 values (per 256 against K-quant weights in
+AVX-512's direct kernels, llama.cpp's Q8_K, so a super-block's sum stays in integers), then
+integer dot products (AVX-512 VNNI vpdpbusd / vpdpwssd, AVX2 maddubs/madd, or portable C++),
+picked at run time from cpuid.
 TOKENTOP_KERNEL_ISA=scalar|avx2|avx512 caps the choice (tests force each path).
 
 The library is compiled once per torch version, source hash and CPU into the platformdirs
 cache (`nice -n 19`, in a child process, so a failed build cannot take the engine down).
 Without a compiler the model falls back to dense torch matmuls, with one log line saying so.
 
-Error bound (what tests/test_kernels.py checks). Row m of x is quantized per 32-group g to
+Error bound (what tests/test_kernels.py checks). Row m of x is quantized per group g of 32
+values (256 against K-quants in AVX-512's direct kernels; the bound below holds for either, with
+that group's d_g) to
 a_i = round(x_i / d_g), d_g = max|x_g| / 127, so x̂_i = d_g a_i and |x_i - x̂_i| <= d_g / 2
 (plus at most one rounding of x_i / d_g, |a_i| <= 127: d_g * 2^-17 more). Every weight is
 w_i = s * code_i - b with an integer code, so the kernel's integer dot products and per-lane
@@ -22,7 +26,10 @@ The first bound is ~1e-5 relative: it pins down every code, scale and offset exa
 Both kernels meet it: the tiles add K/16 terms per output (scale, then bias, per 16 weights),
 the direct decode kernels K/32 per SIMD lane on AVX2 (one per 32 weights, plus one K-quant
 minimum term per 256) and 3 more to add the 8 lanes; on AVX-512 K/64 per lane (one per 64
-weights, plus one minimum or Q6_K offset term per 256) and 4 more to add the 16 lanes.
+weights; for K-quants one exact int32 -> fp32 conversion, one FMA and one minimum or Q6_K offset
+term per 256) and 4 more to add the 16 lanes. The coarser K-quant groups make d_g, so the
+second bound, larger where a 256-group holds an outlier (up to 8x a 32-group's); llama.cpp
+quantizes the same way for these types.
 
 Three kernels: calls of up to direct_rows() rows (decode, small batches; 5 on AVX-512, 4 on
 AVX2) take the direct kernels (qkernels_impl.inc for AVX2, qkernels_direct512.inc for AVX-512),
@@ -223,10 +230,16 @@ def isa_name(level: int | None = None) -> str:
     return ISA_NAMES[level]
 
 
-def direct_rows() -> int:
-    """Calls of at most this many rows take the direct (decode) kernels by default; larger
-    ones the unpacked row tiles. 0 where the default ISA has no direct kernels (portable)."""
-    return int(torch.ops.tokentop.direct_rows())
+def direct_rows(isa: str | None = None) -> int:
+    """Calls of at most this many rows take the direct (decode) kernels by default (on `isa`, or
+    the default ISA); larger ones the panels or tiles. 0 where it has no direct kernels (portable)."""
+    return int(torch.ops.tokentop.direct_rows(-1 if isa is None else _isa_level(isa)))
+
+
+def batch_rows() -> int:
+    """The fewest rows for which a call takes the kernel of batches and prefill by default (the
+    panels on AVX-512, the unpacked tiles elsewhere)."""
+    return int(torch.ops.tokentop.batch_rows())
 
 
 def status() -> dict:

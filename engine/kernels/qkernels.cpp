@@ -123,24 +123,6 @@ void matmul_rows(int isa, int type, const uint8_t* w, int64_t K, int64_t n0, int
                                  scratch.data(), per_row);
 }
 
-void quantize_extras(const int8_t* a, const float* dl, int64_t M, int64_t K, float* d32, int32_t* ls,
-                     float* as32) {
-    for (int64_t m = 0; m < M; ++m) {
-        for (int64_t g = 0; g < K / 32; ++g) {
-            const int8_t* ag = a + m * K + 32 * g;
-            const float d = dl[m * (K / 4) + 8 * g];
-            int32_t total = 0;
-            for (int l = 0; l < 8; ++l) {
-                const int32_t s = ag[4 * l] + ag[4 * l + 1] + ag[4 * l + 2] + ag[4 * l + 3];
-                ls[m * (K / 4) + 8 * g + l] = s;
-                total += s;
-            }
-            d32[m * (K / 32) + g] = d;
-            as32[m * (K / 32) + g] = d * float(total);
-        }
-    }
-}
-
 bool has_direct(int isa) { return TT_X86 && isa >= ISA_AVX2; }
 
 int64_t direct_max_rows(int isa) {
@@ -151,20 +133,24 @@ int64_t direct_max_rows(int isa) {
     return isa == ISA_AVX512 ? 5 : 4;
 }
 
-void matmul_direct(int isa, int type, const uint8_t* w, int64_t K, int64_t n0, int64_t n1,
-                   const int8_t* a, const uint8_t* au, const float* dl, const float* as16, const float* d32, const int32_t* ls,
-                   const float* as32, int64_t M, float* y, int64_t ldy) {
+bool is_k_quant(int type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
+
+void quantize_direct(int isa, const float* x, int64_t ldx, int64_t M, int64_t K, const DirectActs& out) {
+#if TT_X86
+    if (isa == ISA_AVX512) return isa_avx512::quantize_direct512(x, ldx, M, K, out);
+    if (isa == ISA_AVX2) return isa_avx2::quantize_direct(x, ldx, M, K, out);
+#endif
+    (void)isa; (void)x; (void)ldx; (void)M; (void)K; (void)out;
+}
+
+void matmul_direct(int isa, int type, const uint8_t* w, int64_t K, int64_t n0, int64_t n1, const DirectActs& act,
+                   int64_t M, float* y, int64_t ldy) {
     const int64_t row_bytes = K / block_weights(type) * block_bytes(type);
 #if TT_X86
-    if (isa == ISA_AVX512)
-        return isa_avx512::matmul_direct512(type, w, row_bytes, K, n0, n1, {a, au, dl, as16, as32}, M, y, ldy);
-    if (isa == ISA_AVX2)
-        return isa_avx2::matmul_direct(type, w, row_bytes, K, n0, n1, a, d32, ls, as32, M, y, ldy);
+    if (isa == ISA_AVX512) return isa_avx512::matmul_direct512(type, w, row_bytes, K, n0, n1, act, M, y, ldy);
+    if (isa == ISA_AVX2) return isa_avx2::matmul_direct(type, w, row_bytes, K, n0, n1, act, M, y, ldy);
 #endif
-    (void)row_bytes;
-    (void)dl;
-    (void)au;
-    (void)as16;
+    (void)isa; (void)type; (void)w; (void)row_bytes; (void)n0; (void)n1; (void)act; (void)M; (void)y; (void)ldy;
 }
 
 bool has_panels(int isa) { return TT_X86 && isa == ISA_AVX512; }

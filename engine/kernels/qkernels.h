@@ -25,12 +25,6 @@ void matmul_rows(int isa, int type, const uint8_t* w, int64_t K, int64_t n0, int
                  const int8_t* a, const float* dl, const float* as16, int64_t M,
                  float* y, int64_t ldy);
 
-// What the direct small-M kernels also need per 32-group g of each row, from quantize_rows'
-// a and dl: d32[g] = d_g, ls[l] = sum of a over the 4 weights of lane l (K/4 per row), and
-// as32[g] = d_g * (sum of a_i over the group).
-void quantize_extras(const int8_t* a, const float* dl, int64_t M, int64_t K, float* d32, int32_t* ls,
-                     float* as32);
-
 // Whether `isa` has the direct kernels (AVX2 and AVX-512; the portable path keeps unpacking).
 bool has_direct(int isa);
 
@@ -40,11 +34,32 @@ int64_t direct_max_rows(int isa);
 
 // The same product as matmul_rows, block to register with no unpacked copy: for a few rows M
 // (decode, small batches), where unpacking costs more than the dot products. Batch-invariant
-// within itself, but not bitwise equal to matmul_rows. dl and as16 as quantize_rows gives them,
-// au = a + 128 as uint8 (a ^ 0x80).
-void matmul_direct(int isa, int type, const uint8_t* w, int64_t K, int64_t n0, int64_t n1,
-                   const int8_t* a, const uint8_t* au, const float* dl, const float* as16, const float* d32, const int32_t* ls,
-                   const float* as32, int64_t M, float* y, int64_t ldy);
+// within itself, but not bitwise equal to matmul_rows.
+//
+// The direct kernels quantize the activations as each weight type is scaled: Q4_0 / Q5_0 /
+// Q8_0 per 32 weights, the K-quants per 256 like llama.cpp's Q8_K, so that a super-block's dot
+// product stays in integers. Per activation row (K values), the forms quantize_direct fills
+// (those whose pointers are set; the others stay null):
+//   AVX-512, 32-wise: au = a + 128 (uint8, K), dl = d_g per 4-weight lane (K/4)
+//   AVX2, 32-wise:    a (int8, K), d32 (K/32), ls = sums of each 4 a (K/4), as32 = d32 * sum (K/32)
+//   K-quants, both:   ak (int8, K), dk (K/256), as16k / as32k = dk * the sum of ak over each
+//                     16 / 32 weights (K/16, K/32)
+struct DirectActs {
+    uint8_t* au = nullptr;
+    float* dl = nullptr;
+    int8_t* a = nullptr;
+    float* d32 = nullptr;
+    int32_t* ls = nullptr;
+    float* as32 = nullptr;
+    int8_t* ak = nullptr;
+    float* dk = nullptr;
+    float* as16k = nullptr;
+    float* as32k = nullptr;
+};
+bool is_k_quant(int type);
+void quantize_direct(int isa, const float* x, int64_t ldx, int64_t M, int64_t K, const DirectActs& out);
+void matmul_direct(int isa, int type, const uint8_t* w, int64_t K, int64_t n0, int64_t n1, const DirectActs& act,
+                   int64_t M, float* y, int64_t ldy);
 
 // Prefill (many activation rows): whether `isa` has the panel kernel (AVX-512), and the kernel.
 // It unpacks a panel of output rows over all of K once and runs every activation row through

@@ -137,33 +137,48 @@ at::Tensor qmatmul(const at::Tensor& x_in, at::TensorList weights, at::IntArrayR
         });
         return finish(y, bias, x_in.scalar_type());
     }
-    std::vector<int8_t> a(M * K);
-    std::vector<float> dl(M * (K / 4)), as16(M * (K / 16));
-    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-        tt::quantize_rows(x.data_ptr<float>() + m0 * K, K, m1 - m0, K, a.data() + m0 * K,
-                          dl.data() + m0 * (K / 4), as16.data() + m0 * (K / 16));
-    });
     float* yp = y.data_ptr<float>();
     const int64_t direct_rows = small_m < 0 ? tt::direct_max_rows(use) : small_m;
-    if (M <= direct_rows && tt::has_direct(use)) {
-        std::vector<float> d32(M * (K / 32)), as32(M * (K / 32));
-        std::vector<int32_t> ls(M * (K / 4));
-        tt::quantize_extras(a.data(), dl.data(), M, K, d32.data(), ls.data(), as32.data());
-        std::vector<uint8_t> au(M * K);          // a + 128, unsigned (the AVX-512 kernels' operand)
-        for (int64_t i = 0; i < M * K; ++i) au[i] = uint8_t(a[i]) ^ 0x80;
+    const bool direct = M <= direct_rows && tt::has_direct(use);
+    if (direct) {
+        // each type's form of the activations (qkernels.h), quantized once for the call
+        bool k_types = false, w32_types = false;
+        for (int64_t t : types) (tt::is_k_quant(int(t)) ? k_types : w32_types) = true;
+        const bool avx512 = use == tt::ISA_AVX512;
+        auto buf = [](auto& v, bool need, int64_t n) { v.resize(need ? size_t(n) : 0); return need ? v.data() : nullptr; };
+        std::vector<uint8_t> au;
+        std::vector<int8_t> a, ak;
+        std::vector<float> dl, d32, as32, dk, as16k, as32k;
+        std::vector<int32_t> ls;
+        tt::DirectActs act;
+        act.au = buf(au, w32_types && avx512, M * K);
+        act.dl = buf(dl, w32_types && avx512, M * (K / 4));
+        act.a = buf(a, w32_types && !avx512, M * K);
+        act.d32 = buf(d32, w32_types && !avx512, M * (K / 32));
+        act.ls = buf(ls, w32_types && !avx512, M * (K / 4));
+        act.as32 = buf(as32, w32_types && !avx512, M * (K / 32));
+        act.ak = buf(ak, k_types, M * K);
+        act.dk = buf(dk, k_types, M * (K / 256));
+        act.as16k = buf(as16k, k_types, M * (K / 16));
+        act.as32k = buf(as32k, k_types, M * (K / 32));
+        tt::quantize_direct(use, x.data_ptr<float>(), K, M, K, act);
         // chunks of >= 64 output rows: the per-chunk overhead stays small next to the row reads
         at::parallel_for(0, N, 64, [&](int64_t b, int64_t e) {
             for (size_t i = 0; i < weights.size(); ++i) {
                 const int64_t lo = std::max(b, offset[i]), hi = std::min(e, offset[i + 1]);
                 if (lo >= hi) continue;
                 tt::matmul_direct(use, int(types[i]), weights[i].data_ptr<uint8_t>(), K, lo - offset[i],
-                                  hi - offset[i], a.data(), au.data(), dl.data(), as16.data(), d32.data(), ls.data(),
-                                  as32.data(), M,
-                                  yp + offset[i], N);
+                                  hi - offset[i], act, M, yp + offset[i], N);
             }
         });
         return finish(y, bias, x_in.scalar_type());
     }
+    std::vector<int8_t> a(M * K);
+    std::vector<float> dl(M * (K / 4)), as16(M * (K / 16));
+    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+        tt::quantize_rows(x.data_ptr<float>() + m0 * K, K, m1 - m0, K, a.data() + m0 * K,
+                          dl.data() + m0 * (K / 4), as16.data() + m0 * (K / 16));
+    });
     // threads take whole tiles of 16 output rows (the AVX-512 kernel's unit of work)
     at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t tb, int64_t te) {
         const int64_t b = tb * 16, e = std::min(te * 16, N);
@@ -179,8 +194,15 @@ at::Tensor qmatmul(const at::Tensor& x_in, at::TensorList weights, at::IntArrayR
 
 int64_t best_isa_op() { return tt::best_isa(); }
 int64_t env_isa_op() { return env_isa(); }
-// rows up to which the default ISA's calls take the direct kernels (0: it has none)
-int64_t direct_rows_op() { return tt::direct_max_rows(env_isa()); }
+// rows up to which the default ISA's (or `isa`'s) calls take the direct kernels (0: it has none)
+int64_t direct_rows_op(int64_t isa) { return tt::direct_max_rows(isa < 0 ? env_isa() : int(isa)); }
+// the fewest rows for which the default ISA's calls take the kernel of batches and prefill
+// (the panels on AVX-512, the tiles elsewhere): what the load-time self-check runs it with
+int64_t batch_rows_op() {
+    const int use = env_isa();
+    const int64_t after_direct = tt::direct_max_rows(use) + 1;
+    return tt::has_panels(use) ? std::min(PANEL_MIN_ROWS, after_direct) : after_direct;
+}
 
 }  // namespace
 
@@ -189,7 +211,8 @@ TORCH_LIBRARY(tokentop, m) {
           "int small_m=-1, int big_m=-1) -> Tensor");
     m.def("best_isa() -> int", &best_isa_op);
     m.def("env_isa() -> int", &env_isa_op);
-    m.def("direct_rows() -> int", &direct_rows_op);
+    m.def("direct_rows(int isa=-1) -> int", &direct_rows_op);
+    m.def("batch_rows() -> int", &batch_rows_op);
 }
 
 TORCH_LIBRARY_IMPL(tokentop, CPU, m) { m.impl("qmatmul", &qmatmul); }

@@ -302,9 +302,9 @@ class QuantLinear(torch.nn.Module):
         forms = {}
         if self.gguf is not None and self.kernel_for(1) == "gguf":
             forms["gguf"] = 1
-            direct = 0 if self.small_m == 0 else kernels.direct_rows()
-            if direct and self.kernel_for(direct + 1) == "gguf":
-                forms["gguf-tiles"] = direct + 1
+            batch = 0 if self.small_m == 0 or not kernels.direct_rows() else kernels.batch_rows()
+            if batch and self.kernel_for(batch) == "gguf":
+                forms["gguf-tiles"] = batch
         if self.dense is not None:
             rows = max(1, self.dense_threshold or 1)
             if self.kernel_for(rows) == "dense":

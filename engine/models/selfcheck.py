@@ -18,7 +18,8 @@ from engine.errors import ModelError
 from engine.models.quant import QuantLinear, dequantize_rows
 
 # Relative L2 error of one output row. The GGUF kernels round activations to int8 per 32
-# values (|error| <= max/254 per value: under 1% per layer), dense bf16 forms round to 8
+# values, or per 256 against K-quants in AVX-512's direct kernels (|error| <= max/254 per value:
+# about 1% per layer), dense bf16 forms round to 8
 # significant bits (0.05-1.2% measured per layer on the real models). A scrambled layout
 # gives errors of order 1 (uncorrelated outputs: about sqrt 2).
 TOLERANCE = {"faithful": 0.05}
