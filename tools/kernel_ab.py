@@ -1,0 +1,50 @@
+"""A/B of the linear layers of one decode step between two checkouts of tokentop.
+
+Each round runs every checkout in a fresh process (PYTHONPATH = that checkout, so its kernels
+are built and used), alternating, so a slow spell of a shared machine hits both sides; prints
+each round and the medians. Times are tools/kernel_bench.py's `time_set` (every linear layer
+once, back to back, default dispatch), in ms. Run under the CPU lock:
+  flock /tmp/tokentop-cpu.lock python tools/kernel_ab.py qwen2.5-coder-1.5b /path/a,/path/b 1,4 [rounds]
+TOKENTOP_KERNEL_ISA passes through (e.g. avx2 to compare the AVX2 code).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+CHILD = r'''
+import json, sys, torch
+sys.path.insert(0, "tools")
+from kernel_bench import time_set
+from engine.models.catalog import resolve_model
+from engine.models.decoder import Decoder
+from engine.models.gguf import load_gguf
+from engine.models.quant import LinearPolicy, QuantLinear
+torch.set_num_threads(2)
+model = Decoder.from_gguf(load_gguf(str(resolve_model(sys.argv[1]))), LinearPolicy())
+layers = [m for m in model.modules() if isinstance(m, QuantLinear) and m.gguf is not None]
+print(json.dumps({m: time_set(layers, int(m), -1, reps=11) for m in sys.argv[2].split(",")}))
+'''
+
+
+def main() -> None:
+    model, trees = sys.argv[1], sys.argv[2].split(",")
+    rows = sys.argv[3] if len(sys.argv) > 3 else "1"
+    rounds = int(sys.argv[4]) if len(sys.argv) > 4 else 3
+    results: dict[str, list[dict]] = {t: [] for t in trees}
+    for _ in range(rounds):
+        for tree in trees:
+            env = dict(os.environ, PYTHONPATH=tree)
+            out = subprocess.run([sys.executable, "-c", CHILD, model, rows], cwd=tree, env=env,
+                                 capture_output=True, text=True, check=True)
+            results[tree].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(tree, {m: round(v, 2) for m, v in results[tree][-1].items()}, flush=True)
+    for tree, runs in results.items():
+        print("median", tree, {m: round(statistics.median(r[m] for r in runs), 2) for m in runs[0]})
+
+
+if __name__ == "__main__":
+    main()
