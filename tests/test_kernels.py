@@ -195,6 +195,31 @@ def test_panel_kernel_every_type_isa_and_row_count(qtype, isa):
         check(run([td], x[:m], isa, big_m=1), td, x[:m], act_group(qtype, m, isa, big_m=1))
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_panel_tiles_built_from_blocks_decode_batch_sizes(qtype):
+    """The panels build their interleaved codes straight from 16 rows' GGUF blocks. N = 77:
+    two full panels, then one whose second 16-row tile is empty and whose first has 13 rows
+    (the missing ones repeat a valid row and are not stored); 6-16 activation rows (the
+    batched decode sizes), 1 and 2 threads: same bits, each row the same as in any other
+    row count, all within the bound."""
+    k = 768 if qtype in K_TYPES else 352        # 352: 11 blocks of 32
+    td = random_td(qtype, rows=77, cols=k, seed=51 + int(qtype))
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(52))
+    x[:, 9] *= 30
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run([td], x, big_m=1)
+        torch.set_num_threads(2)
+        two = run([td], x, big_m=1)
+        for m in range(6, 16):
+            assert torch.equal(run([td], x[16 - m:], big_m=1), two[16 - m:])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    check(two, td, x)
+
+
 @pytest.mark.parametrize("isa", runnable_isas())
 def test_panel_kernel_stacked_types_threads_and_rows(isa):
     """Stacked matrices of mixed types (boundaries inside a 32-row panel), bias, 1 and 2
