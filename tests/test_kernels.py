@@ -178,7 +178,7 @@ def test_rows_and_threads_do_not_change_any_bit(isa, qtype):
 
 # The panel (prefill) kernel, forced for every row count with big_m=1: AVX-512 runs it, the
 # other ISAs keep their tiles (the same checks then cover their fallback).
-PANEL_MIN_ROWS = 6      # qmatmul_op.cpp: the default switches to the panels at this many rows
+PANEL_MIN_ROWS = 5      # qmatmul_op.cpp: the default switches to the panels at this many rows
 
 
 @pytest.mark.parametrize("isa", runnable_isas())

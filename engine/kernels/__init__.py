@@ -31,12 +31,12 @@ term per 256) and 4 more to add the 16 lanes. The coarser K-quant groups make d_
 second bound, larger where a 256-group holds an outlier (up to 8x a 32-group's); llama.cpp
 quantizes the same way for these types.
 
-Three kernels: calls of up to direct_rows() rows (decode, small batches; 5 on AVX-512, 4 on
+Three kernels: calls of up to direct_rows() rows (decode, small batches; 4 on AVX-512 and on
 AVX2) take the direct kernels (qkernels_impl.inc for AVX2, qkernels_direct512.inc for AVX-512),
 which go from GGUF block to register with no unpacked copy, each weight vector dotted against
 every row of the call; on AVX2 larger calls unpack 16-row tiles once and use them for every
-row; on AVX-512, calls of 6 rows or more (PANEL_MIN_ROWS: batches, prefill) take the panel
-kernel (qkernels_prefill.inc): 32 output rows unpacked over all of K, every activation row run
+row; on AVX-512, calls of 5 rows or more (PANEL_MIN_ROWS: batches, prefill) take the panel
+kernel (qkernels_prefill.inc): 32 output rows built from the blocks over all of K, every activation row run
 through them with the accumulators in registers, code offsets subtracted inside the integer
 dots and K-quant scales applied per 32 (at most K/16 fp32 additions, within the bound above).
 Their fp32 sums differ in the last bits, so deterministic mode passes small_m=0: the tiles

@@ -128,9 +128,9 @@ bool has_direct(int isa) { return TT_X86 && isa >= ISA_AVX2; }
 int64_t direct_max_rows(int isa) {
     if (!has_direct(isa)) return 0;
     // 2 threads, Zen 5, all linear layers of a step: AVX-512's direct kernels beat the panels
-    // (qmatmul_op.cpp's PANEL_MIN_ROWS) up to 5 rows (0.5B at 4 rows 16.2 vs 18.7 ms, 6 rows
-    // 22.9 vs 20.1); AVX2's beat its tiles up to 4
-    return isa == ISA_AVX512 ? 5 : 4;
+    // (qmatmul_op.cpp's PANEL_MIN_ROWS) up to 4 rows (0.5B at 4 rows 12.6 vs 12.9 ms, 5 rows
+    // 16.8 vs 13.1); AVX2's beat its tiles up to 4 (measured on an AVX2-only EPYC)
+    return 4;
 }
 
 bool is_k_quant(int type) { return type == Q4_K || type == Q5_K || type == Q6_K; }

@@ -63,16 +63,13 @@ at::Tensor pooled_output(int64_t M, int64_t N, const at::TensorOptions& opts) {
 }
 
 // Calls with at least this many rows take the panel kernel where the ISA has it (AVX-512);
-// fewer rows take the direct kernels (tt::direct_max_rows is 5 there). All linear layers of a
-// step, Zen 5, 2 threads, direct / tiles / panels in ms: 0.5B 6 rows 22.9 / 27.1 / 20.1,
-// 8 rows 38.0 / 30.4 / 23.6, 16 rows 60.1 / 45.2 / 29.2; 1.5B 6 rows 63.3 / 82.9 / 63.2, 8 rows
-// 117.6 / 91.5 / 72.3, 16 rows 212 / 135 / 88 (docs/benchmarks.md). So on AVX-512 the tiles
-// serve only deterministic mode. Since the panels build their tiles straight from the GGUF
-// blocks (qkernels_prefill.inc), 0.5B direct / panels: 8 rows 21.3 / 17.8 (main's panels 26.2);
-// and 3 rows 15.0 / 14.3, 4 rows 16.7 / 14.0, 5 rows 21.6 / 14.3 (medians of 4 interleaved
-// rounds): the panels now win from 4 rows, a switch left for when the direct kernels' current
-// changes have been measured.
-constexpr int64_t PANEL_MIN_ROWS = 6;
+// fewer rows take the direct kernels (tt::direct_max_rows is 4 there). All linear layers of a
+// step, Zen 5, 2 threads, direct / panels in ms (tools/kernel_bench.py, with the panels built
+// straight from the GGUF blocks and the direct kernels' per-256 K-quant activations): 0.5B
+// 4 rows 12.6 / 12.9, 5 rows 16.8 / 13.1, 8 rows 23.4 / 16.1; 1.5B 4 rows 31.9 / 33.8, 5 rows
+// 40.5 / 33.1, 8 rows 56.0 / 44.5 (docs/benchmarks.md). The tiles are slower than both at every
+// row count here and serve only deterministic mode on AVX-512.
+constexpr int64_t PANEL_MIN_ROWS = 5;
 
 // small_m: -1 the default, tt::direct_max_rows (calls of more rows amortize the unpacked
 // tiles over several activation rows); 0 never use the direct kernels (deterministic mode: then
