@@ -39,3 +39,33 @@ def test_single_pairs_rounds_run_by_run():
     assert merged["decode_tok_s"] == [50.0, 33.0, 35.0] and merged["prefill_tok_s"] == [300.0, 200.0, 210.0]
     assert merged["peak_rss_mb"] == 820.0 and merged["decode_step_ms"] == round(1000 / 35.0, 2)
     assert paired_ratio(merged["decode_tok_s"], theirs) == pytest.approx(33 / 30)   # of 50/70, 33/30, 35/31
+
+
+def test_batching_runs_every_size_in_every_round(monkeypatch):
+    """bench batching runs N = 1 and N = 8 (and every other size) in each round, and N8/N1 is the
+    median of the rounds' ratios: a slow spell during one round moves one ratio, not one size's
+    median. Simulated bursts: round 2 is a slow spell (every size at half speed)."""
+    from types import SimpleNamespace
+
+    from engine.bench import scenarios
+    calls = []
+    speed = {1: 80.0, 8: 340.0}         # tok/s of each size in a normal spell
+
+    def burst(engine, n, out_tokens, batched, tag):
+        if tag == "warm":
+            return 1.0
+        calls.append((tag, n))
+        slow = 2.0 if tag == "b1" else 1.0
+        return n * out_tokens / speed[n] * slow
+
+    monkeypatch.setattr(scenarios, "start_engine", lambda *a, **k: SimpleNamespace(
+        config=SimpleNamespace(workers=[SimpleNamespace(device="cpu")])))
+    monkeypatch.setattr(scenarios, "stop_engine", lambda engine: None)
+    monkeypatch.setattr(scenarios, "base_worker", lambda args, **k: None)
+    monkeypatch.setattr(scenarios, "_burst", burst)
+    monkeypatch.setattr(scenarios, "_memory_pressure", lambda args, kv: {})
+    args = SimpleNamespace(quick=False, runs=3, sizes="1,8", no_sequential=True, model="m", llama_server=None)
+    report = scenarios.bench_batching(args)
+    assert calls[:6] == [("b0", 1), ("b0", 8), ("b1", 1), ("b1", 8), ("b2", 1), ("b2", 8)]
+    assert report["aggregate_n8_over_n1"] == pytest.approx(340 / 80)
+    assert report["goals"]["n8_at_least_4x_one_stream"]

@@ -312,20 +312,28 @@ def bench_batching(args) -> dict:
     try:
         _burst(paged, 2, 8, True, "warm")
         _burst(paged, 1, 8, True, "warm")   # one stream takes the single-sequence attention path
-        table = []
-        for n in ns:
-            batched, sequential = [], []
-            for r in range(runs):   # interleave the two variants
+        # every size in every round, batched and sequential side by side: a slow spell of the
+        # shared machine lands on all sizes of a round, not on one size's runs
+        runs_of = {n: ([], []) for n in ns}
+        for r in range(runs):
+            for n in ns:
+                batched, sequential = runs_of[n]
                 batched.append(n * out_tokens / _burst(paged, n, out_tokens, True, f"b{r}"))
                 if sequential_too:
                     sequential.append(n * out_tokens / _burst(paged, n, out_tokens, False, f"s{r}"))
+        table = []
+        for n in ns:
+            batched, sequential = runs_of[n]
             b, s = median(batched), median(sequential)
             table.append({"n": n, "batched_tok_s": b, "sequential_tok_s": s,
-                          "ratio": round(b / s, 3) if s else None,
+                          "ratio": round(paired_ratio(batched, sequential), 3) if s else None,
                           "batched_runs": batched, "sequential_runs": sequential})
         one = next(t for t in table if t["n"] == 1)["batched_tok_s"]
         eight = next(t for t in table if t["n"] == 8)["batched_tok_s"]
         largest = table[-1]
+        # N = 8 over one stream: the median of the rounds' ratios (each round ran both sizes)
+        n8_over_n1 = paired_ratio(runs_of[8][0], runs_of[1][0])
+        nmax_over_n1 = paired_ratio(runs_of[largest["n"]][0], runs_of[1][0])
     finally:
         stop_engine(paged)
 
@@ -356,16 +364,17 @@ def bench_batching(args) -> dict:
         from engine.models.catalog import resolve_model
         side_by_side = bench_llama_server(args, base_worker(args, max_active=active), str(resolve_model(args.model)),
                                           out_tokens, runs, [1, 8])
-    goals = {"n8_at_least_4x_one_stream": eight / one >= 4.0,
+    goals = {"n8_at_least_4x_one_stream": n8_over_n1 >= 4.0,
              "paged_ge_97pct_contiguous": all(k["paged_over_contiguous"] >= 0.97 for k in kv)}
     if sequential_too:
         goals["batched_ge_sequential_all_n"] = all(t["ratio"] >= 1.0 for t in table)
     if largest["n"] >= 32:
-        goals[f"n{largest['n']}_at_least_10x_one_stream"] = largest["batched_tok_s"] / one >= 10.0
+        goals[f"n{largest['n']}_at_least_10x_one_stream"] = nmax_over_n1 >= 10.0
     return {
         "output_tokens": out_tokens, "runs": runs, "model": args.model, "device": paged.config.workers[0].device,
-        "batching": table, "aggregate_n8_over_n1": round(eight / one, 3),
-        f"aggregate_n{largest['n']}_over_n1": round(largest["batched_tok_s"] / one, 3),
+        "batching": table, "aggregate_n8_over_n1": round(n8_over_n1, 3),
+        f"aggregate_n{largest['n']}_over_n1": round(nmax_over_n1, 3),
+        "aggregate_n8_over_n1_ratio_of_medians": round(eight / one, 3),
         "paged_vs_contiguous": kv, "memory_pressure": pressure,
         **({"llama_server": side_by_side} if side_by_side else {}),
         "goals": {**goals, **({"n8_ge_llama_server_n8": side_by_side["goals"]["n8_ge_llama_server_n8"]}
