@@ -41,7 +41,7 @@ int64_t direct_max_rows(int isa);
 // product stays in integers. Per activation row (K values), the forms quantize_direct fills
 // (those whose pointers are set; the others stay null):
 //   AVX-512, 32-wise: au = a + 128 (uint8, K), dl = d_g per 4-weight lane (K/4)
-//   AVX2, 32-wise:    a (int8, K), d32 (K/32), ls = sums of each 4 a (K/4), as32 = d32 * sum (K/32)
+//   AVX2, 32-wise:    a (int8, K), d32 (K/32), ls = sums of each 4 a (K/4)
 //   K-quants, both:   ak (int8, K), dk (K/256), as16k / as32k = dk * the sum of ak over each
 //                     16 / 32 weights (K/16, K/32)
 struct DirectActs {
@@ -50,7 +50,6 @@ struct DirectActs {
     int8_t* a = nullptr;
     float* d32 = nullptr;
     int32_t* ls = nullptr;
-    float* as32 = nullptr;
     int8_t* ak = nullptr;
     float* dk = nullptr;
     float* as16k = nullptr;

@@ -149,7 +149,7 @@ at::Tensor qmatmul(const at::Tensor& x_in, at::TensorList weights, at::IntArrayR
         auto buf = [](auto& v, bool need, int64_t n) { v.resize(need ? size_t(n) : 0); return need ? v.data() : nullptr; };
         std::vector<uint8_t> au;
         std::vector<int8_t> a, ak;
-        std::vector<float> dl, d32, as32, dk, as16k, as32k;
+        std::vector<float> dl, d32, dk, as16k, as32k;
         std::vector<int32_t> ls;
         tt::DirectActs act;
         act.au = buf(au, w32_types && avx512, M * K);
@@ -157,7 +157,6 @@ at::Tensor qmatmul(const at::Tensor& x_in, at::TensorList weights, at::IntArrayR
         act.a = buf(a, w32_types && !avx512, M * K);
         act.d32 = buf(d32, w32_types && !avx512, M * (K / 32));
         act.ls = buf(ls, w32_types && !avx512, M * (K / 4));
-        act.as32 = buf(as32, w32_types && !avx512, M * (K / 32));
         act.ak = buf(ak, k_types, M * K);
         act.dk = buf(dk, k_types, M * (K / 256));
         act.as16k = buf(as16k, k_types, M * (K / 16));
