@@ -69,3 +69,12 @@ def test_batching_runs_every_size_in_every_round(monkeypatch):
     assert calls[:6] == [("b0", 1), ("b0", 8), ("b1", 1), ("b1", 8), ("b2", 1), ("b2", 8)]
     assert report["aggregate_n8_over_n1"] == pytest.approx(340 / 80)
     assert report["goals"]["n8_at_least_4x_one_stream"]
+
+
+def test_read_bandwidth_reads_with_the_threads_asked_and_puts_them_back():
+    import torch
+
+    from engine.bench import read_bandwidth
+    before = torch.get_num_threads()
+    gb_s = read_bandwidth(1 << 22, reps=2, threads=1)
+    assert gb_s > 0.1 and torch.get_num_threads() == before

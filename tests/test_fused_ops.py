@@ -123,10 +123,13 @@ def _naive_attention(q, k_store, v_store, slots, lengths, softcap):
 @pytest.mark.parametrize("hd", [64, 128, 40])   # 64 and 128: the constant-size clones
 @pytest.mark.parametrize("softcap", [0.0, 20.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("threads", [1, 2])
-def test_decode_attention(hd, softcap, dtype, threads):
+@pytest.mark.parametrize("heads, threads", [((8, 2), 1), ((8, 2), 2), ((12, 2), 2), ((14, 2), 2),
+                                            ((3, 3), 2), ((6, 2), 2)])
+def test_decode_attention(hd, softcap, dtype, heads, threads):
+    """heads (H, KV): group sizes 4, 6 and 7 (the bundled models) and 1 take the compile-time
+    blocked kernel at hd 64 and 128, group size 3 and hd 40 the runtime-size loops."""
     g = _gen(hd)
-    B, H, KV, S = 3, 8, 2, 300
+    (H, KV), B, S = heads, 3, 300
     q = torch.randn(B, H, hd, generator=g) / math.sqrt(hd) * 3
     k_store = torch.randn(S, KV, hd, generator=g).to(dtype)
     v_store = torch.randn(S, KV, hd, generator=g).to(dtype)

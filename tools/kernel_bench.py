@@ -17,6 +17,7 @@ from collections import defaultdict
 import torch
 
 from engine import kernels
+from engine.bench import read_bandwidth
 from engine.models.catalog import resolve_model
 from engine.models.decoder import Decoder
 from engine.models.gguf import load_gguf
@@ -34,18 +35,6 @@ def time_set(layers: list[QuantLinear], m_rows: int, small_m: int, reps: int = 9
             kernels.qmatmul(x, m.gguf.tensors, m.gguf.types, m.gguf.rows, None, None, small_m, big_m)
         times.append(time.perf_counter() - t0)
     return median(times) * 1000
-
-
-def read_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
-    """GB/s of a plain read of nbytes (float32 sum over torch's threads): the memory ceiling the
-    kernels' rates compare with."""
-    buf = torch.ones(nbytes // 4)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        buf.sum()
-        times.append(time.perf_counter() - t0)
-    return nbytes / median(times) / 1e9
 
 
 def macs(layers: list[QuantLinear], m_rows: int) -> int:

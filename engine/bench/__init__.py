@@ -67,6 +67,26 @@ def machine() -> dict:
             "cpu_model": info["model"], "isa": info["isa"], "torch_cpu_capability": info["torch_capability"]}
 
 
+def read_bandwidth(nbytes: int = 1 << 30, reps: int = 5, threads: int | None = None) -> float:
+    """GB/s of a plain read of nbytes (a float32 sum over `threads`, default torch's): the
+    memory ceiling a decode step's weight reads compare with. This machine's swings ~1.5x over
+    minutes (other tenants), so benchmarks take it next to each figure."""
+    from engine.stats import median
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        buf = torch.ones(nbytes // 4)
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            buf.sum()
+            times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(before)
+    return nbytes / median(times) / 1e9
+
+
 def peak_rss_mb() -> float:
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -14,7 +14,7 @@ import multiprocessing as mp
 import time
 from dataclasses import replace
 
-from engine.bench import peak_rss_mb, rss_now_mb
+from engine.bench import peak_rss_mb, read_bandwidth, rss_now_mb
 from engine.config import EngineConfig, SamplingParams, WorkerConfig
 from engine.devices import resolve_kv_dtype
 from engine.errors import describe_error
@@ -223,13 +223,16 @@ def bench_single(args) -> dict:
     rows = []
     for model in [m.strip() for m in args.models.split(",") if m.strip()]:
         worker = base_worker(args, model=model)
+        reads = {"tokentop": [], "llama_cpp": []}   # GB/s just before each side's round
         if not args.llama_cpp:
             res = _tokentop_single(worker, runs, out_tokens, overhead=True)
             refs = []
         else:
             ours, refs = [], []
             for r in range(runs):
+                reads["tokentop"].append(round(read_bandwidth(1 << 28, 3, worker.threads), 1))
                 ours.append(_tokentop_single(worker, 1, out_tokens, overhead=r == runs - 1))
+                reads["llama_cpp"].append(round(read_bandwidth(1 << 28, 3, worker.threads), 1))
                 refs.append(_llama_cpp(args.llama_cpp, model, worker.threads, 1, out_tokens))
                 if "error" in ours[-1] or "error" in refs[-1]:
                     break
@@ -268,6 +271,11 @@ def bench_single(args) -> dict:
             if paired:     # medians of the rounds' ratios (see paired_ratio)
                 row["prefill_ratio"] = round(paired_ratio(res["prefill_tok_s"], ref["prefill_tok_s"]), 3)
                 row["decode_ratio"] = round(paired_ratio(res["decode_tok_s"], ref["decode_tok_s"]), 3)
+                row["decode_ratio_rounds"] = [round(a / b, 3) for a, b in zip(res["decode_tok_s"],
+                                                                               ref["decode_tok_s"])]
+                row["memory_read_gb_s"] = {**reads, "note": (
+                    "a plain 2-thread read just before each side's round: this machine's bandwidth "
+                    "swings ~1.5x over minutes, and a memory-bound decode swings with it")}
                 row["ratio_of_medians"] = {"prefill": round(row["prefill_tok_s_median"] / lp, 3),
                                            "decode": round(row["decode_tok_s_median"] / ld, 3)}
             else:

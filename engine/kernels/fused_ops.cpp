@@ -35,11 +35,15 @@
 
 namespace {
 
+// helpers of the blocked decode attention, inlined into each ISA's build of it (called out of
+// line they ran as baseline x86-64 code, and vectors went through memory: 13x slower)
+#define TT_INLINE inline __attribute__((always_inline))
+
 constexpr int ACC = 16;   // independent partial sums: one AVX-512 register of lanes
 
 // 2^n * p(r) with n = round(x / ln2), |r| <= ln2/2, p the Cephes expf polynomial (~2 ulp);
 // written branch-free so that a loop over it vectorizes (std::exp does not).
-inline float exp_approx(float x) {
+TT_INLINE float exp_approx(float x) {
     x = x < -87.0f ? -87.0f : x;
     x = x > 88.0f ? 88.0f : x;
     // round to nearest by adding and removing 1.5 * 2^23 (no libm call, vectorizes)
@@ -137,7 +141,7 @@ inline const float* as_f32(const S* row, float* buf, int64_t n) {
 }
 
 // s[i] = exp(s[i] - mx); returns the sum (in ACC partial sums, then in order)
-inline float exp_shifted(float* s, int64_t n, float mx) {
+TT_INLINE float exp_shifted(float* s, int64_t n, float mx) {
     for (int64_t i = 0; i < n; ++i) s[i] = exp_approx(s[i] - mx);
     float acc[ACC] = {};
     int64_t i = 0;
@@ -370,6 +374,190 @@ TT_CLONES void attend_group(const float* q, const S* k, const S* v, int64_t row_
         for (int64_t i = 0; i < hd; ++i) out[g * hd + i] *= inv[g];
 }
 
+// --- the blocked decode attention --------------------------------------------------------
+// Vectors of W floats: W = 16 in the AVX-512 build of the kernel, 8 (one ymm register) in the
+// AVX2 one. GCC splits a 16-float vector into two ymm registers on AVX2, and the AVX-512 block
+// sizes then spilled to memory: 5x slower than the plain loops there (measured).
+template <int W> struct Vec;
+template <> struct Vec<16> {
+    typedef float F __attribute__((vector_size(64), aligned(4)));
+    typedef uint16_t H __attribute__((vector_size(32), aligned(2)));
+    typedef uint32_t U __attribute__((vector_size(64)));
+};
+template <> struct Vec<8> {
+    typedef float F __attribute__((vector_size(32), aligned(4)));
+    typedef uint16_t H __attribute__((vector_size(16), aligned(2)));
+    typedef uint32_t U __attribute__((vector_size(32)));
+};
+
+// W K/V values from the store as fp32, exact for every type: the bit arithmetic of to_f on whole
+// vectors (a per-value loop did not vectorize here: fp16 took 2x an fp32 read)
+template <int W, typename S>
+TT_INLINE typename Vec<W>::F loadv(const S* p) {
+    using F = typename Vec<W>::F;
+    using U = typename Vec<W>::U;
+    if constexpr (std::is_same_v<S, float>) {
+        return *(const F*)p;
+    } else {
+        const U h = __builtin_convertvector(*(const typename Vec<W>::H*)p, U);
+        if constexpr (std::is_same_v<S, c10::BFloat16>) {
+            return (F)(h << 16);
+        } else {
+            const U em = h & 0x7FFFu;
+            const U finite = (U)((F)(em << 13) * 0x1p112f);
+            const U special = 0x7F800000u | ((em & 0x3FFu) << 13);
+            return (F)((em >= 0x7C00u ? special : finite) | ((h & 0x8000u) << 16));
+        }
+    }
+}
+
+// the W lanes added as a tree
+TT_INLINE float hsum(Vec<16>::F a) {
+    const Vec<8>::F h = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
+                        __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+    const v4 h4 = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+    return (h4[0] + h4[2]) + (h4[1] + h4[3]);
+}
+TT_INLINE float hsum(Vec<8>::F h) {
+    const v4 h4 = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+    return (h4[0] + h4[2]) + (h4[1] + h4[3]);
+}
+
+// Rows PF keys ahead are prefetched: the K/V of a decode step comes from memory (the weights
+// streamed through the caches since this layer last ran), and without it the loads of a row
+// waited behind its arithmetic instead of overlapping it.
+constexpr int64_t PF = 16;
+
+template <typename S>
+TT_INLINE void prefetch_row(const S* row, int64_t n) {
+    for (int64_t b = 0; b < n * int64_t(sizeof(S)); b += 64) __builtin_prefetch((const char*)row + b, 0, 3);
+}
+
+// attend_group for a head size HD and group size G known at compile time, W-float vectors and
+// REGS vector registers. The one-row-at-a-time loops above were bound by the latency of each
+// 128-long dot product and its reduction (~260 cycles a key for 6 heads, ~40 us a layer at 560
+// keys on Zen 5): here KB keys are dotted with all G heads at once (KB * G independent vector
+// sums in registers), and values are summed CB W-wide slices at a time with the G heads' sums
+// in registers instead of read and written back in memory per key. Each score and output is
+// summed in the same order as there (results agree to an ulp or so); each row on its own, so
+// still batch-invariant to the bit.
+template <typename S, int HD, int G, int W, int REGS>
+TT_INLINE void attend_blocked(const float* q, const S* k, const S* v, int64_t row_stride, const int64_t* slots,
+                           int64_t L, float softcap, float* scores, float* out) {
+    using F = typename Vec<W>::F;
+    constexpr int C = HD / W;
+    // KB * G sums + KB keys + one q slice in registers; at least one key
+    constexpr int KB = (REGS - 1) / (G + 1) > 4 ? 4 : (REGS - 1) / (G + 1) < 1 ? 1 : (REGS - 1) / (G + 1);
+    // G * CB sums + CB value slices, CB a power of two dividing C
+    constexpr int CB = (G + 1) * 8 <= REGS && C % 8 == 0 ? 8 : (G + 1) * 4 <= REGS && C % 4 == 0 ? 4
+                     : (G + 1) * 2 <= REGS && C % 2 == 0 ? 2 : 1;
+    int64_t j = 0;
+    for (; j + KB <= L; j += KB) {
+        F acc[KB][G] = {};
+        const S* rows[KB];
+        for (int b = 0; b < KB; ++b) rows[b] = k + slots[j + b] * row_stride;
+        for (int64_t p = j + PF; p < std::min(j + PF + KB, L); ++p) prefetch_row(k + slots[p] * row_stride, HD);
+        for (int c = 0; c < C; ++c) {
+            F kv[KB];
+            for (int b = 0; b < KB; ++b) kv[b] = loadv<W>(rows[b] + c * W);
+            for (int g = 0; g < G; ++g) {
+                const F qg = *(const F*)(q + g * HD + c * W);
+                for (int b = 0; b < KB; ++b) acc[b][g] += qg * kv[b];
+            }
+        }
+        for (int b = 0; b < KB; ++b)
+            for (int g = 0; g < G; ++g) scores[g * L + j + b] = hsum(acc[b][g]);
+    }
+    for (; j < L; ++j) {
+        F acc[G] = {};
+        const S* row = k + slots[j] * row_stride;
+        for (int c = 0; c < C; ++c) {
+            const F kv = loadv<W>(row + c * W);
+            for (int g = 0; g < G; ++g) acc[g] += *(const F*)(q + g * HD + c * W) * kv;
+        }
+        for (int g = 0; g < G; ++g) scores[g * L + j] = hsum(acc[g]);
+    }
+    float inv[G];
+    for (int g = 0; g < G; ++g) {
+        float* sg = scores + g * L;
+        if (softcap > 0.0f)
+            for (int64_t i = 0; i < L; ++i) sg[i] = std::tanh(sg[i] / softcap) * softcap;
+        float mx = sg[0];
+        for (int64_t i = 1; i < L; ++i) mx = sg[i] > mx ? sg[i] : mx;
+        inv[g] = 1.0f / exp_shifted(sg, L, mx);
+    }
+    for (int c0 = 0; c0 < C; c0 += CB) {
+        F acc[G][CB] = {};
+        for (int64_t i = 0; i < L; ++i) {
+            if (i + PF < L) prefetch_row(v + slots[i + PF] * row_stride + c0 * W, CB * W);
+            const S* row = v + slots[i] * row_stride + c0 * W;
+            F vv[CB];
+            for (int c = 0; c < CB; ++c) vv[c] = loadv<W>(row + c * W);
+            for (int g = 0; g < G; ++g) {
+                const float p = scores[g * L + i];
+                for (int c = 0; c < CB; ++c) acc[g][c] += p * vv[c];
+            }
+        }
+        for (int g = 0; g < G; ++g)
+            for (int c = 0; c < CB; ++c) {
+                const F o = acc[g][c];
+                for (int e = 0; e < W; ++e) out[g * HD + (c0 + c) * W + e] = o[e] * inv[g];
+            }
+    }
+}
+
+using AttendFn = void (*)(const float*, const void*, const void*, int64_t, const int64_t*, int64_t,
+                          float, float*, float*);
+
+// one build per instruction set (not target_clones: the block sizes depend on the vector width)
+#if defined(__GNUC__) && defined(__x86_64__)
+template <typename S, int HD, int G>
+__attribute__((target("avx512f,avx2,fma"))) void attend_avx512(
+        const float* q, const void* k, const void* v, int64_t row_stride, const int64_t* slots, int64_t L,
+        float softcap, float* scores, float* out) {
+    attend_blocked<S, HD, G, 16, 32>(q, static_cast<const S*>(k), static_cast<const S*>(v), row_stride, slots, L,
+                                     softcap, scores, out);
+}
+
+template <typename S, int HD, int G>
+__attribute__((target("avx2,fma"))) void attend_avx2(
+        const float* q, const void* k, const void* v, int64_t row_stride, const int64_t* slots, int64_t L,
+        float softcap, float* scores, float* out) {
+    attend_blocked<S, HD, G, 8, 16>(q, static_cast<const S*>(k), static_cast<const S*>(v), row_stride, slots, L,
+                                    softcap, scores, out);
+}
+
+template <typename S, int HD, int G>
+AttendFn blocked_isa() {
+    static const AttendFn f = __builtin_cpu_supports("avx512f") ? &attend_avx512<S, HD, G>
+                            : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? &attend_avx2<S, HD, G>
+                            : nullptr;
+    return f;
+}
+#else
+template <typename S, int HD, int G>
+AttendFn blocked_isa() { return nullptr; }
+#endif
+
+template <typename S, int HD>
+AttendFn blocked_for_group(int64_t G) {
+    switch (G) {
+        case 1: return blocked_isa<S, HD, 1>();
+        case 2: return blocked_isa<S, HD, 2>();
+        case 4: return blocked_isa<S, HD, 4>();
+        case 6: return blocked_isa<S, HD, 6>();
+        case 7: return blocked_isa<S, HD, 7>();
+        case 8: return blocked_isa<S, HD, 8>();
+        default: return nullptr;
+    }
+}
+
+// The blocked kernel for this CPU, head size and group size, or null (the runtime-size loops)
+template <typename S>
+AttendFn blocked_for(int64_t hd, int64_t G) {
+    return hd == 64 ? blocked_for_group<S, 64>(G) : hd == 128 ? blocked_for_group<S, 128>(G) : nullptr;
+}
+
 template <typename S>
 void attend_rows(const at::Tensor& q, const at::Tensor& k_store, const at::Tensor& v_store,
                  const at::Tensor& slots, const at::Tensor& lengths, float softcap, at::Tensor& out) {
@@ -381,11 +569,17 @@ void attend_rows(const at::Tensor& q, const at::Tensor& k_store, const at::Tenso
     const int64_t* sl = slots.data_ptr<int64_t>();
     const int64_t* len = lengths.data_ptr<int64_t>();
     float* op = out.data_ptr<float>();
+    const AttendFn blocked = blocked_for<S>(hd, G);
     // one task per (sequence, KV head): each reads its keys once for its G query heads
     at::parallel_for(0, B * KV, 1, [&](int64_t b0, int64_t e0) {
         std::vector<float> scores(G * Lmax);
         for (int64_t i = b0; i < e0; ++i) {
             const int64_t b = i / KV, h = i % KV;
+            if (blocked) {
+                blocked(qp + (b * H + h * G) * hd, kp + h * hd, vp + h * hd, row_stride, sl + b * Lmax, len[b],
+                        softcap, scores.data(), op + (b * H + h * G) * hd);
+                continue;
+            }
             auto* f = hd == 64 ? &attend_group<S, 64> : hd == 128 ? &attend_group<S, 128> : &attend_group<S, 0>;
             f(qp + (b * H + h * G) * hd, kp + h * hd, vp + h * hd, row_stride, sl + b * Lmax,
               len[b], G, hd, softcap, scores.data(), op + (b * H + h * G) * hd);
