@@ -153,6 +153,25 @@ def test_decode_attention(hd, softcap, dtype, heads, threads):
 
 
 @needs_kernels
+@pytest.mark.parametrize("isa", ["avx2", "scalar"])
+@pytest.mark.parametrize("hd, heads", [(128, (12, 2)), (64, (14, 2))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode_attention_on_each_instruction_set(isa, hd, heads, dtype, monkeypatch):
+    """TOKENTOP_KERNEL_ISA forces the AVX2 build of the blocked kernel (8-float vectors) or the
+    runtime-size loops ("scalar") on a CPU that has more; each matches the reference."""
+    monkeypatch.setenv("TOKENTOP_KERNEL_ISA", isa)
+    g = _gen(hd)
+    (H, KV), S = heads, 200
+    q = torch.randn(2, H, hd, generator=g) / math.sqrt(hd) * 3
+    k_store = torch.randn(S, KV, hd, generator=g).to(dtype)
+    v_store = torch.randn(S, KV, hd, generator=g).to(dtype)
+    lengths = torch.tensor([23, 150])
+    slots = torch.stack([torch.randperm(S, generator=g)[:150] for _ in range(2)])
+    out = FUSED.decode_attention(q, k_store, v_store, slots, lengths, 0.0)
+    torch.testing.assert_close(out, _naive_attention(q, k_store, v_store, slots, lengths, 0.0), **TOL)
+
+
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_decode_attention_reads_every_16_bit_value_exactly(dtype):
     """Every fp16 / bf16 bit pattern (subnormals, signed zeros, Inf, NaN) as a V row of a sequence

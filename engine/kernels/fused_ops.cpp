@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <tuple>
@@ -527,12 +528,23 @@ __attribute__((target("avx2,fma"))) void attend_avx2(
                                     softcap, scores, out);
 }
 
+// 2 avx512, 1 avx2, 0 neither (the runtime-size loops); TOKENTOP_KERNEL_ISA=scalar|avx2 caps it
+// as it caps the quantized matmuls (read per call, so a test can force each build)
+int attention_isa() {
+    static const int best = __builtin_cpu_supports("avx512f") ? 2
+                          : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0;
+    const char* s = std::getenv("TOKENTOP_KERNEL_ISA");
+    const int want = !s ? best : std::strcmp(s, "scalar") == 0 ? 0 : std::strcmp(s, "avx2") == 0 ? 1 : best;
+    return std::min(want, best);
+}
+
 template <typename S, int HD, int G>
 AttendFn blocked_isa() {
-    static const AttendFn f = __builtin_cpu_supports("avx512f") ? &attend_avx512<S, HD, G>
-                            : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? &attend_avx2<S, HD, G>
-                            : nullptr;
-    return f;
+    switch (attention_isa()) {
+        case 2: return &attend_avx512<S, HD, G>;
+        case 1: return &attend_avx2<S, HD, G>;
+        default: return nullptr;
+    }
 }
 #else
 template <typename S, int HD, int G>
