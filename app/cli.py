@@ -288,7 +288,10 @@ def cmd_models(args) -> int:
         print(f"{m['name']:22} {m.get('arch', ''):8} {m.get('size', 0) / 1e6:8.0f} MB  {flag}")
     from engine import kernels   # imports torch: only here, not for every command
     from engine.cpuinfo import cpu_summary
+    from engine.models import huge_pages
     print(f"{kernels.describe()}; CPU: {cpu_summary()}")
+    print("model weights: the file mapping, " + ("in 2 MiB pages of the page cache where the filesystem "
+          "allows (TOKENTOP_WEIGHTS=4k: 4 KiB pages)" if huge_pages.offered() else "in 4 KiB pages"))
     return 0
 
 

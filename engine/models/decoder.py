@@ -11,6 +11,8 @@ per layer (engine/models/fused.py), or the same in plain torch where they are no
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,9 +21,12 @@ from engine.models.attention import AttentionPlan, attend, plan_attention
 from engine.models.batch import ForwardBatch, KVStore
 from engine.models.fused import ACTIVATIONS, FUSED, FusedOps, TorchOps, ops_for
 from engine.models.gguf import GGUFFile, ModelConfig
+from engine.models.huge_pages import back_with_huge_pages
 from engine.models.quant import LinearPolicy, dequantize, dequantize_rows, make_embedding, make_linear
 from engine.models.rope import RotaryTable
 from engine.trace import get_tracer
+
+log = logging.getLogger("tokentop.decoder")
 
 # Candidates whose logits are recomputed in fp32 when the lm_head runs in bf16 (see _refine).
 REFINED_CANDIDATES = 32
@@ -110,6 +115,11 @@ class Decoder(nn.Module):
         self.device = torch.device(policy.device)
         self.act_dtype = policy.activation_dtype
         self.ops = ops_for(policy.device, policy.use_kernels)   # C++ per-layer ops, or torch
+        # the kernels stream the weights from the file mapping: in 2 MiB pages where Linux can
+        self.weight_pages = "file mapping as is"
+        if policy.use_kernels and not policy.on_cuda and gf.data is not None:
+            self.weight_pages = back_with_huge_pages(gf.data, gf.path)
+            log.info("model weights: %s", self.weight_pages)
         self.embed = make_embedding(gf.tensor("token_embd.weight"), device=policy.device)
         self.embed_scale = c.embed_scale
         self.blocks = nn.ModuleList(Block(gf, i, policy) for i in range(c.n_layers))

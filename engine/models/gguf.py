@@ -105,11 +105,12 @@ class GGUFFile:
     """An opened GGUF model: config, metadata and tensors (zero-copy)."""
 
     def __init__(self, path: Path, metadata: dict[str, Any], tensors: dict[str, TensorData],
-                 config: ModelConfig):
+                 config: ModelConfig, data: np.ndarray | None = None):
         self.path = path
         self.metadata = metadata
         self.tensors = tensors
         self.config = config
+        self.data = data           # the whole file's mapping, which every tensor views
 
     def tensor(self, name: str) -> TensorData:
         td = self.tensors.get(name)
@@ -149,7 +150,7 @@ def load_gguf(path: str | Path) -> GGUFFile:
     tensors = _tensor_views(path, data, size, infos, data_start)
     config = _model_config(path, metadata, tensors)
     _check_tensors(path, config, tensors)
-    return GGUFFile(path, metadata, tensors, config)
+    return GGUFFile(path, metadata, tensors, config, data)
 
 
 # --- header --------------------------------------------------------------------------------
