@@ -111,15 +111,22 @@ typedef float v16 __attribute__((vector_size(64), aligned(4)));
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
 typedef float v4 __attribute__((vector_size(16), aligned(4)));
 
+// a vector's lanes added as a tree (halving shuffles)
+TT_INLINE float hsum(v8 h) {
+    const v4 h4 = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+    return (h4[0] + h4[2]) + (h4[1] + h4[3]);
+}
+TT_INLINE float hsum(v16 a) {
+    return hsum(v8(__builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
+                   __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15)));
+}
+
 template <>
 inline float dot<float>(const float* a, const float* b, int64_t n) {
     v16 acc = {};
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) acc += *(const v16*)(a + i) * *(const v16*)(b + i);
-    v8 h8 = __builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7) +
-            __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15);
-    v4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
-    float s = (h4[0] + h4[2]) + (h4[1] + h4[3]);
+    float s = hsum(acc);
     for (; i < n; ++i) s += a[i] * b[i];
     return s;
 }
@@ -344,6 +351,19 @@ at::Tensor rope_store_kv(const at::Tensor& qkv, const at::Tensor& cos, const at:
     return q;
 }
 
+// Each of the G rows of scores [G, L]: softcapped (softcap > 0), then exp(s - max); inv[g] gets
+// 1 / the row's sum (the outputs are scaled by it at the end)
+TT_INLINE void softmax_unnormalized(float* scores, int64_t L, int64_t G, float softcap, float* inv) {
+    for (int64_t g = 0; g < G; ++g) {
+        float* sg = scores + g * L;
+        if (softcap > 0.0f)
+            for (int64_t j = 0; j < L; ++j) sg[j] = std::tanh(sg[j] / softcap) * softcap;
+        float mx = sg[0];
+        for (int64_t j = 1; j < L; ++j) mx = sg[j] > mx ? sg[j] : mx;
+        inv[g] = 1.0f / exp_shifted(sg, L, mx);
+    }
+}
+
 // One query head group (G heads sharing a KV head) of one sequence over its L keys; each key
 // and value row is read once for all G heads. scores: [G, L] scratch.
 // HD > 0: the head size as a constant (the dot and axpy loops unroll fully; same operations in
@@ -358,14 +378,7 @@ TT_CLONES void attend_group(const float* q, const S* k, const S* v, int64_t row_
         for (int64_t g = 0; g < G; ++g) scores[g * L + j] = dot(q + g * hd, kj, hd);
     }
     std::vector<float> inv(G);
-    for (int64_t g = 0; g < G; ++g) {
-        float* sg = scores + g * L;
-        if (softcap > 0.0f)
-            for (int64_t j = 0; j < L; ++j) sg[j] = std::tanh(sg[j] / softcap) * softcap;
-        float mx = sg[0];
-        for (int64_t j = 1; j < L; ++j) mx = sg[j] > mx ? sg[j] : mx;
-        inv[g] = 1.0f / exp_shifted(sg, L, mx);
-    }
+    softmax_unnormalized(scores, L, G, softcap, inv.data());
     std::fill(out, out + G * hd, 0.0f);
     for (int64_t j = 0; j < L; ++j) {
         const float* vj = as_f32(v + slots[j] * row_stride, row.data(), hd);
@@ -381,12 +394,12 @@ TT_CLONES void attend_group(const float* q, const S* k, const S* v, int64_t row_
 // sizes then spilled to memory: 5x slower than the plain loops there (measured).
 template <int W> struct Vec;
 template <> struct Vec<16> {
-    typedef float F __attribute__((vector_size(64), aligned(4)));
+    typedef v16 F;
     typedef uint16_t H __attribute__((vector_size(32), aligned(2)));
     typedef uint32_t U __attribute__((vector_size(64)));
 };
 template <> struct Vec<8> {
-    typedef float F __attribute__((vector_size(32), aligned(4)));
+    typedef v8 F;
     typedef uint16_t H __attribute__((vector_size(16), aligned(2)));
     typedef uint32_t U __attribute__((vector_size(32)));
 };
@@ -412,17 +425,6 @@ TT_INLINE typename Vec<W>::F loadv(const S* p) {
     }
 }
 
-// the W lanes added as a tree
-TT_INLINE float hsum(Vec<16>::F a) {
-    const Vec<8>::F h = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
-                        __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
-    const v4 h4 = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
-    return (h4[0] + h4[2]) + (h4[1] + h4[3]);
-}
-TT_INLINE float hsum(Vec<8>::F h) {
-    const v4 h4 = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
-    return (h4[0] + h4[2]) + (h4[1] + h4[3]);
-}
 
 // Rows PF keys ahead are prefetched: the K/V of a decode step comes from memory (the weights
 // streamed through the caches since this layer last ran), and without it the loads of a row
@@ -479,14 +481,7 @@ TT_INLINE void attend_blocked(const float* q, const S* k, const S* v, int64_t ro
         for (int g = 0; g < G; ++g) scores[g * L + j] = hsum(acc[g]);
     }
     float inv[G];
-    for (int g = 0; g < G; ++g) {
-        float* sg = scores + g * L;
-        if (softcap > 0.0f)
-            for (int64_t i = 0; i < L; ++i) sg[i] = std::tanh(sg[i] / softcap) * softcap;
-        float mx = sg[0];
-        for (int64_t i = 1; i < L; ++i) mx = sg[i] > mx ? sg[i] : mx;
-        inv[g] = 1.0f / exp_shifted(sg, L, mx);
-    }
+    softmax_unnormalized(scores, L, G, softcap, inv);
     for (int c0 = 0; c0 < C; c0 += CB) {
         F acc[G][CB] = {};
         for (int64_t i = 0; i < L; ++i) {
