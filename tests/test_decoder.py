@@ -441,3 +441,47 @@ def test_batched_decode_attention_reads_only_its_rows():
         attend(torch.randn(2, 6, 8), store, store, plan)
     allocated = sum(e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0)
     assert allocated < 1_000_000, f"decode attention allocated {allocated:,} bytes"
+
+
+@pytest.mark.parametrize("policy", [BF16, BF16_DET], ids=["default", "deterministic"])
+@pytest.mark.parametrize("arch", list(ARCH_CASES))
+def test_decode_steps_in_one_call_equal_the_per_layer_path(tiny_model_path, arch, policy):
+    """A step of decode rows only runs every layer in one C++ call (tokentop.DecodeLayers):
+    the same ops as Block.forward, so the logits and the K/V written are bit for bit the same.
+    Contexts run past gemma's window (4), so its sliding layers read their own plan."""
+    from engine import kernels
+
+    if not kernels.available():
+        pytest.skip("kernel library could not be built")
+    # the kernel's block types only: a float tensor gets a dense form, which keeps the per-layer path
+    T = gguf.GGMLQuantizationType
+    kinds = {"attn_q": T.Q8_0, "attn_k": T.Q4_0, "attn_v": T.Q5_0, "attn_output": T.Q4_0,
+             "ffn_gate": T.Q5_0, "ffn_up": T.Q8_0, "ffn_down": T.Q4_0}
+    path = tiny_model_path(arch, **ARCH_CASES[arch], types=kinds)
+    seqs = [(tokens_for(n, seed=n), torch.arange(32 * i, 32 * i + 32)) for i, n in enumerate((3, 9, 6))]
+
+    def decode(one_call: bool, rows: int):
+        model = Decoder.from_gguf(load_gguf(path), policy)
+        if not one_call:
+            model._layers = False          # what _decode_layers() caches when it cannot serve
+        kv = model.new_kv_store(128)
+        out = []
+        for tokens, slots in seqs[:rows]:
+            step(model, kv, [(tokens, len(tokens), slots)])
+        for extra in range(8):
+            grown = [(tokens + tokens_for(extra + 1, seed=99)[: extra + 1], 1, slots) for tokens, slots in seqs[:rows]]
+            out.append(step(model, kv, grown))
+        return model, torch.cat(out), kv
+
+    for rows in (1, 3):
+        fast, got, kv_fast = decode(True, rows)
+        assert fast._decode_layers() is not None, "the one-call path was not taken"
+        _, want, kv_ref = decode(False, rows)
+        assert torch.equal(got, want)
+        assert all(torch.equal(a, b) for a, b in zip(kv_fast.k + kv_fast.v, kv_ref.k + kv_ref.v))
+
+
+def test_decode_layers_are_not_used_with_dense_forms(tiny_qwen):
+    """Dense fp32 linears (no GGUF kernel) keep the per-layer path."""
+    model = Decoder.from_gguf(load_gguf(tiny_qwen), FP32)
+    assert model._decode_layers() is None

@@ -59,9 +59,10 @@ import torch
 log = logging.getLogger("tokentop.kernels")
 
 _DIR = Path(__file__).parent
-# fused_ops.cpp: the per-layer ops around the matmuls (engine/models/fused.py)
-SOURCES = ("qmatmul_op.cpp", "qkernels.cpp", "fused_ops.cpp")
-DEPENDS = ("qkernels.h", "qkernels_impl.inc", "qkernels_prefill.inc", "qkernels_direct512.inc")
+# fused_ops.cpp: the per-layer ops around the matmuls (engine/models/fused.py); decode_layers.cpp:
+# every layer of a decode step in one call from Python (engine/models/decoder.py)
+SOURCES = ("qmatmul_op.cpp", "qkernels.cpp", "fused_ops.cpp", "decode_layers.cpp")
+DEPENDS = ("ops.h", "qkernels.h", "qkernels_impl.inc", "qkernels_prefill.inc", "qkernels_direct512.inc")
 ISA_NAMES = ("scalar", "avx2", "avx512")
 # GGML type ids the op reads (gguf.GGMLQuantizationType values)
 KERNEL_TYPES = (2, 6, 8, 12, 13, 14)   # Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K

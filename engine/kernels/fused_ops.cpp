@@ -16,6 +16,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "ops.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -696,6 +698,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> greedy_pick(const at::Tensor& log
 }
 
 }  // namespace
+
+namespace tt::ops {
+
+at::Tensor add_rms_norm(at::Tensor x, const c10::optional<at::Tensor>& delta, const at::Tensor& w, double eps) {
+    return ::add_rms_norm(std::move(x), delta, w, eps);
+}
+at::Tensor act_mul(const at::Tensor& gate_up, int64_t act) { return ::act_mul(gate_up, act); }
+at::Tensor rope_store_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                         const c10::optional<at::Tensor>& qk_norm, double eps, double q_scale, int64_t n_heads,
+                         int64_t n_kv, bool interleaved, at::Tensor k_store, at::Tensor v_store,
+                         const at::Tensor& slots) {
+    return ::rope_store_kv(qkv, cos, sin, qk_norm, eps, q_scale, n_heads, n_kv, interleaved, std::move(k_store),
+                           std::move(v_store), slots);
+}
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_store, const at::Tensor& v_store,
+                            const at::Tensor& slots, const at::Tensor& lengths, double softcap) {
+    return ::decode_attention(q, k_store, v_store, slots, lengths, softcap);
+}
+
+}  // namespace tt::ops
 
 TORCH_LIBRARY_FRAGMENT(tokentop, m) {
     m.def("add_rms_norm(Tensor(a!) x, Tensor? delta, Tensor w, float eps) -> Tensor");

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <vector>
 
+#include "ops.h"
 #include "qkernels.h"
 
 namespace {
@@ -205,6 +206,15 @@ int64_t batch_rows_op() {
 }
 
 }  // namespace
+
+namespace tt::ops {
+
+at::Tensor qmatmul(const at::Tensor& x, at::TensorList weights, at::IntArrayRef types, at::IntArrayRef rows,
+                   const std::optional<at::Tensor>& bias, int64_t isa, int64_t small_m, int64_t big_m) {
+    return ::qmatmul(x, weights, types, rows, bias, isa, small_m, big_m);
+}
+
+}  // namespace tt::ops
 
 TORCH_LIBRARY(tokentop, m) {
     m.def("qmatmul(Tensor x, Tensor[] weights, int[] types, int[] rows, Tensor? bias, int isa=-1, "
