@@ -27,7 +27,8 @@ Both kernels meet it: the tiles add K/16 terms per output (scale, then bias, per
 the direct decode kernels K/32 per SIMD lane on AVX2 (one per 32 weights, plus one K-quant
 minimum term per 256) and 3 more to add the 8 lanes; on AVX-512 K/64 per lane (one per 64
 weights; for K-quants one exact int32 -> fp32 conversion, one FMA and one minimum or Q6_K offset
-term per 256) and 4 more to add the 16 lanes. The coarser K-quant groups make d_g, so the
+term per 256), split over two chains (even and odd weight groups), 1 more to join them and 4 to
+add the 16 lanes. The coarser K-quant groups make d_g, so the
 second bound, larger where a 256-group holds an outlier (up to 8x a 32-group's); llama.cpp
 quantizes the same way for these types.
 

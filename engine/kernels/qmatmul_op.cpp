@@ -68,8 +68,11 @@ at::Tensor pooled_output(int64_t M, int64_t N, const at::TensorOptions& opts) {
 // step, Zen 5, 2 threads, direct / panels in ms (tools/kernel_bench.py, with the panels built
 // straight from the GGUF blocks and the direct kernels' per-256 K-quant activations): 0.5B
 // 4 rows 12.6 / 12.9, 5 rows 16.8 / 13.1, 8 rows 23.4 / 16.1; 1.5B 4 rows 31.9 / 33.8, 5 rows
-// 40.5 / 33.1, 8 rows 56.0 / 44.5 (docs/benchmarks.md). The tiles are slower than both at every
-// row count here and serve only deterministic mode on AVX-512.
+// 40.5 / 33.1, 8 rows 56.0 / 44.5 (docs/benchmarks.md). With the direct kernels reading one row
+// at a time (machine in its slow memory spell): 0.5B 4 rows 12.1 / 12.8, 5 rows 20.4 / 13.3,
+// 8 rows 22.5 / 15.6; 1.5B 4 rows 29.3 / 34.8, 5 rows 45.9 / 34.0, 8 rows 55.7 / 43.9: the
+// switch stays at 5. The tiles are slower than both at every row count here and serve only
+// deterministic mode on AVX-512.
 constexpr int64_t PANEL_MIN_ROWS = 5;
 
 // small_m: -1 the default, tt::direct_max_rows (calls of more rows amortize the unpacked
