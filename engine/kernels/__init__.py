@@ -39,7 +39,7 @@ every row of the call; on AVX2 larger calls unpack 16-row tiles once and use the
 row; on AVX-512, calls of 5 rows or more (PANEL_MIN_ROWS: batches, prefill) take the panel
 kernel (qkernels_prefill.inc): 32 output rows built from the blocks over all of K, every activation row run
 through them with the accumulators in registers, code offsets subtracted inside the integer
-dots and K-quant scales applied per 32 (at most K/16 fp32 additions, within the bound above).
+dots, scales applied per 32 (per 16 for Q6_K: at most K/16 fp32 additions, within the bound above).
 Their fp32 sums differ in the last bits, so deterministic mode passes small_m=0: the tiles
 serve every row count.
 """
