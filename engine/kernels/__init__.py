@@ -3,7 +3,7 @@
 The op computes y = x W^T straight from the GGUF blocks of Q4_0, Q5_0, Q8_0, Q4_K, Q5_K and
 Q6_K matrices (the mmap'd file is the weight). It follows llama.cpp's scheme: each activation
 row is quantized once to int8 with one scale per 32 values (per 256 against K-quant weights in
-AVX-512's direct kernels, llama.cpp's Q8_K, so a super-block's sum stays in integers), then
+the direct kernels, llama.cpp's Q8_K, so a super-block's sum stays in integers), then
 integer dot products (AVX-512 VNNI vpdpbusd / vpdpwssd, AVX2 maddubs/madd, or portable C++),
 picked at run time from cpuid.
 TOKENTOP_KERNEL_ISA=scalar|avx2|avx512 caps the choice (tests force each path).
@@ -13,7 +13,7 @@ cache (`nice -n 19`, in a child process, so a failed build cannot take the engin
 Without a compiler the model falls back to dense torch matmuls, with one log line saying so.
 
 Error bound (what tests/test_kernels.py checks). Row m of x is quantized per group g of 32
-values (256 against K-quants in AVX-512's direct kernels; the bound below holds for either, with
+values (256 against K-quants in the direct kernels; the bound below holds for either, with
 that group's d_g) to
 a_i = round(x_i / d_g), d_g = max|x_g| / 127, so x̂_i = d_g a_i and |x_i - x̂_i| <= d_g / 2
 (plus at most one rounding of x_i / d_g, |a_i| <= 127: d_g * 2^-17 more). Every weight is
@@ -23,12 +23,13 @@ Hence, with eps = 2^-24 and n the number of fp32 additions along K (at most K/16
     |y - W x̂| <= n * eps * sum_i (|w_i| + 2 |b_i|) |x̂_i|        (fp32 evaluation)
     |y - W x| <= sum_i |w_i| d_g(i) (1/2 + 2^-17) + the line above (activation rounding)
 The first bound is ~1e-5 relative: it pins down every code, scale and offset exactly.
-Both kernels meet it: the tiles add K/16 terms per output (scale, then bias, per 16 weights),
-the direct decode kernels K/32 per SIMD lane on AVX2 (one per 32 weights, plus one K-quant
-minimum term per 256) and 3 more to add the 8 lanes; on AVX-512 K/64 per lane (one per 64
-weights; for K-quants one exact int32 -> fp32 conversion, one FMA and one minimum or Q6_K offset
-term per 256), split over two chains (even and odd weight groups), 1 more to join them and 4 to
-add the 16 lanes. The coarser K-quant groups make d_g, so the
+Both kernels meet it: the tiles add K/16 terms per output (scale, then bias, per 16 weights);
+the direct decode kernels split each SIMD lane's sum over two chains (even and odd blocks, or
+K-quant super-blocks), then add the chains (1) and the lanes (3 for AVX2's 8, 4 for AVX-512's 16).
+Per chain and lane that is K/64 additions on AVX2 (one FMA per 32-weight block, every other
+block) and K/128 on AVX-512 (one per 64 weights, every other 64); for K-quants one FMA (the
+super-block's int32 sum, converted exactly) and one minimum or one / two Q6_K offset terms per
+256 weights, every other super-block: at most 3K/512. The coarser K-quant groups make d_g, so the
 second bound, larger where a 256-group holds an outlier (up to 8x a 32-group's); llama.cpp
 quantizes the same way for these types.
 
