@@ -3,7 +3,7 @@
 Each round runs every checkout in a fresh process (PYTHONPATH = that checkout, so its kernels
 are built and used), alternating, so a slow spell of a shared machine hits both sides; prints
 each round and the medians. Times are tools/kernel_bench.py's `time_set` (every linear layer
-once, back to back, default dispatch), in ms; "read" is a plain 2-thread memory read in GB/s
+once, back to back, the op's default kernel for the row count), in ms; "read" is a plain 2-thread memory read in GB/s
 taken right after, since this machine's bandwidth moves between levels for minutes at a time
 (compare rounds at the same level). Run under the CPU lock:
   flock /tmp/tokentop-cpu.lock python tools/kernel_ab.py qwen2.5-coder-1.5b /path/a,/path/b 1,4 [rounds]
@@ -29,7 +29,7 @@ from engine.models.quant import LinearPolicy, QuantLinear
 torch.set_num_threads(2)
 model = Decoder.from_gguf(load_gguf(str(resolve_model(sys.argv[1]))), LinearPolicy())
 layers = [m for m in model.modules() if isinstance(m, QuantLinear) and m.gguf is not None]
-times = {m: time_set(layers, int(m), -1, reps=11) for m in sys.argv[2].split(",")}
+times = {m: time_set(layers, int(m), -1, reps=11, big_m=-1) for m in sys.argv[2].split(",")}
 print(json.dumps({**times, "read": read_bandwidth(1 << 28, 3)}))
 '''
 
