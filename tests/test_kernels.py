@@ -374,3 +374,25 @@ def test_half_activations_are_converted_in_the_op(dtype, m):
     assert y.dtype == dtype
     assert torch.equal(y, run([td], x.float(), bias=bias).to(dtype))
     assert run([td], x[:0], bias=bias).dtype == dtype
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_gguf_rows_dot_is_the_exact_dot_with_dequantized_rows(qtype):
+    """The decoder's exact refinement of its top logits: h . dequantize(W[id]) for a few ids,
+    the dequantization ggml's (gguf-py's reader agrees with it, test_quant), the sum in fp32."""
+    if not kernels.available():
+        pytest.skip("kernel library could not be built")
+    td = random_td(qtype, 300, 512, seed=7)
+    h = torch.randn(3, 512, generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 300, (3, 32), generator=torch.Generator().manual_seed(2))
+    w = torch.from_numpy(np.ascontiguousarray(td.raw))
+    got = torch.ops.tokentop.gguf_rows_dot(h, w, int(qtype), ids)
+    rows = dequantize(td).double()[ids]                       # [3, 32, 512]
+    want = (rows * h.double()[:, None]).sum(-1)
+    bound = 512 * EPS32 * (rows.abs() * h.double().abs()[:, None]).sum(-1)   # fp32 summation
+    assert ((got.double() - want).abs() <= bound + 1e-30).all()
+    # each (row, id) alone gives the same bits: nothing depends on the batch
+    alone = torch.ops.tokentop.gguf_rows_dot(h[1:2].contiguous(), w, int(qtype), ids[1:2].contiguous())
+    assert torch.equal(alone, got[1:2])
+    with pytest.raises(RuntimeError, match="out of range"):
+        torch.ops.tokentop.gguf_rows_dot(h[:1].contiguous(), w, int(qtype), torch.tensor([[300]]))

@@ -62,8 +62,9 @@ log = logging.getLogger("tokentop.kernels")
 
 _DIR = Path(__file__).parent
 # fused_ops.cpp: the per-layer ops around the matmuls (engine/models/fused.py); decode_layers.cpp:
-# every layer of a decode step in one call from Python (engine/models/decoder.py)
-SOURCES = ("qmatmul_op.cpp", "qkernels.cpp", "fused_ops.cpp", "decode_layers.cpp")
+# every layer of a decode step in one call from Python (engine/models/decoder.py); gguf_rows.cpp:
+# exact dot products with a few dequantized rows (the decoder's refinement of the top logits)
+SOURCES = ("qmatmul_op.cpp", "qkernels.cpp", "fused_ops.cpp", "decode_layers.cpp", "gguf_rows.cpp")
 DEPENDS = ("ops.h", "qkernels.h", "qkernels_impl.inc", "qkernels_prefill.inc", "qkernels_direct512.inc")
 ISA_NAMES = ("scalar", "avx2", "avx512")
 # GGML type ids the op reads (gguf.GGMLQuantizationType values)
@@ -194,6 +195,10 @@ def _register_fake() -> None:
     @torch.library.register_fake("tokentop::decode_attention")
     def _(q, k_store, v_store, slots, lengths, softcap):
         return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+    @torch.library.register_fake("tokentop::gguf_rows_dot")
+    def _(h, weight, type, ids):
+        return h.new_empty(ids.shape[0], ids.shape[1])
 
     @torch.library.register_fake("tokentop::greedy_pick")
     def _(logits):

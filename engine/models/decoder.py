@@ -228,9 +228,14 @@ class Decoder(nn.Module):
         """
         R, hidden = h.shape
         cand = top_candidates(logits, REFINED_CANDIDATES)
-        rows = dequantize_rows(self.head_td, cand.reshape(-1).cpu()).to(h.device)
-        # multiply-and-sum rather than bmm: each row's result must not depend on R
-        exact = (rows.view(R, REFINED_CANDIDATES, hidden) * h.unsqueeze(1)).sum(-1)
+        g = self.lm_head.gguf
+        if self.ops is FUSED and g is not None and len(g.types) == 1:
+            # the C++ op dequantizes each row as ggml does (numpy took ~1 ms for 8 rows' 256)
+            exact = torch.ops.tokentop.gguf_rows_dot(h.contiguous(), g.tensors[0], g.types[0], cand)
+        else:
+            rows = dequantize_rows(self.head_td, cand.reshape(-1).cpu()).to(h.device)
+            # multiply-and-sum rather than bmm: each row's result must not depend on R
+            exact = (rows.view(R, REFINED_CANDIDATES, hidden) * h.unsqueeze(1)).sum(-1)
         return logits.scatter_(1, cand, exact)
 
 
