@@ -56,8 +56,6 @@ public:
                                           small_m});
     }
 
-    int64_t num_layers() const { return int64_t(layers_.size()); }
-
     // x [B, hidden]: one decode row per sequence, updated in place and returned. Each plan is
     // [cos, sin, key slots, key counts] for one attention kind (rope.lookup of the rows'
     // positions, DecodeGroup.slots/lengths); `local` is empty when no layer slides.
@@ -101,6 +99,5 @@ TORCH_LIBRARY_FRAGMENT(tokentop, m) {
         .def(torch::init<int64_t, int64_t, double, double, double, int64_t, bool>())
         .def("add_layer", &DecodeLayers::add_layer)
         .def("add_linear", &DecodeLayers::add_linear)
-        .def("num_layers", &DecodeLayers::num_layers)
         .def("run", &DecodeLayers::run);
 }

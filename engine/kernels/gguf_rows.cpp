@@ -15,9 +15,18 @@
 #include <cstring>
 #include <vector>
 
+#include "qkernels.h"
+
 namespace {
 
-enum : int64_t { Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+using tt::block_bytes;
+using tt::block_weights;
+using tt::Q4_0;
+using tt::Q4_K;
+using tt::Q5_0;
+using tt::Q5_K;
+using tt::Q6_K;
+using tt::Q8_0;
 
 float f16(const uint8_t* p) {
     uint16_t bits;
@@ -37,7 +46,7 @@ void scale_min_k4(int j, const uint8_t* q, int* sc, int* m) {
 }
 
 // One block of `type` at b into y (32 or 256 values), with ggml's formulas (dequantize_row_*)
-void dequantize_block(int64_t type, const uint8_t* b, float* y) {
+void dequantize_block(int type, const uint8_t* b, float* y) {
     switch (type) {
     case Q4_0: {
         const float d = f16(b);
@@ -111,22 +120,6 @@ void dequantize_block(int64_t type, const uint8_t* b, float* y) {
     }
 }
 
-int64_t block_weights(int64_t type) {
-    return type == Q4_0 || type == Q5_0 || type == Q8_0 ? 32 : type == Q4_K || type == Q5_K || type == Q6_K ? 256 : 0;
-}
-
-int64_t block_bytes(int64_t type) {
-    switch (type) {
-    case Q4_0: return 18;
-    case Q5_0: return 22;
-    case Q8_0: return 34;
-    case Q4_K: return 144;
-    case Q5_K: return 176;
-    case Q6_K: return 210;
-    default: return 0;
-    }
-}
-
 float dot(const float* a, const float* b, int64_t n) {
     float acc[16] = {};
     int64_t i = 0;
@@ -144,10 +137,11 @@ at::Tensor gguf_rows_dot(const at::Tensor& h, const at::Tensor& weight, int64_t 
     TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && h.is_contiguous(), "h: contiguous fp32 [R, K]");
     TORCH_CHECK(ids.dim() == 2 && ids.scalar_type() == at::kLong && ids.is_contiguous() && ids.size(0) == h.size(0),
                 "ids: contiguous int64 [R, C]");
-    const int64_t R = h.size(0), C = ids.size(1), K = h.size(1), bw = block_weights(type);
+    const int t = int(type);
+    const int64_t R = h.size(0), C = ids.size(1), K = h.size(1), bw = block_weights(t), bb = block_bytes(t);
     TORCH_CHECK(bw > 0, "gguf_rows_dot: unsupported GGML type ", type);
     TORCH_CHECK(K % bw == 0, "gguf_rows_dot: K=", K, " is not a multiple of the block size ", bw);
-    const int64_t row_bytes = K / bw * block_bytes(type);
+    const int64_t row_bytes = K / bw * bb;
     TORCH_CHECK(weight.scalar_type() == at::kByte && weight.is_contiguous() && weight.numel() % row_bytes == 0,
                 "gguf_rows_dot: weight must be contiguous uint8 rows of ", row_bytes, " bytes");
     const int64_t N = weight.numel() / row_bytes;
@@ -162,7 +156,7 @@ at::Tensor gguf_rows_dot(const at::Tensor& h, const at::Tensor& weight, int64_t 
         std::vector<float> row(K);
         for (int64_t i = b; i < e; ++i) {
             const uint8_t* src = w + idp[i] * row_bytes;
-            for (int64_t k = 0; k < K / bw; ++k) dequantize_block(type, src + k * block_bytes(type), row.data() + k * bw);
+            for (int64_t k = 0; k < K / bw; ++k) dequantize_block(t, src + k * bb, row.data() + k * bw);
             op[i] = dot(hp + (i / C) * K, row.data(), K);
         }
     });
