@@ -217,7 +217,7 @@ def test_panel_tiles_built_from_blocks_decode_batch_sizes(qtype):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
-    check(two, td, x)
+    check(two, td, x, act_group(qtype, 16, big_m=1))   # without panels, 16 rows may be direct
 
 
 @pytest.mark.parametrize("isa", runnable_isas())

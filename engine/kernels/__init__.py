@@ -33,7 +33,7 @@ super-block's int32 sum, converted exactly) and one minimum or one / two Q6_K of
 second bound, larger where a 256-group holds an outlier (up to 8x a 32-group's); llama.cpp
 quantizes the same way for these types.
 
-Three kernels: calls of up to direct_rows() rows (decode, small batches; 4 on AVX-512 and on
+Three kernels: calls of up to direct_rows() rows (decode, small batches; 4 on AVX-512, 16 on
 AVX2) take the direct kernels (qkernels_impl.inc for AVX2, qkernels_direct512.inc for AVX-512),
 which go from GGUF block to register with no unpacked copy, each weight vector dotted against
 every row of the call; on AVX2 larger calls unpack 16-row tiles once and use them for every

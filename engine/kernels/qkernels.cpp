@@ -129,8 +129,11 @@ int64_t direct_max_rows(int isa) {
     if (!has_direct(isa)) return 0;
     // 2 threads, Zen 5, all linear layers of a step: AVX-512's direct kernels beat the panels
     // (qmatmul_op.cpp's PANEL_MIN_ROWS) up to 4 rows (0.5B at 4 rows 12.6 vs 12.9 ms, 5 rows
-    // 16.8 vs 13.1); AVX2's beat its tiles up to 4 (measured on an AVX2-only EPYC)
-    return 4;
+    // 16.8 vs 13.1). AVX2 has no panels, and its direct kernels (rows read one at a time, two
+    // accumulator chains) beat its tiles up to 16 rows, forced on Zen 5: 0.5B at 8 rows 39.0 vs
+    // 73.3 ms, 16 rows 76.6 vs 129.7, 32 rows 228 vs 221; 1.5B at 8 rows 91 vs 229, 16 rows 186
+    // vs 401 (the tiles had won up to 4 rows only against the earlier direct kernels).
+    return isa == ISA_AVX2 ? 16 : 4;
 }
 
 bool is_k_quant(int type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
