@@ -380,7 +380,8 @@ def bench_batching(args) -> dict:
     goals = {"n8_at_least_4x_one_stream": n8_over_n1 >= 4.0,
              "paged_ge_97pct_contiguous": all(k["paged_over_contiguous"] >= 0.97 for k in kv)}
     if sequential_too:
-        goals["batched_ge_sequential_all_n"] = all(t["ratio"] >= 1.0 for t in table)
+        # from N = 2: one request alone is the same work either way (its ratio is noise around 1)
+        goals["batched_ge_sequential_all_n"] = all(t["ratio"] >= 1.0 for t in table if t["n"] >= 2)
     if largest["n"] >= 32:
         goals[f"n{largest['n']}_at_least_10x_one_stream"] = nmax_over_n1 >= 10.0
     return {
