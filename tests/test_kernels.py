@@ -65,7 +65,7 @@ def act_group(qtype: T, m: int, isa: str | None = None, small_m: int = -1, big_m
     W x̂ bound."""
     isa = isa or kernels.isa_name()
     panel_rows = big_m if big_m >= 0 else 0 if small_m == 0 else max(PANEL_MIN_ROWS, small_m + 1)
-    panels = isa == "avx512" and 0 < panel_rows <= m
+    panels = isa in ("avx512", "avx2") and 0 < panel_rows <= m
     direct = not panels and m <= (kernels.direct_rows(isa) if small_m < 0 else small_m)
     return 256 if isa != "scalar" and direct and qtype in K_TYPES else 32
 
@@ -176,9 +176,23 @@ def test_rows_and_threads_do_not_change_any_bit(isa, qtype):
     assert torch.equal(run([td], x[:5], isa, small_m=0), one[:5])
 
 
-# The panel (prefill) kernel, forced for every row count with big_m=1: AVX-512 runs it, the
-# other ISAs keep their tiles (the same checks then cover their fallback).
+# The panel kernel (batches, prefill), forced for every row count with big_m=1: AVX-512 and
+# AVX2 run it, the portable path keeps its tiles (the same checks then cover that fallback).
 PANEL_MIN_ROWS = 5      # qmatmul_op.cpp: the default switches to the panels at this many rows
+
+
+@pytest.mark.skipif("avx512" not in runnable_isas(), reason="needs a CPU that runs both panel builds")
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_avx2_panels_give_the_avx512_panels_bits(qtype):
+    """The AVX2 panels (8-row tiles, maddubs/madd dots, Q8_0 through the sign trick) do the same
+    integer sums and the same float steps per output as the AVX-512 ones (16-row tiles,
+    vpdpbusd): the same bits, at every batch size and a part-filled last panel."""
+    k = 768 if qtype in K_TYPES else 352
+    td = random_td(qtype, rows=77, cols=k, seed=61 + int(qtype))
+    for m in (5, 6, 8, 9, 13, 64):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        x[:, 9] *= 30
+        assert torch.equal(run([td], x, "avx2", big_m=1), run([td], x, "avx512", big_m=1)), m
 
 
 @pytest.mark.parametrize("isa", runnable_isas())
@@ -274,7 +288,7 @@ def test_large_prefill_outputs_reuse_a_buffer_only_once_released():
     ptr = y1.data_ptr()
     del y1
     assert torch.equal(run([td], x1), want)
-    if kernels.isa_name() == "avx512":        # the panels' pool: the released buffer again
+    if kernels.isa_name() in ("avx512", "avx2"):   # the panels' pool: the released buffer again
         assert run([td], x2).data_ptr() == ptr
     check(y3[:64], td, x1[:64])
 

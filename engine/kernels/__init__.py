@@ -33,16 +33,16 @@ super-block's int32 sum, converted exactly) and one minimum or one / two Q6_K of
 second bound, larger where a 256-group holds an outlier (up to 8x a 32-group's); llama.cpp
 quantizes the same way for these types.
 
-Three kernels: calls of up to direct_rows() rows (decode, small batches; 4 on AVX-512, 16 on
+Three kernels: calls of up to direct_rows() rows (decode, small batches; 4 on AVX-512 and
 AVX2) take the direct kernels (qkernels_impl.inc for AVX2, qkernels_direct512.inc for AVX-512),
 which go from GGUF block to register with no unpacked copy, each weight vector dotted against
-every row of the call; on AVX2 larger calls unpack 16-row tiles once and use them for every
-row; on AVX-512, calls of 5 rows or more (PANEL_MIN_ROWS: batches, prefill) take the panel
-kernel (qkernels_prefill.inc): 32 output rows built from the blocks over all of K, every activation row run
+every row of the call; calls of 5 rows or more (PANEL_MIN_ROWS: batches, prefill) take the
+panel kernel (qkernels_prefill.inc on AVX-512, qkernels_panels_avx2.inc on AVX2, the same bits):
+32 (AVX2: 16) output rows built from the blocks over all of K, every activation row run
 through them with the accumulators in registers, code offsets subtracted inside the integer
-dots, scales applied per 32 (per 16 for Q6_K: at most K/16 fp32 additions, within the bound above).
-Their fp32 sums differ in the last bits, so deterministic mode passes small_m=0: the tiles
-serve every row count.
+dots, scales applied per 32 (per 16 for Q6_K: at most K/16 fp32 additions, within the bound
+above). The portable path unpacks 16-row tiles for larger calls. The kernels' fp32 sums differ
+in the last bits, so deterministic mode passes small_m=0: the tiles serve every row count.
 """
 from __future__ import annotations
 
@@ -220,7 +220,7 @@ def describe() -> str:
     """One line for `tokentop models` and the start-up log."""
     if not load():
         return f"quantized kernels: unavailable ({_state['reason']}); dense torch matmuls"
-    larger = "unpacked panels" if isa_name() == "avx512" else "unpacked tiles"
+    larger = "unpacked panels" if isa_name() in ("avx512", "avx2") else "unpacked tiles"
     return (f"quantized kernels: GGUF-native, {isa_name()} (best on this CPU: "
             f"{isa_name(best_isa())}); every call size runs on the GGUF bytes (direct "
             f"block-to-register kernels up to {direct_rows()} rows, {larger} above)")

@@ -27,6 +27,7 @@ namespace isa_scalar {
 namespace isa_avx2 {
 #define TT_LEVEL 1
 #include "qkernels_impl.inc"
+#include "qkernels_panels_avx2.inc"
 #undef TT_LEVEL
 }  // namespace isa_avx2
 #pragma GCC pop_options
@@ -129,11 +130,10 @@ int64_t direct_max_rows(int isa) {
     if (!has_direct(isa)) return 0;
     // 2 threads, Zen 5, all linear layers of a step: AVX-512's direct kernels beat the panels
     // (qmatmul_op.cpp's PANEL_MIN_ROWS) up to 4 rows (0.5B at 4 rows 12.6 vs 12.9 ms, 5 rows
-    // 16.8 vs 13.1). AVX2 has no panels, and its direct kernels (rows read one at a time, two
-    // accumulator chains) beat its tiles up to 16 rows, forced on Zen 5: 0.5B at 8 rows 39.0 vs
-    // 73.3 ms, 16 rows 76.6 vs 129.7, 32 rows 228 vs 221; 1.5B at 8 rows 91 vs 229, 16 rows 186
-    // vs 401 (the tiles had won up to 4 rows only against the earlier direct kernels).
-    return isa == ISA_AVX2 ? 16 : 4;
+    // 16.8 vs 13.1). AVX2 (forced on Zen 5): about even at 3-4 rows (0.5B 4 rows 20.5 vs 19.7 ms,
+    // 1.5B 49.3 vs 47.5), the panels ahead from 5 (0.5B 30.2 vs 22.8, 8 rows 42.0 vs 28.6; 1.5B
+    // 8 rows 99.9 vs 75.3). Both against the tiles, which the panels replaced for batches.
+    return 4;
 }
 
 bool is_k_quant(int type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
@@ -156,12 +156,13 @@ void matmul_direct(int isa, int type, const uint8_t* w, int64_t K, int64_t n0, i
     (void)isa; (void)type; (void)w; (void)row_bytes; (void)n0; (void)n1; (void)act; (void)M; (void)y; (void)ldy;
 }
 
-bool has_panels(int isa) { return TT_X86 && isa == ISA_AVX512; }
+bool has_panels(int isa) { return TT_X86 && (isa == ISA_AVX512 || isa == ISA_AVX2); }
 
-int64_t panel_rows() {
+int64_t panel_rows(int isa) {
 #if TT_X86
-    return isa_avx512::PANEL_ROWS;
+    return isa == ISA_AVX2 ? isa_avx2::P2_ROWS : isa_avx512::PANEL_ROWS;
 #else
+    (void)isa;
     return 32;
 #endif
 }
@@ -170,6 +171,7 @@ void quantize_panel_rows(int isa, const float* x, int64_t ldx, int64_t M, int64_
                          float* as32, int32_t* is16) {
 #if TT_X86
     if (isa == ISA_AVX512) return isa_avx512::quantize_panel_rows(x, ldx, M, K, a, d32, as32, is16);
+    if (isa == ISA_AVX2) return isa_avx2::quantize_panel_rows(x, ldx, M, K, a, d32, as32, is16);
 #endif
     (void)isa; (void)x; (void)ldx; (void)M; (void)K; (void)a; (void)d32; (void)as32; (void)is16;
 }
@@ -184,6 +186,14 @@ void matmul_panels(int isa, int type, const uint8_t* w, int64_t K, int64_t n0, i
         const int64_t row_bytes = K / block_weights(type) * block_bytes(type);
         return isa_avx512::matmul_panels(type, w, row_bytes, K, n0, n1, a, d32, as32, is16, M, y, ldy,
                                          scratch.data());
+    }
+    if (isa == ISA_AVX2) {
+        thread_local std::vector<uint8_t> scratch;
+        const size_t need = isa_avx2::panel_scratch_bytes(K);
+        if (scratch.size() < need) scratch.resize(need);
+        const int64_t row_bytes = K / block_weights(type) * block_bytes(type);
+        return isa_avx2::matmul_panels(type, w, row_bytes, K, n0, n1, a, d32, as32, is16, M, y, ldy,
+                                       scratch.data());
     }
 #endif
     (void)isa; (void)type; (void)w; (void)K; (void)n0; (void)n1; (void)a; (void)d32; (void)as32; (void)is16;

@@ -60,12 +60,13 @@ void quantize_direct(int isa, const float* x, int64_t ldx, int64_t M, int64_t K,
 void matmul_direct(int isa, int type, const uint8_t* w, int64_t K, int64_t n0, int64_t n1, const DirectActs& act,
                    int64_t M, float* y, int64_t ldy);
 
-// Prefill (many activation rows): whether `isa` has the panel kernel (AVX-512), and the kernel.
-// It unpacks a panel of output rows over all of K once and runs every activation row through
-// it with the accumulators in registers (qkernels_prefill.inc). Not bitwise equal to
-// matmul_rows (code offsets are subtracted in the integers, K-quant scales applied per 32).
+// Batches and prefill (5 activation rows or more): whether `isa` has the panel kernel (AVX-512,
+// AVX2), and the kernel. It unpacks a panel of output rows over all of K once and runs every
+// activation row through it with the accumulators in registers (qkernels_prefill.inc,
+// qkernels_panels_avx2.inc: the same bits). Not bitwise equal to matmul_rows (code offsets are
+// subtracted in the integers, K-quant scales applied per 32).
 bool has_panels(int isa);
-int64_t panel_rows();                    // output rows per panel: the unit threads take
+int64_t panel_rows(int isa);             // output rows per panel: the unit threads take
 // quantize_rows' a (the same values) and, per activation row, d32 the scale of each 32-group
 // (K/32), as32 = d32 * (sum of the group's a) (K/32), is16 the sum of each 16 a (K/16), in one
 // pass (has_panels ISAs only).

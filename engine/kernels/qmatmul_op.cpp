@@ -63,8 +63,9 @@ at::Tensor pooled_output(int64_t M, int64_t N, const at::TensorOptions& opts) {
     return t.view({M, N});
 }
 
-// Calls with at least this many rows take the panel kernel where the ISA has it (AVX-512);
-// fewer rows take the direct kernels (tt::direct_max_rows is 4 there). All linear layers of a
+// Calls with at least this many rows take the panel kernel where the ISA has it (AVX-512,
+// AVX2); fewer rows take the direct kernels (tt::direct_max_rows is 4 on both; AVX2's figures
+// are beside it in qkernels.cpp). All linear layers of a
 // step, Zen 5, 2 threads, direct / panels in ms (tools/kernel_bench.py, with the panels built
 // straight from the GGUF blocks and the direct kernels' per-256 K-quant activations): 0.5B
 // 4 rows 12.6 / 12.9, 5 rows 16.8 / 13.1, 8 rows 23.4 / 16.1; 1.5B 4 rows 31.9 / 33.8, 5 rows
@@ -72,7 +73,7 @@ at::Tensor pooled_output(int64_t M, int64_t N, const at::TensorOptions& opts) {
 // at a time (machine in its slow memory spell): 0.5B 4 rows 12.1 / 12.8, 5 rows 20.4 / 13.3,
 // 8 rows 22.5 / 15.6; 1.5B 4 rows 29.3 / 34.8, 5 rows 45.9 / 34.0, 8 rows 55.7 / 43.9: the
 // switch stays at 5. The tiles are slower than both at every row count here and serve only
-// deterministic mode on AVX-512.
+// deterministic mode (and the portable path).
 constexpr int64_t PANEL_MIN_ROWS = 5;
 
 // small_m: -1 the default, tt::direct_max_rows (calls of more rows amortize the unpacked
@@ -129,7 +130,7 @@ at::Tensor qmatmul(const at::Tensor& x_in, at::TensorList weights, at::IntArrayR
         });
         float* yp = y.data_ptr<float>();
         // threads take whole panels of output rows (of the stacked matrices)
-        const int64_t P = tt::panel_rows();
+        const int64_t P = tt::panel_rows(use);
         at::parallel_for(0, (N + P - 1) / P, 1, [&](int64_t pb, int64_t pe) {
             const int64_t b = pb * P, e = std::min(pe * P, N);
             for (size_t i = 0; i < weights.size(); ++i) {
