@@ -182,11 +182,14 @@ PANEL_MIN_ROWS = 5      # qmatmul_op.cpp: the default switches to the panels at 
 
 
 @pytest.mark.skipif("avx512" not in runnable_isas(), reason="needs a CPU that runs both panel builds")
+@pytest.mark.parametrize("vnni", ["1", "0"])
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_avx2_panels_give_the_avx512_panels_bits(qtype):
-    """The AVX2 panels (8-row tiles, maddubs/madd dots, Q8_0 through the sign trick) do the same
-    integer sums and the same float steps per output as the AVX-512 ones (16-row tiles,
-    vpdpbusd): the same bits, at every batch size and a part-filled last panel."""
+def test_avx2_panels_give_the_avx512_panels_bits(qtype, vnni, monkeypatch):
+    """The AVX2 panels (8-row tiles, maddubs/madd dots, Q8_0 through the sign trick; or AVX-VNNI's
+    vpdpbusd where the CPU has it and TOKENTOP_AVX_VNNI is not 0) do the same integer sums and
+    the same float steps per output as the AVX-512 ones (16-row tiles, vpdpbusd): the same bits,
+    at every batch size and a part-filled last panel."""
+    monkeypatch.setenv("TOKENTOP_AVX_VNNI", vnni)
     k = 768 if qtype in K_TYPES else 352
     td = random_td(qtype, rows=77, cols=k, seed=61 + int(qtype))
     for m in (5, 6, 8, 9, 13, 64):

@@ -60,7 +60,10 @@ def machine() -> dict:
     from engine.cpuinfo import cpu_info
     from engine import kernels
     info = cpu_info()
-    return {"quantized_kernels": kernels.isa_name() if kernels.available() else None,
+    isa = kernels.isa_name() if kernels.available() else None
+    if isa == "avx2":   # its panels' integer dot: AVX-VNNI where the CPU has it (TOKENTOP_AVX_VNNI=0: not)
+        isa += " (panels: avx-vnni)" if torch.ops.tokentop.avx_vnni() else " (panels: maddubs)"
+    return {"quantized_kernels": isa,
             "python": platform.python_version(), "torch": torch.__version__,
             "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "processor": platform.processor() or platform.machine(),

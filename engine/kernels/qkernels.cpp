@@ -3,6 +3,7 @@
 #include "qkernels.h"
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -26,10 +27,24 @@ namespace isa_scalar {
 #pragma GCC target("avx2,fma,f16c")
 namespace isa_avx2 {
 #define TT_LEVEL 1
+#define TT_AVXVNNI 0
 #include "qkernels_impl.inc"
 #include "qkernels_panels_avx2.inc"
+#undef TT_AVXVNNI
 #undef TT_LEVEL
 }  // namespace isa_avx2
+#pragma GCC pop_options
+
+// The AVX2 panels again with AVX-VNNI's vpdpbusd (qkernels_panels_avx2.inc)
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avxvnni")
+namespace isa_avx2vnni {
+#define TT_LEVEL 1
+#define TT_AVXVNNI 1
+#include "qkernels_panels_avx2.inc"
+#undef TT_AVXVNNI
+#undef TT_LEVEL
+}  // namespace isa_avx2vnni
 #pragma GCC pop_options
 
 #pragma GCC push_options
@@ -156,6 +171,18 @@ void matmul_direct(int isa, int type, const uint8_t* w, int64_t K, int64_t n0, i
     (void)isa; (void)type; (void)w; (void)row_bytes; (void)n0; (void)n1; (void)act; (void)M; (void)y; (void)ldy;
 }
 
+// AVX-VNNI for the AVX2 panels: where the CPU has it, unless TOKENTOP_AVX_VNNI=0 (read per call,
+// so a test can compare both builds)
+bool use_avx_vnni() {
+#if TT_X86
+    static const bool has = [] { __builtin_cpu_init(); return __builtin_cpu_supports("avxvnni") != 0; }();
+    const char* s = std::getenv("TOKENTOP_AVX_VNNI");
+    return has && !(s && std::strcmp(s, "0") == 0);
+#else
+    return false;
+#endif
+}
+
 bool has_panels(int isa) { return TT_X86 && (isa == ISA_AVX512 || isa == ISA_AVX2); }
 
 int64_t panel_rows(int isa) {
@@ -192,6 +219,9 @@ void matmul_panels(int isa, int type, const uint8_t* w, int64_t K, int64_t n0, i
         const size_t need = isa_avx2::panel_scratch_bytes(K);
         if (scratch.size() < need) scratch.resize(need);
         const int64_t row_bytes = K / block_weights(type) * block_bytes(type);
+        if (use_avx_vnni())
+            return isa_avx2vnni::matmul_panels(type, w, row_bytes, K, n0, n1, a, d32, as32, is16, M, y, ldy,
+                                               scratch.data());
         return isa_avx2::matmul_panels(type, w, row_bytes, K, n0, n1, a, d32, as32, is16, M, y, ldy,
                                        scratch.data());
     }

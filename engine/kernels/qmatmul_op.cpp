@@ -209,6 +209,9 @@ int64_t batch_rows_op() {
     return tt::has_panels(use) ? std::min(PANEL_MIN_ROWS, after_direct) : after_direct;
 }
 
+// whether the AVX2 panels take AVX-VNNI's vpdpbusd (the CPU has it, TOKENTOP_AVX_VNNI is not 0)
+bool avx_vnni_op() { return tt::use_avx_vnni(); }
+
 }  // namespace
 
 namespace tt::ops {
@@ -227,6 +230,7 @@ TORCH_LIBRARY(tokentop, m) {
     m.def("env_isa() -> int", &env_isa_op);
     m.def("direct_rows(int isa=-1) -> int", &direct_rows_op);
     m.def("batch_rows() -> int", &batch_rows_op);
+    m.def("avx_vnni() -> bool", &avx_vnni_op);
 }
 
 TORCH_LIBRARY_IMPL(tokentop, CPU, m) { m.impl("qmatmul", &qmatmul); }
