@@ -45,20 +45,27 @@ namespace {
 constexpr int ACC = 16;   // independent partial sums: one AVX-512 register of lanes
 
 // 2^n * p(r) with n = round(x / ln2), |r| <= ln2/2, p the Cephes expf polynomial (~2 ulp);
-// written branch-free so that a loop over it vectorizes (std::exp does not).
-TT_INLINE float exp_approx(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    x = x > 88.0f ? 88.0f : x;
+// written branch-free so that a loop over it vectorizes (std::exp does not). exp_parts is the
+// part shared by the float and the 16-lane (exp_approx16) forms: x clamped, n and p(r).
+template <typename F>
+TT_INLINE F exp_parts(F x, F& n) {
+    x = x < -87.0f ? -87.0f + F{} : x;
+    x = x > 88.0f ? 88.0f + F{} : x;
     // round to nearest by adding and removing 1.5 * 2^23 (no libm call, vectorizes)
-    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
+    n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    const F r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    F p = 1.9875691500e-4f + F{};
     p = p * r + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
     p = p * r + 4.1665795894e-2f;
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
+    return p * r * r + r + 1.0f;
+}
+
+TT_INLINE float exp_approx(float x) {
+    float n;
+    const float p = exp_parts(x, n);
     const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
     float scale;
     std::memcpy(&scale, &bits, sizeof scale);
@@ -629,17 +636,8 @@ typedef int32_t vi16 __attribute__((vector_size(64), aligned(4)));
 static_assert(ACC == 16, "greedy_row keeps ACC lanes in one v16");
 
 TT_INLINE v16 exp_approx16(v16 x) {
-    x = x < -87.0f ? -87.0f + v16{} : x;
-    x = x > 88.0f ? 88.0f + v16{} : x;
-    const v16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    const v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    v16 p = 1.9875691500e-4f + v16{};
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
+    v16 n;
+    const v16 p = exp_parts(x, n);
     const vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;
     return p * reinterpret_cast<const v16&>(bits);
 }
