@@ -14,6 +14,14 @@
 #define TT_X86 0
 #endif
 
+// The AVX-VNNI build of the AVX2 panels needs a compiler that knows the instruction set
+// (GCC 11, clang 12); older ones build the rest and use maddubs.
+#if TT_X86 && ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
+#define TT_AVXVNNI_BUILD 1
+#else
+#define TT_AVXVNNI_BUILD 0
+#endif
+
 namespace tt {
 
 namespace isa_scalar {
@@ -36,6 +44,7 @@ namespace isa_avx2 {
 #pragma GCC pop_options
 
 // The AVX2 panels again with AVX-VNNI's vpdpbusd (qkernels_panels_avx2.inc)
+#if TT_AVXVNNI_BUILD
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avxvnni")
 namespace isa_avx2vnni {
@@ -46,6 +55,7 @@ namespace isa_avx2vnni {
 #undef TT_LEVEL
 }  // namespace isa_avx2vnni
 #pragma GCC pop_options
+#endif
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
@@ -174,7 +184,7 @@ void matmul_direct(int isa, int type, const uint8_t* w, int64_t K, int64_t n0, i
 // AVX-VNNI for the AVX2 panels: where the CPU has it, unless TOKENTOP_AVX_VNNI=0 (read per call,
 // so a test can compare both builds)
 bool use_avx_vnni() {
-#if TT_X86
+#if TT_AVXVNNI_BUILD
     static const bool has = [] { __builtin_cpu_init(); return __builtin_cpu_supports("avxvnni") != 0; }();
     const char* s = std::getenv("TOKENTOP_AVX_VNNI");
     return has && !(s && std::strcmp(s, "0") == 0);
@@ -219,9 +229,11 @@ void matmul_panels(int isa, int type, const uint8_t* w, int64_t K, int64_t n0, i
         const size_t need = isa_avx2::panel_scratch_bytes(K);
         if (scratch.size() < need) scratch.resize(need);
         const int64_t row_bytes = K / block_weights(type) * block_bytes(type);
+#if TT_AVXVNNI_BUILD
         if (use_avx_vnni())
             return isa_avx2vnni::matmul_panels(type, w, row_bytes, K, n0, n1, a, d32, as32, is16, M, y, ldy,
                                                scratch.data());
+#endif
         return isa_avx2::matmul_panels(type, w, row_bytes, K, n0, n1, a, d32, as32, is16, M, y, ldy,
                                        scratch.data());
     }
