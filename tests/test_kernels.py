@@ -363,6 +363,28 @@ def test_real_tensors_of_the_bundled_model(real_model_path):
                 check(run([sub], x[:1], isa, small_m=small_m), sub, x[:1], act_group(qtype, 1, isa, small_m))
 
 
+def test_every_kernel_file_keys_the_build(tmp_path, monkeypatch):
+    """An edit to any source or included file gives a new build key, so a stale build of an
+    edited kernel is never loaded from the cache (qkernels_panels_avx2.inc once was left out)."""
+    import re
+    import shutil
+    src = kernels._DIR
+    included = {name for f in src.iterdir() if f.suffix in (".cpp", ".h", ".inc")
+                for name in re.findall(r'#include "([^"]+)"', f.read_text())}
+    assert included and included <= set(kernels.DEPENDS), included - set(kernels.DEPENDS)
+    copy = tmp_path / "kernels"
+    shutil.copytree(src, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(kernels, "_DIR", copy)
+    before = kernels._build_key()
+    for name in sorted(included) + list(kernels.SOURCES):
+        path = copy / name
+        text = path.read_text()
+        path.write_text(text + "\n// edited\n")
+        assert kernels._build_key() != before, f"{name} does not key the build"
+        path.write_text(text)
+    assert kernels._build_key() == before
+
+
 def test_without_a_compiler_the_model_falls_back_with_one_log_line(tmp_path):
     """A fresh cache and no g++ on PATH: load() says why in one warning, linears go dense."""
     code = ("import logging; logging.basicConfig(level=logging.INFO, format='%(levelname)s %(message)s')\n"

@@ -65,7 +65,9 @@ _DIR = Path(__file__).parent
 # every layer of a decode step in one call from Python (engine/models/decoder.py); gguf_rows.cpp:
 # exact dot products with a few dequantized rows (the decoder's refinement of the top logits)
 SOURCES = ("qmatmul_op.cpp", "qkernels.cpp", "fused_ops.cpp", "decode_layers.cpp", "gguf_rows.cpp")
-DEPENDS = ("ops.h", "qkernels.h", "qkernels_impl.inc", "qkernels_prefill.inc", "qkernels_direct512.inc")
+# every header and included kernel file: all of them key the build (a file left out of the key
+# would let an edited kernel run its stale build)
+DEPENDS = tuple(sorted(p.name for p in _DIR.iterdir() if p.suffix in (".h", ".inc")))
 ISA_NAMES = ("scalar", "avx2", "avx512")
 # GGML type ids the op reads (gguf.GGMLQuantizationType values)
 KERNEL_TYPES = (2, 6, 8, 12, 13, 14)   # Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K
