@@ -62,6 +62,9 @@ class Sequence:
     draft_ids: list[int] = field(default_factory=list)   # proposed tokens verified this step
     draft_table: list[int] = field(default_factory=list)  # the draft model's pages
     draft_computed: int = 0      # tokens whose draft-model K/V are in the cache
+    # BlockManager.slots' cache: {draft?: (the page table it was built from, slot of every
+    # position its pages hold)}, rebuilt when the table changes (a new page every page_size tokens)
+    slot_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:

@@ -70,6 +70,38 @@ def test_block_slots_follow_block_table():
     assert slots == [p0 * 4, p0 * 4 + 1, p0 * 4 + 2, p0 * 4 + 3, p1 * 4, p1 * 4 + 1]
 
 
+def test_block_slots_stay_right_as_the_table_changes():
+    """slots() caches each sequence's slot map; growing, freeing and regrowing the table (a
+    preemption and readmission), truncating and the draft table must each give fresh slots."""
+    pool = PagePool(16, 4)
+    blocks = BlockManager(pool)
+    s = seq(0, 6)
+
+    def expected(table, start, end):
+        return [table[p // 4] * 4 + p % 4 for p in range(start, end)]
+
+    pool.allocate()
+    blocks.grow(s, 6)
+    assert blocks.slots(s, 0, 6).tolist() == expected(s.block_table, 0, 6)
+    assert blocks.slots(s, 2, 5).tolist() == expected(s.block_table, 2, 5)
+    blocks.grow(s, 11)                                  # a third page
+    assert blocks.slots(s, 0, 11).tolist() == expected(s.block_table, 0, 11)
+    old = list(s.block_table)
+    blocks.free(s)                                      # preempted: pages back to the pool
+    for _ in range(3):
+        pool.allocate()                                 # others take the pages it had first
+    blocks.grow(s, 11)                                  # readmitted: three other pages
+    assert len(s.block_table) == len(old) and s.block_table != old
+    assert blocks.slots(s, 0, 11).tolist() == expected(s.block_table, 0, 11)
+    blocks.truncate(s, 3)
+    assert blocks.slots(s, 0, 3).tolist() == expected(s.block_table, 0, 3)
+    with pytest.raises(IndexError):
+        blocks.slots(s, 0, 5)                           # beyond the truncated table
+    assert blocks.grow_draft(s, 5)
+    assert blocks.slots(s, 0, 5, draft=True).tolist() == expected(s.draft_table, 0, 5)
+    assert blocks.slots(s, 0, 3).tolist() == expected(s.block_table, 0, 3)
+
+
 def test_budget_and_chunked_prefill():
     pool, sched = make(budget=8)
     a = seq(0, 20)
