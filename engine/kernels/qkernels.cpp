@@ -24,6 +24,20 @@
 
 namespace tt {
 
+const int32_t* panel_starts(int32_t offset, int64_t grp, const int32_t* is16, int64_t M, int64_t K) {
+    // once per call and thread (in the loop of every panel it cost a few scalar operations per
+    // row and step); the calling thread's buffer
+    thread_local std::vector<int32_t> init;
+    const int64_t n_grp = K / grp;
+    init.resize(size_t(M * n_grp));
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t g = 0; g < n_grp; ++g) {
+            const int32_t* is = is16 + m * (K / 16) + g * (grp / 16);
+            init[m * n_grp + g] = -offset * (grp == 16 ? is[0] : is[0] + is[1]);
+        }
+    return init.data();
+}
+
 namespace isa_scalar {
 #define TT_LEVEL 0
 #include "qkernels_impl.inc"
@@ -216,19 +230,14 @@ void quantize_panel_rows(int isa, const float* x, int64_t ldx, int64_t M, int64_
 void matmul_panels(int isa, int type, const uint8_t* w, int64_t K, int64_t n0, int64_t n1, const int8_t* a,
                    const float* d32, const float* as32, const int32_t* is16, int64_t M, float* y, int64_t ldy) {
 #if TT_X86
-    if (isa == ISA_AVX512) {
-        thread_local std::vector<uint8_t> scratch;
-        const size_t need = isa_avx512::panel_scratch_bytes(K);
+    if (has_panels(isa)) {
+        thread_local std::vector<uint8_t> scratch;   // the panel being built and computed
+        const size_t need = isa == ISA_AVX2 ? isa_avx2::panel_scratch_bytes(K) : isa_avx512::panel_scratch_bytes(K);
         if (scratch.size() < need) scratch.resize(need);
         const int64_t row_bytes = K / block_weights(type) * block_bytes(type);
-        return isa_avx512::matmul_panels(type, w, row_bytes, K, n0, n1, a, d32, as32, is16, M, y, ldy,
-                                         scratch.data());
-    }
-    if (isa == ISA_AVX2) {
-        thread_local std::vector<uint8_t> scratch;
-        const size_t need = isa_avx2::panel_scratch_bytes(K);
-        if (scratch.size() < need) scratch.resize(need);
-        const int64_t row_bytes = K / block_weights(type) * block_bytes(type);
+        if (isa == ISA_AVX512)
+            return isa_avx512::matmul_panels(type, w, row_bytes, K, n0, n1, a, d32, as32, is16, M, y, ldy,
+                                             scratch.data());
 #if TT_AVXVNNI_BUILD
         if (use_avx_vnni())
             return isa_avx2vnni::matmul_panels(type, w, row_bytes, K, n0, n1, a, d32, as32, is16, M, y, ldy,

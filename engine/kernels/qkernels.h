@@ -73,6 +73,9 @@ int64_t panel_rows(int isa);             // output rows per panel: the unit thre
 // pass (has_panels ISAs only).
 void quantize_panel_rows(int isa, const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* a, float* d32,
                          float* as32, int32_t* is16);
+// The panels' integer starts (both instruction sets): init[m * (K / grp) + g] = -offset * (the
+// sum of activation row m's g-th group of grp, from is16); returns init's data.
+const int32_t* panel_starts(int32_t offset, int64_t grp, const int32_t* is16, int64_t M, int64_t K);
 void matmul_panels(int isa, int type, const uint8_t* w, int64_t K, int64_t n0, int64_t n1,
                    const int8_t* a, const float* d32, const float* as32, const int32_t* is16, int64_t M,
                    float* y, int64_t ldy);
