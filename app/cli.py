@@ -311,6 +311,8 @@ def serve_config_from(args, host: str | None = None, port: int | None = None):
 
     if getattr(args, "max_queue", 256) < 0:
         raise ConfigError("--max-queue must be >= 0")
+    if port is None and not 0 <= getattr(args, "port", 8000) <= 65535:
+        raise ConfigError(f"--port {args.port}: the port must be 0..65535 (0 picks a free one), e.g. --port 8000")
     return ServeConfig(host=host or getattr(args, "host", "127.0.0.1"),
                        port=getattr(args, "port", 8000) if port is None else port,
                        api_key=getattr(args, "api_key", None), max_queue=getattr(args, "max_queue", 256),
@@ -321,9 +323,10 @@ def cmd_serve(args) -> int:
     from engine.engine import Engine
     from engine.serve.server import HttpServer
 
+    serve_config = serve_config_from(args)                  # bad server flags fail before any work
     config = engine_config_from(args, default_mode="process")
     engine = Engine(config)
-    http = HttpServer(engine, serve_config_from(args))      # binds now: a busy port fails here
+    http = HttpServer(engine, serve_config)                 # binds now: a busy port fails here
     failed: list[str] = []
 
     def start_engine() -> None:

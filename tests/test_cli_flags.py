@@ -119,3 +119,25 @@ def test_a_missing_reference_program_is_one_line_before_any_run(tmp_path, no_wei
     _, err = capsys.readouterr()
     assert exit_.value.code == 2 and err.count("\n") == 1, err
     assert f"argument {flag}: '{missing}' is not an executable file" in err
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--port", "99999"], "--port 99999: the port must be 0..65535"),
+    (["--port", "-1"], "--port -1: the port must be 0..65535"),
+    (["--max-queue", "-1"], "--max-queue must be >= 0"),
+    (["--max-body", "lots"], "cannot read size 'lots'"),
+])
+def test_bad_server_flags_are_one_line_before_any_work(model, no_weights, capsys, flags, fragment):
+    # --port 99999 once reached socket.bind after the engine was built: an OverflowError traceback
+    code = main(["serve", "--model", model, "--device", SIM, *flags])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert fragment in err and "Traceback" not in err, err
+
+
+def test_bind_refuses_an_impossible_port_in_one_line():
+    from engine.errors import ConfigError
+    from engine.serve.server import bind
+
+    with pytest.raises(ConfigError, match="cannot listen on 127.0.0.1:70000"):
+        bind("127.0.0.1", 70000)
