@@ -174,3 +174,24 @@ def test_a_refusing_remote_reroutes_busy_and_reports_bad(real_model_path, status
             assert engine.snapshot().workers[0].state == "ready"     # neither marks it down
     finally:
         remote.stop()
+
+
+def test_a_request_with_only_an_unreachable_remote_says_why(tiny_model_path):
+    """With no worker ready, the refusal names each worker and what it last said (it once said
+    only "still loading, or all workers died", which left a wrong URL to guess)."""
+    import socket
+
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from engine.errors import InvalidRequest
+
+    with socket.socket() as s:          # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = WorkerConfig(model=str(tiny_model_path("qwen2")))
+    engine = Engine(EngineConfig(workers=tuple(parse_devices([f"remote:http://127.0.0.1:{port}"], base)))).start()
+    try:
+        with pytest.raises(InvalidRequest, match=rf"worker 0 \(remote:http://127.0.0.1:{port}\) down: cannot reach"):
+            engine.submit("hello")
+    finally:
+        engine.shutdown()
