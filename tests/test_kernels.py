@@ -160,6 +160,25 @@ def test_direct_kernel_rows_1_to_16_take_the_same_bits(qtype, isa):
             assert torch.equal(one, alone[:m]), m
 
 
+@pytest.mark.skipif("avx2" not in runnable_isas(), reason="needs a CPU that runs the AVX2 kernels")
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_avx_vnni_direct_kernels_give_the_maddubs_bits(qtype, monkeypatch):
+    """The AVX2 direct kernels' integer dot is vpdpbusd where the CPU has AVX-VNNI, maddubs and
+    madd elsewhere (TOKENTOP_AVX_VNNI=0): the same exact integer sums, so the same bits, for
+    every type, 1-4 rows and odd N. (Without AVX-VNNI both runs take maddubs.)"""
+    k = 768 if qtype in K_TYPES else 224
+    td = random_td(qtype, rows=45, cols=k, seed=23 + int(qtype))
+    x = torch.randn(4, k, generator=torch.Generator().manual_seed(4))
+    x[:, 7] *= 40
+    outs = {}
+    for vnni in ("1", "0"):
+        monkeypatch.setenv("TOKENTOP_AVX_VNNI", vnni)
+        outs[vnni] = [run([td], x[:m], "avx2", small_m=4) for m in range(1, 5)]
+    for m, (a, b) in enumerate(zip(outs["1"], outs["0"]), start=1):
+        assert torch.equal(a, b), m
+    check(outs["1"][3], td, x, act_group(qtype, 4, "avx2", small_m=4))
+
+
 @pytest.mark.parametrize("isa", runnable_isas())
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_rows_and_threads_do_not_change_any_bit(isa, qtype):

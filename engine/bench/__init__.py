@@ -61,8 +61,8 @@ def machine() -> dict:
     from engine import kernels
     info = cpu_info()
     isa = kernels.isa_name() if kernels.available() else None
-    if isa == "avx2":   # its panels' integer dot: AVX-VNNI where the CPU has it (TOKENTOP_AVX_VNNI=0: not)
-        isa += " (panels: avx-vnni)" if torch.ops.tokentop.avx_vnni() else " (panels: maddubs)"
+    if isa == "avx2":   # its integer dots: AVX-VNNI where the CPU has it (TOKENTOP_AVX_VNNI=0: not)
+        isa += " (dots: avx-vnni)" if torch.ops.tokentop.avx_vnni() else " (dots: maddubs)"
     return {"quantized_kernels": isa,
             "python": platform.python_version(), "torch": torch.__version__,
             "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),

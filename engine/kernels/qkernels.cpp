@@ -57,13 +57,15 @@ namespace isa_avx2 {
 }  // namespace isa_avx2
 #pragma GCC pop_options
 
-// The AVX2 panels again with AVX-VNNI's vpdpbusd (qkernels_panels_avx2.inc)
+// The AVX2 kernels again with AVX-VNNI's vpdpbusd for the integer dots: the panels
+// (qkernels_panels_avx2.inc) and the direct kernels (qkernels_impl.inc's dot4)
 #if TT_AVXVNNI_BUILD
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avxvnni")
 namespace isa_avx2vnni {
 #define TT_LEVEL 1
 #define TT_AVXVNNI 1
+#include "qkernels_impl.inc"
 #include "qkernels_panels_avx2.inc"
 #undef TT_AVXVNNI
 #undef TT_LEVEL
@@ -190,13 +192,17 @@ void matmul_direct(int isa, int type, const uint8_t* w, int64_t K, int64_t n0, i
     const int64_t row_bytes = K / block_weights(type) * block_bytes(type);
 #if TT_X86
     if (isa == ISA_AVX512) return isa_avx512::matmul_direct512(type, w, row_bytes, K, n0, n1, act, M, y, ldy);
+#if TT_AVXVNNI_BUILD
+    if (isa == ISA_AVX2 && use_avx_vnni())
+        return isa_avx2vnni::matmul_direct(type, w, row_bytes, K, n0, n1, act, M, y, ldy);
+#endif
     if (isa == ISA_AVX2) return isa_avx2::matmul_direct(type, w, row_bytes, K, n0, n1, act, M, y, ldy);
 #endif
     (void)isa; (void)type; (void)w; (void)row_bytes; (void)n0; (void)n1; (void)act; (void)M; (void)y; (void)ldy;
 }
 
-// AVX-VNNI for the AVX2 panels: where the CPU has it, unless TOKENTOP_AVX_VNNI=0 (read per call,
-// so a test can compare both builds)
+// AVX-VNNI for the AVX2 panels and direct kernels: where the CPU has it, unless
+// TOKENTOP_AVX_VNNI=0 (read per call, so a test can compare both builds)
 bool use_avx_vnni() {
 #if TT_AVXVNNI_BUILD
     static const bool has = [] { __builtin_cpu_init(); return __builtin_cpu_supports("avxvnni") != 0; }();
