@@ -306,6 +306,24 @@ def add_serve_flags(p) -> None:
     g.add_argument("--max-body", default="4MiB", help="largest request body accepted")
 
 
+# the server flags' defaults, to tell which were given (the dashboard uses them with --serve only)
+SERVER_FLAG_DEFAULTS = {"--port": 8000, "--host": "127.0.0.1", "--api-key": None, "--max-queue": 256,
+                        "--max-body": "4MiB"}
+
+
+def check_dashboard_server_flags(args) -> None:
+    """The dashboard serves the API only with --serve: a server flag without it would do
+    nothing, and --port beside it would be ignored (--serve names the port)."""
+    given = [flag for flag, default in SERVER_FLAG_DEFAULTS.items()
+             if getattr(args, flag[2:].replace("-", "_")) != default]
+    if args.serve is None and given:
+        raise ConfigError(f"{given[0]} applies to the API server, which the dashboard runs with --serve "
+                          f"only; add e.g. --serve {args.port}")
+    if args.serve is not None and "--port" in given:
+        raise ConfigError(f"--serve names the port ([HOST:]PORT); drop --port {args.port} "
+                          f"or write --serve {args.port}")
+
+
 def serve_config_from(args, host: str | None = None, port: int | None = None):
     from engine.serve.app import ServeConfig
 

@@ -26,7 +26,8 @@ from textual.widgets import Footer
 
 from app.burst_runner import BurstRun, BurstSpec
 from app.bursts import default_prompts_dir, list_burst_files, load_burst
-from app.cli import EXIT_USAGE, build_dashboard_parser, engine_config_from, serve_config_from
+from app.cli import (EXIT_USAGE, build_dashboard_parser, check_dashboard_server_flags, engine_config_from,
+                     serve_config_from)
 from app.screens.burst import BurstDialog, DEFAULTS
 from app.screens.detail import RequestDetail
 from app.screens.help import HelpScreen
@@ -93,6 +94,7 @@ def startup_burst(path: str) -> BurstSpec:
 def run_dashboard(argv: list[str]) -> int:
     args = build_dashboard_parser().parse_args(argv)
     try:
+        check_dashboard_server_flags(args)
         burst = startup_burst(args.burst_file) if args.burst_file else None
         config = engine_config_from(args, default_mode="process")
         # the routing panel shows the cost router's estimates: every worker gets a speed

@@ -318,6 +318,23 @@ def test_command_line_errors_are_one_line(capsys):
     assert capsys.readouterr().err.count("\n") == 1
 
 
+
+@pytest.mark.parametrize("flags, fragment", [
+    # these once did nothing at all: the dashboard serves the API with --serve only
+    (["--port", "9000"], "--port applies to the API server, which the dashboard runs with --serve only; "
+                         "add e.g. --serve 9000"),
+    (["--api-key", "k"], "--api-key applies to the API server"),
+    (["--serve", "8001", "--port", "9000"], "--serve names the port ([HOST:]PORT); drop --port 9000"),
+])
+def test_server_flags_without_serve_are_one_line(capsys, monkeypatch, flags, fragment):
+    def refuse(self):
+        raise AssertionError("the dashboard started despite the flags")
+    monkeypatch.setattr(TokentopApp, "run", refuse)
+    assert run_dashboard(["--device", "sim:gpu0", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and fragment in err, err
+
+
 def test_percentile_is_nearest_rank():
     assert percentile([3.0], 95) == 3.0
     assert percentile([float(v) for v in range(20, 0, -1)], 95) == 19.0
