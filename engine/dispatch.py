@@ -20,6 +20,18 @@ if TYPE_CHECKING:
     from engine.engine import Engine
 
 
+def contiguous_room(info) -> str:
+    """Contiguous K/V reserves a whole context per sequence: say so when that, not --max-active,
+    caps how many sequences run at once (256 MiB of the 0.5B's fp32 K/V holds two of 4096 tokens)."""
+    if info.kv_cache != "contiguous" or info.max_context < 1:
+        return ""
+    room = info.pages // -(-info.max_context // info.page_size)
+    if room >= info.max_active:
+        return ""
+    return (f"; contiguous K/V holds {room} sequence{'s' if room != 1 else ''} of {info.max_context} tokens at "
+            f"once (--max-active {info.max_active}): lower --max-context or raise --kv-cache-memory for more")
+
+
 class Dispatcher:
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -84,6 +96,7 @@ class Dispatcher:
             capped = " (all its KV pool holds: raise --kv-cache-memory for more)" \
                 if info.context_capped_by_kv else ""
             kernels = f"; linear layers: {info.kernels}" if info.kernels else ""
+            capped += contiguous_room(info)
             self.engine._log_line("info", f"worker {event.worker} ({w.cfg.device}) ready: " + (
                 info.summary or f"{info.pages} KV pages of {info.page_size} tokens, "
                 f"context {info.max_context} tokens{capped}") + kernels)

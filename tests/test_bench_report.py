@@ -78,3 +78,15 @@ def test_read_bandwidth_reads_with_the_threads_asked_and_puts_them_back():
     before = torch.get_num_threads()
     gb_s = read_bandwidth(1 << 22, reps=2, threads=1)
     assert gb_s > 0.1 and torch.get_num_threads() == before
+
+
+def test_bench_flags_reach_the_benchmarked_worker():
+    """--max-context was read by the parser and then dropped: the benchmarked worker ran at the
+    model's context whatever it said."""
+    from app.cli import build_parser
+    from engine.bench.scenarios import base_worker
+
+    args = build_parser().parse_args(["bench", "batching", "--max-context", "300", "--max-active", "5"])
+    worker = base_worker(args)
+    assert worker.max_context == 300 and worker.max_active == 5
+    assert base_worker(build_parser().parse_args(["bench", "batching"])).max_context == 0

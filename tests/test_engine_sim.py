@@ -238,3 +238,23 @@ def test_chat_content_and_prompts_cannot_inject_special_tokens(model):
         assert not any(tok.is_special(i) for i in plain.prompt_token_ids)
         trusted = engine.submit(typed, params=SamplingParams(max_tokens=1), parse_special=True).result(5)
         assert sum(tok.is_special(i) for i in trusted.prompt_token_ids) == 2
+
+
+@pytest.mark.parametrize("memory, said", [("256KiB", "contiguous K/V holds 2 sequences of 256 tokens at once "
+                                                    "(--max-active 4): lower --max-context or raise"),
+                                          ("1MiB", None)])
+def test_contiguous_kv_says_when_it_caps_the_sequences_at_once(model, memory, said):
+    """Contiguous K/V reserves a whole context per sequence, so the pool, not --max-active, can
+    cap how many run at once: the ready line says so (it was silent, and N = 8 ran two at a
+    time). The tiny model: 256-token context, 8 KiB per page of 16 tokens, 128 KiB a region."""
+    from engine.devices import parse_size
+
+    workers = parse_devices(["sim:gpu0"], WorkerConfig(model=str(model), max_active=4, kv_cache="contiguous",
+                                                       kv_cache_memory=parse_size(memory)))
+    engine = Engine(EngineConfig(workers=workers, worker_mode="thread")).start(timeout=120)
+    try:
+        ready = [line.text for line in engine.snapshot().log if "ready" in line.text]
+        assert len(ready) == 1, ready
+        assert (said in ready[0]) if said else ("contiguous K/V holds" not in ready[0]), ready[0]
+    finally:
+        engine.shutdown()

@@ -38,7 +38,8 @@ def base_worker(args, **over) -> WorkerConfig:
                      max_active=args.max_active, max_batched_tokens=args.max_batched_tokens,
                      page_size=args.page_size, kv_cache_memory=parse_size(args.kv_cache_memory),
                      kv_cache=args.kv_cache, kv_dtype=args.kv_dtype, deterministic=args.deterministic,
-                     activation_dtype=args.activation_dtype, weights=args.weights, calibrate=False)
+                     activation_dtype=args.activation_dtype, weights=args.weights, calibrate=False,
+                     max_context=getattr(args, "max_context", None) or 0)
     if args.device:
         w = parse_devices(args.device[:1], w)[0]
     return replace(w, **over)
@@ -306,6 +307,9 @@ def _burst(engine, n: int, out_tokens: int, concurrent: bool, salt: str) -> floa
     return wall
 
 
+PAIR_CONTEXT = 512   # tokens per sequence in bench batching's paged-vs-contiguous pair
+
+
 def bench_batching(args) -> dict:
     """--sizes N,N,...: the concurrent request counts (each engine admits max(8, largest) at
     once); --no-sequential: only the batched aggregate (a GPU's N=32 one after another is long)."""
@@ -349,8 +353,15 @@ def bench_batching(args) -> dict:
     # they would run two OpenMP teams on the same cores, and with more OpenMP threads than
     # cores libgomp hardly spin-waits: one-stream decode fell from ~44 to ~30 tok/s (0.5B,
     # 2 cores) in both variants, measuring the teams rather than the KV layouts.
-    contiguous = start_engine([base_worker(args, max_active=active, kv_cache="contiguous")], mode="process")
-    paged = start_engine([base_worker(args, max_active=active, kv_cache="paged")], mode="process")
+    # Contiguous K/V reserves a whole context per sequence: at the default 4096 tokens 256 MiB
+    # of the 0.5B's fp32 K/V holds two, and N = 8 measured admission (paged/contiguous 1.9-2.6)
+    # rather than what paging costs. Both get a context that lets all N run (the burst's
+    # sequences are 24 + out_tokens long), unless --max-context says otherwise.
+    context = getattr(args, "max_context", None) or PAIR_CONTEXT
+    contiguous = start_engine([base_worker(args, max_active=active, kv_cache="contiguous", max_context=context)],
+                              mode="process")
+    paged = start_engine([base_worker(args, max_active=active, kv_cache="paged", max_context=context)],
+                         mode="process")
     try:
         _burst(contiguous, 2, 8, True, "warm")
         _burst(paged, 2, 8, True, "warm")
@@ -389,7 +400,7 @@ def bench_batching(args) -> dict:
         "batching": table, "aggregate_n8_over_n1": round(n8_over_n1, 3),
         f"aggregate_n{largest['n']}_over_n1": round(nmax_over_n1, 3),
         "aggregate_n8_over_n1_ratio_of_medians": round(eight / one, 3),
-        "paged_vs_contiguous": kv, "memory_pressure": pressure,
+        "paged_vs_contiguous": kv, "paged_vs_contiguous_max_context": context, "memory_pressure": pressure,
         **({"llama_server": side_by_side} if side_by_side else {}),
         "goals": {**goals, **({"n8_ge_llama_server_n8": side_by_side["goals"]["n8_ge_llama_server_n8"]}
                               if side_by_side else {})},
