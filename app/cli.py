@@ -18,7 +18,7 @@ from dataclasses import replace
 
 from engine.config import (KV_DTYPES, KV_MODES, PREFIX_CACHE, ROUTER_POLICIES, SCHED_POLICIES, SINGLE_FLIGHT, SPEC_MODES,
                            EngineConfig, SamplingParams, WorkerConfig)
-from engine.devices import parse_devices, parse_size
+from engine.devices import parse_devices, parse_size, worker_from_flags
 from engine.errors import ConfigError, TokentopError, describe_error
 from engine.trace import check_trace_dir
 
@@ -88,21 +88,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from(args: argparse.Namespace, default_mode: str = "process") -> EngineConfig:
-    if args.max_context is not None and args.max_context < 2:   # 0 means "the model's" only inside
-        raise ConfigError(f"--max-context must be at least 2 tokens (a prompt token and an output "
-                          f"token), got {args.max_context}; e.g. --max-context 4096")
-    base = WorkerConfig(
-        model=args.model, threads=args.threads, max_active=args.max_active,
-        max_batched_tokens=args.max_batched_tokens, max_context=args.max_context or 0,
-        page_size=args.page_size, kv_cache_memory=parse_size(args.kv_cache_memory),
-        kv_cache=args.kv_cache, kv_dtype=args.kv_dtype, policy=args.policy, deterministic=args.deterministic,
-        activation_dtype=args.activation_dtype, weights=args.weights, recalibrate=args.recalibrate,
-        speculate=args.speculate or ("draft" if args.draft_model else "off"), draft_model=args.draft_model,
-        spec_k=args.spec_k, spec_tv_budget=args.spec_tv_budget, spec_bonus=not args.no_spec_bonus,
-        ngram_min=args.ngram_min, ngram_max=args.ngram_max,
-        prefix_cache=args.prefix_cache, single_flight=args.single_flight,
-        # a speed profile only matters when a router has a choice to make
-        calibrate=len(args.device or ["cpu"]) > 1 or args.recalibrate)
+    base = worker_from_flags(args)
     workers = parse_devices(args.device or ["cpu"], base)
     if args.trace_dir:
         check_trace_dir(args.trace_dir)

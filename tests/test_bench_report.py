@@ -81,12 +81,16 @@ def test_read_bandwidth_reads_with_the_threads_asked_and_puts_them_back():
 
 
 def test_bench_flags_reach_the_benchmarked_worker():
-    """--max-context was read by the parser and then dropped: the benchmarked worker ran at the
-    model's context whatever it said."""
+    """Every engine flag reaches the benchmarked worker: --max-context, --policy, --prefix-cache,
+    --single-flight and the speculation flags were read by the parser and then dropped."""
     from app.cli import build_parser
     from engine.bench.scenarios import base_worker
 
-    args = build_parser().parse_args(["bench", "batching", "--max-context", "300", "--max-active", "5"])
+    args = build_parser().parse_args(["bench", "batching", "--max-context", "300", "--max-active", "5",
+                                      "--policy", "spf", "--prefix-cache", "off", "--single-flight", "off",
+                                      "--speculate", "ngram", "--spec-k", "3"])
     worker = base_worker(args)
-    assert worker.max_context == 300 and worker.max_active == 5
+    assert (worker.max_context, worker.max_active, worker.policy, worker.prefix_cache, worker.single_flight,
+            worker.speculate, worker.spec_k) == (300, 5, "spf", "off", "off", "ngram", "3")
+    assert worker.threads == 2 and not worker.calibrate        # the benchmark's own defaults
     assert base_worker(build_parser().parse_args(["bench", "batching"])).max_context == 0

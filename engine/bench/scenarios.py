@@ -32,14 +32,10 @@ FILLER = ("The scheduler admits requests in arrival order, charges each step aga
 
 
 def base_worker(args, **over) -> WorkerConfig:
-    """The benchmarked worker: the first --device (default cpu) with the engine flags."""
-    from engine.devices import parse_devices, parse_size
-    w = WorkerConfig(model=getattr(args, "model", WorkerConfig.model), threads=args.threads or 2,
-                     max_active=args.max_active, max_batched_tokens=args.max_batched_tokens,
-                     page_size=args.page_size, kv_cache_memory=parse_size(args.kv_cache_memory),
-                     kv_cache=args.kv_cache, kv_dtype=args.kv_dtype, deterministic=args.deterministic,
-                     activation_dtype=args.activation_dtype, weights=args.weights, calibrate=False,
-                     max_context=getattr(args, "max_context", None) or 0)
+    """The benchmarked worker: the first --device (default cpu) with every engine flag, on 2
+    threads unless --threads says otherwise, without a speed calibration; `over` replaces fields."""
+    from engine.devices import parse_devices, worker_from_flags
+    w = replace(worker_from_flags(args), threads=args.threads or 2, calibrate=False)
     if args.device:
         w = parse_devices(args.device[:1], w)[0]
     return replace(w, **over)
