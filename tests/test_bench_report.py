@@ -67,6 +67,9 @@ def test_batching_runs_every_size_in_every_round(monkeypatch):
     args = SimpleNamespace(quick=False, runs=3, sizes="1,8", no_sequential=True, model="m", llama_server=None)
     report = scenarios.bench_batching(args)
     assert calls[:6] == [("b0", 1), ("b0", 8), ("b1", 1), ("b1", 8), ("b2", 1), ("b2", 8)]
+    # the paged/contiguous pair alternates which engine goes first (ABBA)
+    pair = [tag for tag, n in calls if n == 1 and tag[0] in "pc"]
+    assert pair == ["paged0", "contiguous0", "contiguous1", "paged1", "paged2", "contiguous2"]
     assert report["aggregate_n8_over_n1"] == pytest.approx(340 / 80)
     assert report["goals"]["n8_at_least_4x_one_stream"]
 
