@@ -97,3 +97,26 @@ def test_bench_flags_reach_the_benchmarked_worker():
             worker.speculate, worker.spec_k) == (300, 5, "spf", "off", "off", "ngram", "3")
     assert worker.threads == 2 and not worker.calibrate        # the benchmark's own defaults
     assert base_worker(build_parser().parse_args(["bench", "batching"])).max_context == 0
+
+
+def test_a_part_that_could_not_run_fails_the_command(monkeypatch, capsys):
+    """`bench single --models nope` printed its report, the error inside it, and exited 0."""
+    import json
+    import sys
+    from types import SimpleNamespace
+
+    from engine import bench
+    from engine.bench import scenarios
+
+    report = {"results": [{"model": "nope", "error": "Unknown model 'nope'"},
+                          {"model": "qwen2.5-coder-0.5b", "decode_tok_s_median": 90.0,
+                           "llama_cpp": {"error": "llama.cpp failed"}}]}
+    monkeypatch.setattr(scenarios, "bench_single", lambda args: report)
+    monkeypatch.setattr(sys, "argv", ["tokentop", "bench", "single"])
+    code = bench.run_bench(SimpleNamespace(scenario="single", trace_dir=None, out=None))
+    out, err = capsys.readouterr()
+    assert code == 1 and json.loads(out)["results"][0]["error"] == "Unknown model 'nope'"
+    assert err.splitlines() == ["tokentop: error: bench single: nope: Unknown model 'nope'",
+                                "tokentop: error: bench single: qwen2.5-coder-0.5b.llama_cpp: llama.cpp failed"]
+    monkeypatch.setattr(scenarios, "bench_single", lambda args: {"results": [{"model": "m", "x": 1}]})
+    assert bench.run_bench(SimpleNamespace(scenario="single", trace_dir=None, out=None)) == 0

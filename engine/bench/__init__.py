@@ -9,6 +9,7 @@ import json
 import platform
 import sys
 import time
+from typing import Iterator
 
 import torch
 
@@ -35,7 +36,27 @@ def run_bench(args, extra: dict | None = None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")
-    return 0
+    # a part that could not run (an unknown model, a reference that failed) is in the report;
+    # it also makes the command fail, with one line each, so a script cannot miss it
+    failures = list(failed_parts(report))
+    for where, error in failures:
+        print(f"tokentop: error: bench {args.scenario}: {where}: {error}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+def failed_parts(node, where: str = "") -> Iterator[tuple[str, str]]:
+    """(where, error) for every dict of the report with an "error" (named by its "model" if it
+    has one, else by its path)."""
+    if isinstance(node, dict):
+        here = str(node.get("model") or where or "report")
+        if node.get("error"):
+            yield here, str(node["error"])
+        for key, value in node.items():
+            if key != "error":
+                yield from failed_parts(value, f"{here}.{key}" if where or node.get("model") else key)
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from failed_parts(value, where)
 
 
 def command_line(argv: list[str]) -> str:
