@@ -62,6 +62,15 @@ class _WorkerSlot:
     prefix_hist: deque = field(default_factory=lambda: deque(maxlen=HIT_WINDOW))
 
 
+def _open_routing_log(path: str):
+    """--routing-log, opened for appending before any work; a path it cannot use is one line."""
+    try:
+        return open(path, "a")
+    except OSError as exc:
+        raise ConfigError(f"--routing-log {path}: cannot append to it ({exc.strerror or exc}); "
+                          "give a file in a folder you can write to") from None
+
+
 class Engine:
     def __init__(self, config: EngineConfig, *, progress: Callable[[str, int, int], None] | None = None):
         if not config.workers:
@@ -88,7 +97,7 @@ class Engine:
         self._unwritten_trace: list = []   # events of an export that failed, kept for the next one
         self.tracing = bool(config.trace_dir)
         self.tokenizer = None
-        self._routing_log = open(config.routing_log, "a") if config.routing_log else None
+        self._routing_log = _open_routing_log(config.routing_log) if config.routing_log else None
         self._tracer = None
         self._trace_since = time.monotonic() if self.tracing else None   # start of the trace window
         self._started_at: float | None = None

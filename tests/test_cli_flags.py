@@ -141,3 +141,12 @@ def test_bind_refuses_an_impossible_port_in_one_line():
 
     with pytest.raises(ConfigError, match="cannot listen on 127.0.0.1:70000"):
         bind("127.0.0.1", 70000)
+
+
+def test_an_unwritable_routing_log_is_one_line_before_any_work(model, no_weights, capsys):
+    # it was a FileNotFoundError traceback from the engine's constructor
+    code = main(["generate", "hello", "--model", model, "--device", SIM,
+                 "--routing-log", "/nonexistent-folder/routes.jsonl"])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert "--routing-log /nonexistent-folder/routes.jsonl: cannot append to it" in err, err
