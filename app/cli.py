@@ -39,6 +39,31 @@ def _executable(path: str) -> str:
         raise argparse.ArgumentTypeError(f"{path!r} is not an executable file: give the path to the program")
     return path
 
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number; e.g. 3")
+    return value
+
+
+def _sizes(text: str) -> str:
+    """bench batching's N,N,...: positive counts, checked when read (not after a first bench)."""
+    parts = [p.strip() for p in text.split(",")]
+    if not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: write positive request counts separated by commas, e.g. 1,2,4,8")
+    return text
+
+
+def _names(text: str) -> str:
+    if not [n for n in text.split(",") if n.strip()]:
+        raise argparse.ArgumentTypeError("name at least one model, e.g. qwen2.5-coder-0.5b,qwen2.5-coder-1.5b")
+    return text
+
+
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default="qwen2.5-coder-0.5b",
@@ -119,13 +144,13 @@ def build_parser() -> OneLineParser:
     b = sub.add_parser("bench", help="benchmarks (JSON out)")
     b.add_argument("scenario", choices=["single", "batching", "routing", "dashboard", "trace", "prefix", "serve",
                                         "spec"])
-    b.add_argument("--models", default="qwen2.5-coder-0.5b", help="comma-separated (bench single)")
-    b.add_argument("--runs", type=int, default=3)
+    b.add_argument("--models", default="qwen2.5-coder-0.5b", type=_names, help="comma-separated (bench single)")
+    b.add_argument("--runs", type=_positive_int, default=3)
     b.add_argument("--quick", action="store_true", help="fewer/shorter runs (smoke test)")
     b.add_argument("--out", default=None, help="also write the JSON report here")
     b.add_argument("--policies", default="forced-fastest,round-robin,least-loaded,cost",
                    help="bench routing: which policies to compare")
-    b.add_argument("--sizes", default=None, metavar="N,N,...",
+    b.add_argument("--sizes", default=None, metavar="N,N,...", type=_sizes,
                    help="bench batching: concurrent request counts (1 and 8 always included)")
     b.add_argument("--no-sequential", action="store_true",
                    help="bench batching: skip the one-after-another comparison")

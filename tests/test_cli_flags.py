@@ -150,3 +150,19 @@ def test_an_unwritable_routing_log_is_one_line_before_any_work(model, no_weights
     out, err = capsys.readouterr()
     assert code == 2 and out == "" and err.count("\n") == 1, err
     assert "--routing-log /nonexistent-folder/routes.jsonl: cannot append to it" in err, err
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["batching", "--sizes", "abc"], "argument --sizes: 'abc': write positive request counts"),
+    (["batching", "--sizes", "0,8"], "argument --sizes: '0,8': write positive request counts"),
+    (["batching", "--runs", "0"], "argument --runs: '0' is not a positive whole number"),
+    (["prefix", "--runs", "-2"], "argument --runs: '-2' is not a positive whole number"),
+    (["single", "--models", " , "], "argument --models: name at least one model"),
+])
+def test_bad_bench_flags_are_one_line_before_any_run(no_weights, capsys, flags, fragment):
+    # these were a ValueError, TypeError or KeyError traceback, some after a first benchmark ran
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", *flags])
+    _, err = capsys.readouterr()
+    assert exit_.value.code == 2 and err.count("\n") == 1, err
+    assert fragment in err, err
