@@ -40,6 +40,14 @@ def _executable(path: str) -> str:
     return path
 
 
+def _writable_file(path: str) -> str:
+    """--out: its folder must exist and take a new file, checked before a bench of minutes."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {path!r}: its folder does not exist or is not writable")
+    return path
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -147,7 +155,7 @@ def build_parser() -> OneLineParser:
     b.add_argument("--models", default="qwen2.5-coder-0.5b", type=_names, help="comma-separated (bench single)")
     b.add_argument("--runs", type=_positive_int, default=3)
     b.add_argument("--quick", action="store_true", help="fewer/shorter runs (smoke test)")
-    b.add_argument("--out", default=None, help="also write the JSON report here")
+    b.add_argument("--out", default=None, type=_writable_file, help="also write the JSON report here")
     b.add_argument("--policies", default="forced-fastest,round-robin,least-loaded,cost",
                    help="bench routing: which policies to compare")
     b.add_argument("--sizes", default=None, metavar="N,N,...", type=_sizes,
@@ -207,6 +215,12 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:  # noqa: BLE001 - unexpected: one line; TOKENTOP_DEBUG=1 shows where
+        if os.environ.get("TOKENTOP_DEBUG"):
+            raise
+        print(f"tokentop: error: {describe_error(exc)} (run with TOKENTOP_DEBUG=1 for the traceback)",
+              file=sys.stderr)
+        return 1
 
 
 def read_prompt(args) -> str:

@@ -166,3 +166,27 @@ def test_bad_bench_flags_are_one_line_before_any_run(no_weights, capsys, flags, 
     _, err = capsys.readouterr()
     assert exit_.value.code == 2 and err.count("\n") == 1, err
     assert fragment in err, err
+
+
+def test_an_out_file_in_a_missing_folder_is_refused_before_the_bench(no_weights, capsys):
+    # the report was written only after the whole benchmark, as an OSError traceback
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "batching", "--out", "/nonexistent-folder/report.json"])
+    _, err = capsys.readouterr()
+    assert exit_.value.code == 2 and "argument --out: cannot write '/nonexistent-folder/report.json'" in err
+
+
+def test_an_unexpected_failure_is_one_line_and_exit_1(monkeypatch, capsys):
+    import app.cli as cli
+
+    def broken(args):
+        raise RuntimeError("the llama-server exited with code 1 before it was healthy")
+    monkeypatch.setattr(cli, "cmd_models", broken)
+    monkeypatch.delenv("TOKENTOP_DEBUG", raising=False)
+    assert main(["models"]) == 1
+    err = capsys.readouterr().err
+    assert err == ("tokentop: error: RuntimeError: the llama-server exited with code 1 before it was healthy "
+                   "(run with TOKENTOP_DEBUG=1 for the traceback)\n")
+    monkeypatch.setenv("TOKENTOP_DEBUG", "1")
+    with pytest.raises(RuntimeError):
+        main(["models"])
