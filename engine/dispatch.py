@@ -95,8 +95,8 @@ class Dispatcher:
             info = event.info
             capped = " (all its KV pool holds: raise --kv-cache-memory for more)" \
                 if info.context_capped_by_kv else ""
-            kernels = f"; linear layers: {info.kernels}" if info.kernels else ""
             capped += contiguous_room(info)
+            kernels = f"; linear layers: {info.kernels}" if info.kernels else ""
             self.engine._log_line("info", f"worker {event.worker} ({w.cfg.device}) ready: " + (
                 info.summary or f"{info.pages} KV pages of {info.page_size} tokens, "
                 f"context {info.max_context} tokens{capped}") + kernels)

@@ -230,8 +230,8 @@ class Engine:
         with self._lock:
             live = [w for w in self._workers if w.state == "ready"]
             if not live:   # each worker's state and last word: a remote that is down says why
-                states = "; ".join(f"worker {w.index} ({w.cfg.device}) {w.state}" + (f": {w.message}" if w.message else "")
-                                   for w in self._workers)
+                states = "; ".join(f"worker {w.index} ({w.cfg.device}) {w.state}"
+                                   + (f": {w.message}" if w.message else "") for w in self._workers)
                 raise InvalidRequest(f"no worker is ready yet ({states})")
             max_ctx = max(w.info.max_context for w in live)
             if len(ids) + 1 > max_ctx:

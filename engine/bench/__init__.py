@@ -44,18 +44,18 @@ def run_bench(args, extra: dict | None = None) -> int:
     return 1 if failures else 0
 
 
-def failed_parts(node, where: str = "") -> Iterator[tuple[str, str]]:
-    """(where, error) for every dict of the report with an "error" (named by its "model" if it
-    has one, else by its path)."""
+def failed_parts(node, where: str = "report") -> Iterator[tuple[str, str]]:
+    """(where, error) for every dict of the report with an "error": named by its "model" where it
+    has one, else by its path."""
     if isinstance(node, dict):
-        here = str(node.get("model") or where or "report")
+        here = str(node.get("model") or where)
         if node.get("error"):
             yield here, str(node["error"])
         for key, value in node.items():
             if key != "error":
-                yield from failed_parts(value, f"{here}.{key}" if where or node.get("model") else key)
+                yield from failed_parts(value, key if here == "report" else f"{here}.{key}")
     elif isinstance(node, list):
-        for i, value in enumerate(node):
+        for value in node:
             yield from failed_parts(value, where)
 
 
