@@ -261,6 +261,7 @@ def cmd_generate(args) -> int:
     engine = Engine(config, progress=progress)
     try:
         engine.start()
+        print_startup_warnings(engine)
         kw = {"messages": [{"role": "user", "content": prompt}]} if args.chat else {"prompt": prompt}
         handle = engine.submit(params=params, **kw)
         if handle.notice:
@@ -281,6 +282,13 @@ def cmd_generate(args) -> int:
     finally:
         engine.shutdown()
     return 0
+
+
+def print_startup_warnings(engine) -> None:
+    """What the engine's start-up warned of, on stderr (the dashboard shows its log instead)."""
+    for line in engine.snapshot().log:
+        if line.level == "warning":
+            print(f"tokentop: warning: {line.text}", file=sys.stderr)
 
 
 def result_json(engine, result, model: str) -> dict:
@@ -375,6 +383,7 @@ def cmd_serve(args) -> int:
     def start_engine() -> None:
         try:
             engine.start(wait=True)
+            print_startup_warnings(engine)
             print(f"tokentop: serving {http.api.model} on {http.url}/v1 (metrics at {http.url}/metrics)",
                   file=sys.stderr, flush=True)
         except Exception as exc:  # noqa: BLE001 - one line, then stop serving

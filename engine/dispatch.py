@@ -6,6 +6,7 @@ also notices a worker process that exited without a word, and fails its requests
 """
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -18,6 +19,16 @@ from engine.snapshot import RequestState
 
 if TYPE_CHECKING:
     from engine.engine import Engine
+
+
+def too_many_threads(cfg) -> str:
+    """A CPU worker with more threads than the cores this process may use: its OpenMP threads
+    wait for each other, and decode slows many times over (docs/benchmarks.md)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if cfg.device != "cpu" or cfg.threads <= cores:
+        return ""
+    return (f"--threads {cfg.threads} is more than the {cores} cores this process may use; threads that wait "
+            f"for each other slow CPU decode many times over: use --threads {cores} or 0 (all)")
 
 
 def contiguous_room(info) -> str:
@@ -87,6 +98,10 @@ class Dispatcher:
         elif isinstance(event, msg.WorkerStats):
             self._on_stats(event)
         elif isinstance(event, msg.WorkerReady):
+            cfg = self.engine._workers[event.worker].cfg
+            too_many = too_many_threads(cfg)
+            if too_many:   # logged before "ready": a caller that waits for it finds the warning
+                self.engine._log_line("warning", f"worker {event.worker} ({cfg.device}): {too_many}")
             with self.engine._lock:
                 w = self.engine._workers[event.worker]
                 w.state, w.info, w.message = "ready", event.info, ""

@@ -190,3 +190,16 @@ def test_an_unexpected_failure_is_one_line_and_exit_1(monkeypatch, capsys):
     monkeypatch.setenv("TOKENTOP_DEBUG", "1")
     with pytest.raises(RuntimeError):
         main(["models"])
+
+
+def test_more_threads_than_cores_is_warned_of(model, capsys):
+    """--threads above the usable cores was taken silently; OpenMP threads that wait for each
+    other slow CPU decode many times over, so the worker's start says so (stderr for generate)."""
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    assert main(["generate", "hello", "--model", model, "--threads", str(cores + 1), "--max-tokens", "2"]) == 0
+    err = capsys.readouterr().err
+    assert f"tokentop: warning: worker 0 (cpu): --threads {cores + 1} is more than the {cores} cores" in err, err
+    assert main(["generate", "hello", "--model", model, "--threads", "1", "--max-tokens", "2"]) == 0
+    assert "warning" not in capsys.readouterr().err
