@@ -21,14 +21,21 @@ if TYPE_CHECKING:
     from engine.engine import Engine
 
 
-def too_many_threads(cfg) -> str:
-    """A CPU worker with more threads than the cores this process may use: its OpenMP threads
-    wait for each other, and decode slows many times over (docs/benchmarks.md)."""
+def too_many_threads(index: int, workers: list) -> str:
+    """More threads on CPU workers than the cores this process may use: their OpenMP threads wait
+    for each other, and decode slows many times over (docs/benchmarks.md). Said once, at the
+    first CPU worker; `workers` are the engine's WorkerConfigs."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if cfg.device != "cpu" or cfg.threads <= cores:
+    cpu = [i for i, w in enumerate(workers) if w.device == "cpu"]
+    total = sum(workers[i].threads or cores for i in cpu)
+    if not cpu or index != cpu[0] or total <= cores:
         return ""
-    return (f"--threads {cfg.threads} is more than the {cores} cores this process may use; threads that wait "
-            f"for each other slow CPU decode many times over: use --threads {cores} or 0 (all)")
+    if len(cpu) == 1:
+        return (f"--threads {total} is more than the {cores} cores this process may use; threads that wait "
+                f"for each other slow CPU decode many times over: use --threads {cores} or 0 (all)")
+    return (f"{len(cpu)} CPU workers run {total} threads in all on the {cores} cores this process may use; "
+            f"threads that wait for each other slow CPU decode many times over: give them --threads "
+            f"{max(1, cores // len(cpu))}")
 
 
 def contiguous_room(info) -> str:
@@ -98,10 +105,9 @@ class Dispatcher:
         elif isinstance(event, msg.WorkerStats):
             self._on_stats(event)
         elif isinstance(event, msg.WorkerReady):
-            cfg = self.engine._workers[event.worker].cfg
-            too_many = too_many_threads(cfg)
+            too_many = too_many_threads(event.worker, [w.cfg for w in self.engine._workers])
             if too_many:   # logged before "ready": a caller that waits for it finds the warning
-                self.engine._log_line("warning", f"worker {event.worker} ({cfg.device}): {too_many}")
+                self.engine._log_line("warning", f"worker {event.worker} (cpu): {too_many}")
             with self.engine._lock:
                 w = self.engine._workers[event.worker]
                 w.state, w.info, w.message = "ready", event.info, ""

@@ -258,3 +258,20 @@ def test_contiguous_kv_says_when_it_caps_the_sequences_at_once(model, memory, sa
         assert (said in ready[0]) if said else ("contiguous K/V holds" not in ready[0]), ready[0]
     finally:
         engine.shutdown()
+
+
+def test_cpu_workers_that_share_the_cores_are_warned_of(tiny_model_path):
+    """Two CPU workers each take every core by default (--threads 0): twice the threads the
+    cores can run, which was taken silently."""
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    workers = parse_devices(["cpu", "cpu"], WorkerConfig(model=str(tiny_model_path("qwen2")), calibrate=False))
+    engine = Engine(EngineConfig(workers=workers, worker_mode="thread")).start(timeout=120)
+    try:
+        warned = [line.text for line in engine.snapshot().log if line.level == "warning"]
+        assert warned == [f"worker 0 (cpu): 2 CPU workers run {2 * cores} threads in all on the {cores} cores "
+                          f"this process may use; threads that wait for each other slow CPU decode many times "
+                          f"over: give them --threads {max(1, cores // 2)}"], warned
+    finally:
+        engine.shutdown()
