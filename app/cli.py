@@ -78,7 +78,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="catalog name (see `tokentop models`), a .gguf path, or owner/repo/file.gguf")
     g.add_argument("--device", action="append", default=None, metavar="DEV",
                    help="repeatable: cpu, cuda, cuda:N, sim:NAME[:prefill=R,decode=R] (default: cpu)")
-    g.add_argument("--threads", type=int, default=0, help="CPU threads per worker (0 = all)")
+    g.add_argument("--threads", type=int, default=0,
+                   help="CPU threads per worker (0 = all cores, split among several CPU workers)")
     g.add_argument("--max-active", type=int, default=8, help="max running requests per worker")
     g.add_argument("--max-batched-tokens", type=int, default=512, help="token budget per step")
     g.add_argument("--max-context", type=int, default=None,

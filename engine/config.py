@@ -94,7 +94,7 @@ class WorkerConfig:
 
     device: str = "cpu"                   # cpu | cuda:N | sim:NAME
     model: str = "qwen2.5-coder-0.5b"     # catalog name, .gguf path or hub ref
-    threads: int = 0                      # 0 = all cores torch sees
+    threads: int = 0                      # 0 = all cores torch sees (parse_devices splits them among CPU workers)
     max_active: int = 8
     max_batched_tokens: int = 512
     max_context: int = 0                  # per sequence, prompt + output; 0 = the model's, at most 4096

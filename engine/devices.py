@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 from engine.config import KV_DTYPES, WorkerConfig
@@ -70,7 +71,18 @@ def parse_devices(specs: list[str], base: WorkerConfig) -> tuple[WorkerConfig, .
     names = [w.name for w in out]
     if len(set(names)) != len(names):
         raise ConfigError(f"two workers share a name in {names}; give simulated workers distinct names")
+    # --threads 0 (all cores) on several CPU workers: they share the cores instead of each taking
+    # all of them (two OpenMP teams on the same cores wait for each other: decode slows many times)
+    n_cpu = sum(w.device == "cpu" for w in out)
+    if n_cpu > 1:
+        share = max(1, usable_cores() // n_cpu)
+        out = [replace(w, threads=share) if w.device == "cpu" and w.threads == 0 else w for w in out]
     return tuple(w.validate() for w in out)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask, where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def check_activation_dtype(device: str, requested: str) -> str:

@@ -6,13 +6,13 @@ also notices a worker process that exited without a word, and fails its requests
 """
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
 from typing import TYPE_CHECKING
 
 from engine import messages as msg
+from engine.devices import usable_cores
 from engine.errors import WorkerDied
 from engine.requests import TEXT_TAIL, seen_timings
 from engine.snapshot import RequestState
@@ -25,7 +25,7 @@ def too_many_threads(index: int, workers: list) -> str:
     """More threads on CPU workers than the cores this process may use: their OpenMP threads wait
     for each other, and decode slows many times over (docs/benchmarks.md). Said once, at the
     first CPU worker; `workers` are the engine's WorkerConfigs."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cores()
     cpu = [i for i, w in enumerate(workers) if w.device == "cpu"]
     total = sum(workers[i].threads or cores for i in cpu)
     if not cpu or index != cpu[0] or total <= cores:

@@ -260,13 +260,16 @@ def test_contiguous_kv_says_when_it_caps_the_sequences_at_once(model, memory, sa
         engine.shutdown()
 
 
-def test_cpu_workers_that_share_the_cores_are_warned_of(tiny_model_path):
-    """Two CPU workers each take every core by default (--threads 0): twice the threads the
-    cores can run, which was taken silently."""
+def test_cpu_workers_share_the_cores_or_are_warned_of(tiny_model_path):
+    """Two CPU workers each took every core by default (--threads 0): twice the threads the cores
+    run, silently. By default they now split the cores; asked for more, they are warned of."""
     import os
 
     cores = len(os.sched_getaffinity(0))
-    workers = parse_devices(["cpu", "cpu"], WorkerConfig(model=str(tiny_model_path("qwen2")), calibrate=False))
+    base = WorkerConfig(model=str(tiny_model_path("qwen2")), calibrate=False)
+    assert [w.threads for w in parse_devices(["cpu", "sim:gpu0", "cpu"], base)] == [max(1, cores // 2), 0,
+                                                                                    max(1, cores // 2)]
+    workers = parse_devices(["cpu", "cpu"], dataclasses.replace(base, threads=cores))
     engine = Engine(EngineConfig(workers=workers, worker_mode="thread")).start(timeout=120)
     try:
         warned = [line.text for line in engine.snapshot().log if line.level == "warning"]
