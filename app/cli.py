@@ -330,19 +330,21 @@ def cmd_models(args) -> int:
 
 
 # --- serve -------------------------------------------------------------------------------
-def add_serve_flags(p) -> None:
-    g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1/*")
-    g.add_argument("--max-queue", type=int, default=256,
-                   help="answer 429 when this many requests wait beyond what the workers can run")
-    g.add_argument("--max-body", default="4MiB", help="largest request body accepted")
-
-
-# the server flags' defaults, to tell which were given (the dashboard uses them with --serve only)
+# the server flags' defaults (also: which flags were given; the dashboard uses them with --serve only)
 SERVER_FLAG_DEFAULTS = {"--port": 8000, "--host": "127.0.0.1", "--api-key": None, "--max-queue": 256,
                         "--max-body": "4MiB"}
+
+
+def add_serve_flags(p) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default=SERVER_FLAG_DEFAULTS["--host"],
+                   help="address to listen on (default: loopback only)")
+    g.add_argument("--port", type=int, default=SERVER_FLAG_DEFAULTS["--port"])
+    g.add_argument("--api-key", default=SERVER_FLAG_DEFAULTS["--api-key"],
+                   help="require Authorization: Bearer KEY on /v1/*")
+    g.add_argument("--max-queue", type=int, default=SERVER_FLAG_DEFAULTS["--max-queue"],
+                   help="answer 429 when this many requests wait beyond what the workers can run")
+    g.add_argument("--max-body", default=SERVER_FLAG_DEFAULTS["--max-body"], help="largest request body accepted")
 
 
 def check_dashboard_server_flags(args) -> None:
@@ -359,16 +361,16 @@ def check_dashboard_server_flags(args) -> None:
 
 
 def serve_config_from(args, host: str | None = None, port: int | None = None):
+    """The server flags (of `serve` or the dashboard's --serve) as a ServeConfig; host and port
+    as --serve [HOST:]PORT gave them, if it did."""
     from engine.serve.app import ServeConfig
 
-    if getattr(args, "max_queue", 256) < 0:
+    if args.max_queue < 0:
         raise ConfigError("--max-queue must be >= 0")
-    if port is None and not 0 <= getattr(args, "port", 8000) <= 65535:
+    if port is None and not 0 <= args.port <= 65535:
         raise ConfigError(f"--port {args.port}: the port must be 0..65535 (0 picks a free one), e.g. --port 8000")
-    return ServeConfig(host=host or getattr(args, "host", "127.0.0.1"),
-                       port=getattr(args, "port", 8000) if port is None else port,
-                       api_key=getattr(args, "api_key", None), max_queue=getattr(args, "max_queue", 256),
-                       max_body=parse_size(getattr(args, "max_body", "4MiB")))
+    return ServeConfig(host=host or args.host, port=args.port if port is None else port, api_key=args.api_key,
+                       max_queue=args.max_queue, max_body=parse_size(args.max_body))
 
 
 def cmd_serve(args) -> int:

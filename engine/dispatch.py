@@ -12,30 +12,13 @@ import time
 from typing import TYPE_CHECKING
 
 from engine import messages as msg
-from engine.devices import usable_cores
+from engine.devices import too_many_threads
 from engine.errors import WorkerDied
 from engine.requests import TEXT_TAIL, seen_timings
 from engine.snapshot import RequestState
 
 if TYPE_CHECKING:
     from engine.engine import Engine
-
-
-def too_many_threads(index: int, workers: list) -> str:
-    """More threads on CPU workers than the cores this process may use: their OpenMP threads wait
-    for each other, and decode slows many times over (docs/benchmarks.md). Said once, at the
-    first CPU worker; `workers` are the engine's WorkerConfigs."""
-    cores = usable_cores()
-    cpu = [i for i, w in enumerate(workers) if w.device == "cpu"]
-    total = sum(workers[i].threads or cores for i in cpu)
-    if not cpu or index != cpu[0] or total <= cores:
-        return ""
-    if len(cpu) == 1:
-        return (f"--threads {total} is more than the {cores} cores this process may use; threads that wait "
-                f"for each other slow CPU decode many times over: use --threads {cores} or 0 (all)")
-    return (f"{len(cpu)} CPU workers run {total} threads in all on the {cores} cores this process may use; "
-            f"threads that wait for each other slow CPU decode many times over: give them --threads "
-            f"{max(1, cores // len(cpu))}")
 
 
 def contiguous_room(info) -> str:
