@@ -106,7 +106,7 @@ class Engine:
         self._counters: dict = {}   # remote worker index -> RemoteTokenCounter (engine/remote.py)
 
     # --- lifecycle ----------------------------------------------------------------------
-    def start(self, wait: bool = True, timeout: float = 600.0) -> "Engine":
+    def start(self, wait: bool = True, timeout: float = 900.0) -> "Engine":
         if self.config.trace_dir:   # before any work: not a crash once the work is done
             check_trace_dir(self.config.trace_dir)
         self._tracer = Tracer("engine", enabled=self.tracing)
@@ -152,7 +152,9 @@ class Engine:
             self.wait_ready(timeout)
         return self
 
-    def wait_ready(self, timeout: float = 600.0) -> None:
+    def wait_ready(self, timeout: float = 900.0) -> None:
+        # longer than the kernels' build time-out (600 s): a worker whose build times out
+        # falls back to torch matmuls and still serves
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self._lock:

@@ -114,17 +114,40 @@ ce.load(name=name, sources=sources, build_directory=build_dir, is_python_module=
 """
 
 
-def _compile(name: str, build_dir: Path) -> Path:
-    """Build in a child process at the lowest CPU priority; returns the shared library."""
+def _compile(name: str, build_dir: Path, sources: tuple[Path, ...] | None = None,
+             timeout: float = BUILD_TIMEOUT_S) -> Path:
+    """Build in a child process at the lowest CPU priority; returns the shared library.
+
+    One build at a time per library, under an flock that the OS drops when its holder dies.
+    Under it any `lock` file torch's cpp_extension left in build_dir is stale (a build killed
+    mid-way, e.g. by the time-out) and is removed: torch waits for that file to vanish, so a
+    stale one made every later start wait out the whole time-out and run without kernels."""
+    import fcntl
+
     build_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, MAX_JOBS=os.environ.get("MAX_JOBS", "2"))
-    cmd = [sys.executable, "-c", _BUILD_SCRIPT, name, str(build_dir), *(str(_DIR / s) for s in SOURCES)]
-    if shutil.which("nice"):
-        cmd = ["nice", "-n", "19", *cmd]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
     lib = build_dir / f"{name}.so"
+    sources = tuple(_DIR / s for s in SOURCES) if sources is None else sources
+    with open(build_dir.parent / f"{name}.build-lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        if lib.exists():                       # another process built it while this one waited
+            return lib
+        (build_dir / "lock").unlink(missing_ok=True)
+        env = dict(os.environ, MAX_JOBS=os.environ.get("MAX_JOBS", "2"))
+        cmd = [sys.executable, "-c", _BUILD_SCRIPT, name, str(build_dir), *map(str, sources)]
+        if shutil.which("nice"):
+            cmd = ["nice", "-n", "19", *cmd]
+        # a session of its own, so a time-out ends ninja and the compilers too, not just python
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.communicate()
+            raise RuntimeError(f"the build took over {timeout:.0f} s (a busy machine?); it resumes "
+                               "where it stopped at the next start") from None
     if proc.returncode != 0 or not lib.exists():
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        tail = (err or out).strip().splitlines()[-3:]
         raise RuntimeError("compile failed: " + " | ".join(tail))
     return lib
 
