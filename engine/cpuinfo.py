@@ -15,27 +15,37 @@ ISA_FLAGS = ("avx2", "fma", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx5
 
 @functools.cache
 def cpu_info() -> dict:
-    """{'model': ..., 'isa': [...], 'torch_capability': ...} for this machine."""
-    model, flags = platform.processor() or platform.machine(), set()
+    """{'model': ..., 'family': 'F/M', 'isa': [...], 'torch_capability': ...} for this machine."""
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key == "model name" and value.strip():
-                    model = value.strip()
-                elif key == "flags":
-                    flags = set(value.split())
-                    break
+            info = parse_cpuinfo(f)
     except OSError:
-        pass
+        info = parse_cpuinfo([])
     try:
         import torch
         capability = torch.backends.cpu.get_cpu_capability()
     except Exception:  # noqa: BLE001 - informational only
         capability = "unknown"
-    return {"model": model, "isa": [f for f in ISA_FLAGS if f in flags],
-            "torch_capability": capability}
+    return {**info, "torch_capability": capability}
+
+
+def parse_cpuinfo(lines) -> dict:
+    """The first processor's model name, family/model and ISA flags from /proc/cpuinfo's lines.
+    `family` is cpuid's family/model: a VM often names every EPYC just "AMD EPYC", while Zen 3
+    is 25/1 and Zen 5 26/2 (different speeds, different instruction sets)."""
+    model, flags, fam = platform.processor() or platform.machine(), set(), {}
+    for line in lines:
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and value.strip():
+            model = value.strip()
+        elif key in ("cpu family", "model"):
+            fam.setdefault(key, value.strip())
+        elif key == "flags":
+            flags = set(value.split())
+            break
+    family = f"{fam['cpu family']}/{fam['model']}" if len(fam) == 2 else "unknown"
+    return {"model": model, "family": family, "isa": [f for f in ISA_FLAGS if f in flags]}
 
 
 def cpu_summary() -> str:

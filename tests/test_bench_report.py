@@ -2,14 +2,23 @@
 import pytest
 
 from engine.bench import command_line, machine
-from engine.cpuinfo import ISA_FLAGS, cpu_info
+from engine.cpuinfo import ISA_FLAGS, cpu_info, parse_cpuinfo
 
 
 def test_machine_records_cpu_model_and_isa():
     m = machine()
     assert m["cpu_model"] == cpu_info()["model"] and m["cpu_model"]
+    assert m["cpu_family_model"] == cpu_info()["family"]
     assert set(m["isa"]) <= set(ISA_FLAGS)
     assert m["torch_cpu_capability"]
+
+
+def test_cpuinfo_names_family_and_model_that_a_vm_s_model_name_hides():
+    lines = ["processor\t: 0\n", "vendor_id\t: AuthenticAMD\n", "cpu family\t: 25\n", "model\t\t: 1\n",
+             "model name\t: AMD EPYC\n", "flags\t\t: fpu sse avx2 fma bmi2\n",
+             "processor\t: 1\n", "cpu family\t: 99\n"]
+    assert parse_cpuinfo(lines) == {"model": "AMD EPYC", "family": "25/1", "isa": ["avx2", "fma"]}
+    assert parse_cpuinfo([])["family"] == "unknown"
 
 
 def test_command_line_hides_the_llama_cpp_python_path():

@@ -88,7 +88,7 @@ def machine() -> dict:
             "python": platform.python_version(), "torch": torch.__version__,
             "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "processor": platform.processor() or platform.machine(),
-            "cpu_model": info["model"], "isa": info["isa"], "torch_cpu_capability": info["torch_capability"]}
+            "cpu_model": info["model"], "cpu_family_model": info["family"], "isa": info["isa"], "torch_cpu_capability": info["torch_capability"]}
 
 
 def read_bandwidth(nbytes: int = 1 << 30, reps: int = 5, threads: int | None = None) -> float:
