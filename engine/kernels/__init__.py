@@ -136,9 +136,11 @@ def _compile(name: str, build_dir: Path, sources: tuple[Path, ...] | None = None
         cmd = [sys.executable, "-c", _BUILD_SCRIPT, name, str(build_dir), *map(str, sources)]
         if shutil.which("nice"):
             cmd = ["nice", "-n", "19", *cmd]
-        # a session of its own, so a time-out ends ninja and the compilers too, not just python
+        # a session of its own, so a time-out ends ninja and the compilers too, not just python;
+        # the child holds the flock too, so a build that outlives this process (its engine quit
+        # mid-build) still keeps the next start from removing torch's file under it
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)
+                                text=True, start_new_session=True, pass_fds=(held.fileno(),))
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
