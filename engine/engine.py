@@ -34,6 +34,10 @@ from engine.router import NOMINAL_RATES, RouteDecision, Router, WorkerLoad
 from engine.snapshot import EngineSnapshot, LogLine, RequestState, RequestView, WorkerView
 from engine.trace import Tracer, check_trace_dir, request_track_events, set_tracer, write_chrome_trace
 
+# how long start() waits for the workers: longer than the kernels' build time-out (600 s), so a
+# worker whose build times out falls back to torch matmuls and still serves
+READY_TIMEOUT_S = 900.0
+
 HISTORY = 60          # samples of tok/s kept per worker for sparklines
 HIT_WINDOW = 150      # WorkerStats samples (~30 s at 5 Hz) behind a worker's prefix hit rate
 UNWRITTEN_TRACE_EVENTS = 2_000_000   # most trace events kept after a failed export
@@ -106,7 +110,7 @@ class Engine:
         self._counters: dict = {}   # remote worker index -> RemoteTokenCounter (engine/remote.py)
 
     # --- lifecycle ----------------------------------------------------------------------
-    def start(self, wait: bool = True, timeout: float = 900.0) -> "Engine":
+    def start(self, wait: bool = True, timeout: float = READY_TIMEOUT_S) -> "Engine":
         if self.config.trace_dir:   # before any work: not a crash once the work is done
             check_trace_dir(self.config.trace_dir)
         self._tracer = Tracer("engine", enabled=self.tracing)
@@ -152,9 +156,7 @@ class Engine:
             self.wait_ready(timeout)
         return self
 
-    def wait_ready(self, timeout: float = 900.0) -> None:
-        # longer than the kernels' build time-out (600 s): a worker whose build times out
-        # falls back to torch matmuls and still serves
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self._lock:

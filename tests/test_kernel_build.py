@@ -1,7 +1,7 @@
 """The kernels' first-use build: what a killed or timed-out build leaves must not block the next.
 
 These build a one-function C++ file the way engine.kernels builds the real ones (a child
-process, torch's cpp_extension, ninja), which takes seconds instead of the kernels' ~25 s.
+process, torch's cpp_extension, ninja), which takes seconds instead of the kernels' ~25-75 s.
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def test_a_build_past_its_time_out_says_so_and_the_next_start_builds(probe):
     assert lib.exists()
 
 
-def test_a_library_built_while_waiting_for_the_lock_is_taken_as_it_is(probe):
+def test_a_library_already_built_is_returned_without_a_rebuild(probe):
     sources, build_dir = probe
     lib = kernels._compile("tokentop_probe", build_dir, sources, timeout=120)
     mtime = lib.stat().st_mtime_ns

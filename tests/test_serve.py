@@ -261,13 +261,15 @@ def test_metrics_agree_with_the_engine_snapshot_after_a_burst(sim_server):
 PACED = ["sim:gpu0:prefill=20000,decode=500", "sim:gpu1:prefill=20000,decode=500"]
 
 
-def test_200_streams_with_a_third_disconnecting_free_every_page(real_model_path):
-    with in_process_server(real_model_path, PACED, max_active=32, max_queue=1000) as (engine, http):
-        wait_idle(engine)
-        two_hundred_streams_a_third_disconnecting(engine, http)
+@pytest.fixture
+def paced_server(real_model_path):
+    with in_process_server(real_model_path, PACED, max_active=32, max_queue=1000) as s:
+        yield s
 
 
-def two_hundred_streams_a_third_disconnecting(engine, http):
+def test_200_streams_with_a_third_disconnecting_free_every_page(paced_server):
+    engine, http = paced_server
+    wait_idle(engine)
     rng = random.Random(14)
     quitters = set(rng.sample(range(200), 67))
     outcome = {}
