@@ -256,6 +256,32 @@ def test_panel_tiles_built_from_blocks_decode_batch_sizes(qtype):
     check(two, td, x, act_group(qtype, 16, big_m=1))   # without panels, 16 rows may be direct
 
 
+@pytest.mark.skipif("avx2" not in runnable_isas(), reason="needs a CPU with AVX2")
+def test_avx2_q8_0_row_lanes_give_the_tile_bits(monkeypatch):
+    """Q8_0 at 7-8 rows on AVX2 without VNNI takes the row-lane kernel (activation rows in the
+    lanes, codes broadcast from the blocks, no tile build); other row counts take the tiles.
+    Each row's integer sums and float steps are the same, so every row of a 2-8-row call has
+    the bits of the same row in a 12-row call: N = 45 (a tail after the two-row passes), 1 and
+    2 threads, an all-zero row."""
+    monkeypatch.setenv("TOKENTOP_AVX_VNNI", "0")
+    k = 352
+    td = random_td(T.Q8_0, rows=45, cols=k, seed=71)
+    x = torch.randn(12, k, generator=torch.Generator().manual_seed(72))
+    x[:, 5] *= 40
+    x[3] = 0.0
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            tiles = run([td], x, "avx2", big_m=1)
+            for m in range(2, 9):
+                assert torch.equal(run([td], x[:m], "avx2", big_m=1), tiles[:m]), (t, m)
+                assert torch.equal(run([td], x[12 - m:], "avx2", big_m=1), tiles[12 - m:]), (t, m)
+    finally:
+        torch.set_num_threads(threads)
+    check(tiles, td, x)
+
+
 @pytest.mark.parametrize("isa", runnable_isas())
 def test_panel_kernel_stacked_types_threads_and_rows(isa):
     """Stacked matrices of mixed types (boundaries inside a 32-row panel), bias, 1 and 2

@@ -277,6 +277,12 @@ def batch_rows() -> int:
     return int(torch.ops.tokentop.batch_rows())
 
 
+def lane_rows() -> int:
+    """The fewest rows (up to 8) for which a Q8_0 call takes the AVX2 row-lane kernel by
+    default; 0 where none does (AVX-512, AVX-VNNI, the portable path)."""
+    return int(torch.ops.tokentop.lane_rows())
+
+
 def status() -> dict:
     """For `tokentop models` and the start-up log."""
     ok = load()

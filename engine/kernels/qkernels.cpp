@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -214,6 +215,15 @@ bool use_avx_vnni() {
 }
 
 bool has_panels(int isa) { return TT_X86 && (isa == ISA_AVX512 || isa == ISA_AVX2); }
+
+int64_t lane_min_rows(int isa) {
+#if TT_X86
+    return isa == ISA_AVX2 && !use_avx_vnni() ? isa_avx2::LANE_MIN_ROWS : 0;
+#else
+    (void)isa;
+    return 0;
+#endif
+}
 
 int64_t panel_rows(int isa) {
 #if TT_X86

@@ -224,6 +224,10 @@ int64_t batch_rows_op() {
     return tt::has_panels(use) ? std::min(PANEL_MIN_ROWS, after_direct) : after_direct;
 }
 
+// the fewest rows (up to 8) for which the default ISA's Q8_0 calls take the row-lane kernel
+// (0: none): the self-check runs that form too
+int64_t lane_rows_op() { return tt::lane_min_rows(env_isa()); }
+
 // whether the AVX2 panels take AVX-VNNI's vpdpbusd (the CPU has it, TOKENTOP_AVX_VNNI is not 0)
 bool avx_vnni_op() { return tt::use_avx_vnni(); }
 
@@ -245,6 +249,7 @@ TORCH_LIBRARY(tokentop, m) {
     m.def("env_isa() -> int", &env_isa_op);
     m.def("direct_rows(int isa=-1) -> int", &direct_rows_op);
     m.def("batch_rows() -> int", &batch_rows_op);
+    m.def("lane_rows() -> int", &lane_rows_op);
     m.def("avx_vnni() -> bool", &avx_vnni_op);
 }
 

@@ -298,13 +298,17 @@ class QuantLinear(torch.nn.Module):
         """Each weight form a call can use, with a row count that selects it. "gguf" is the
         GGUF kernel as one decode row runs it (the direct kernel where the ISA has one),
         "gguf-tiles" the kernel of larger calls when it differs (unpacked row tiles, or the panels
-        on AVX-512)."""
+        on AVX-512), "gguf-lanes" AVX2's Q8_0 kernel of 7-8 rows."""
         forms = {}
         if self.gguf is not None and self.kernel_for(1) == "gguf":
             forms["gguf"] = 1
             batch = 0 if self.small_m == 0 or not kernels.direct_rows() else kernels.batch_rows()
             if batch and self.kernel_for(batch) == "gguf":
                 forms["gguf-tiles"] = batch
+            # Q8_0 at 7-8 rows on AVX2: the row-lane kernel (engine/kernels/qkernels_panels_avx2.inc)
+            lanes = kernels.lane_rows() if batch and T.Q8_0 in self.gguf.types else 0
+            if lanes and self.kernel_for(8) == "gguf":
+                forms["gguf-lanes"] = 8
         if self.dense is not None:
             rows = max(1, self.dense_threshold or 1)
             if self.kernel_for(rows) == "dense":
