@@ -1,12 +1,13 @@
 """A/B of the linear layers of one decode step between two checkouts of tokentop.
 
 Each round runs every checkout in a fresh process (PYTHONPATH = that checkout, so its kernels
-are built and used), alternating, so a slow spell of a shared machine hits both sides; prints
+are built and used), alternating (ABBA), so a slow spell of a shared machine hits both sides; prints
 each round and the medians. Times are tools/kernel_bench.py's `time_set` (every linear layer
 once, back to back, the op's default kernel for the row count), in ms; "read" is a plain 2-thread memory read in GB/s
 taken right after, since this machine's bandwidth moves between levels for minutes at a time
 (compare rounds at the same level). Run under the CPU lock:
-  flock /tmp/tokentop-cpu.lock python tools/kernel_ab.py qwen2.5-coder-1.5b /path/a,/path/b 1,4 [rounds]
+  flock /tmp/tokentop-cpu.lock python tools/kernel_ab.py qwen2.5-coder-1.5b /path/a,/path/b 1,4 [rounds] [--op OP]
+--op lm-head (or any QuantLinear.op) times only those layers.
 TOKENTOP_KERNEL_ISA passes through (e.g. avx2 to compare the AVX2 code).
 """
 from __future__ import annotations
@@ -29,25 +30,33 @@ from engine.models.quant import LinearPolicy, QuantLinear
 torch.set_num_threads(2)
 model = Decoder.from_gguf(load_gguf(str(resolve_model(sys.argv[1]))), LinearPolicy())
 layers = [m for m in model.modules() if isinstance(m, QuantLinear) and m.gguf is not None]
+if len(sys.argv) > 3:
+    layers = [m for m in layers if m.op == sys.argv[3]]
 times = {m: time_set(layers, int(m), -1, reps=11, big_m=-1) for m in sys.argv[2].split(",")}
 print(json.dumps({**times, "read": read_bandwidth(1 << 28, 3)}))
 '''
 
 
 def main() -> None:
-    model, trees = sys.argv[1], sys.argv[2].split(",")
-    rows = sys.argv[3] if len(sys.argv) > 3 else "1"
-    rounds = int(sys.argv[4]) if len(sys.argv) > 4 else 3
+    op = sys.argv[sys.argv.index("--op") + 1] if "--op" in sys.argv else None
+    args = [a for i, a in enumerate(sys.argv) if a != "--op" and (i == 0 or sys.argv[i - 1] != "--op")]
+    model, trees = args[1], args[2].split(",")
+    rows = args[3] if len(args) > 3 else "1"
+    rounds = int(args[4]) if len(args) > 4 else 3
     results: dict[str, list[dict]] = {t: [] for t in trees}
-    for _ in range(rounds):
-        for tree in trees:
+    for r in range(rounds):
+        for tree in trees if r % 2 == 0 else trees[::-1]:   # ABBA: neither side always goes first
             env = dict(os.environ, PYTHONPATH=tree)
-            out = subprocess.run([sys.executable, "-c", CHILD, model, rows], cwd=tree, env=env,
+            out = subprocess.run([sys.executable, "-c", CHILD, model, rows, *([op] if op else [])], cwd=tree, env=env,
                                  capture_output=True, text=True, check=True)
             results[tree].append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(tree, {m: round(v, 2) for m, v in results[tree][-1].items()}, flush=True)
     for tree, runs in results.items():
         print("median", tree, {m: round(statistics.median(r[m] for r in runs), 2) for m in runs[0]})
+    if len(trees) == 2:   # paired: each round ran both back to back
+        a, b = results[trees[0]], results[trees[1]]
+        print(f"time {trees[0]} / {trees[1]}, median of the rounds' ratios:",
+              {m: round(statistics.median(x[m] / y[m] for x, y in zip(a, b)), 3) for m in rows.split(",")})
 
 
 if __name__ == "__main__":
