@@ -32,6 +32,8 @@ model = Decoder.from_gguf(load_gguf(str(resolve_model(sys.argv[1]))), LinearPoli
 layers = [m for m in model.modules() if isinstance(m, QuantLinear) and m.gguf is not None]
 if len(sys.argv) > 3:
     layers = [m for m in layers if m.op == sys.argv[3]]
+    if not layers:
+        sys.exit(f"no linear layer has op {sys.argv[3]!r} (attention-qkv, attention-output, mlp-gate-up, mlp-down, lm-head)")
 times = {m: time_set(layers, int(m), -1, reps=11, big_m=-1) for m in sys.argv[2].split(",")}
 print(json.dumps({**times, "read": read_bandwidth(1 << 28, 3)}))
 '''
@@ -48,7 +50,9 @@ def main() -> None:
         for tree in trees if r % 2 == 0 else trees[::-1]:   # ABBA: neither side always goes first
             env = dict(os.environ, PYTHONPATH=tree)
             out = subprocess.run([sys.executable, "-c", CHILD, model, rows, *([op] if op else [])], cwd=tree, env=env,
-                                 capture_output=True, text=True, check=True)
+                                 capture_output=True, text=True)
+            if out.returncode:
+                sys.exit(f"{tree}: {out.stderr.strip().splitlines()[-1]}")
             results[tree].append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(tree, {m: round(v, 2) for m, v in results[tree][-1].items()}, flush=True)
     for tree, runs in results.items():

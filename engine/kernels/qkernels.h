@@ -67,10 +67,10 @@ void matmul_direct(int isa, int type, const uint8_t* w, int64_t K, int64_t n0, i
 // subtracted in the integers, K-quant scales applied per 32).
 bool has_panels(int isa);
 bool use_avx_vnni();                     // the AVX2 panels and direct kernels take AVX-VNNI's vpdpbusd (cpuid, TOKENTOP_AVX_VNNI)
-int64_t panel_rows(int isa);
+int64_t panel_rows(int isa);             // output rows per panel: the unit threads take
 // Q8_0 calls of lane_min_rows(isa) to 8 rows take the AVX2 row-lane kernel (qkernels_panels_avx2.inc;
 // the panels' bits) instead of the panels' tiles; 0 where none does (other ISAs, AVX-VNNI)
-int64_t lane_min_rows(int isa);             // output rows per panel: the unit threads take
+int64_t lane_min_rows(int isa);
 // quantize_rows' a (the same values) and, per activation row, d32 the scale of each 32-group
 // (K/32), as32 = d32 * (sum of the group's a) (K/32), is16 the sum of each 16 a (K/16), in one
 // pass (has_panels ISAs only).
