@@ -9,6 +9,10 @@ best rate measured at any row count (where the weights' unpacking is spread over
 the 8-row linear layers would take 8 * MACs / best_rate; that over the 1-row time is the least
 the 8-row / 1-row ratio of the linear layers can be with these kernels. N8/N1 >= 4 needs the
 whole 8-row step at about twice the 1-row one (bench batching's aggregates: docs/benchmarks.md).
+Last, per layer group, the part of an 8-row call that does not grow with the rows (its 8-row time
+less the 8 rows more that a 16-row call costs): the tile build, the weight stream, the
+activations' quantization; what a cheaper build could save at most. (The Q8_0 lm_head runs the
+row lanes at 8 rows and the tiles at 16, so its split says nothing.)
   python tools/rate_by_rows.py [model] [rounds]
 """
 from __future__ import annotations
@@ -54,6 +58,22 @@ def main() -> None:
     t8_best = macs(layers, 8) / rate[best] / 1e6
     print(f"8 rows: {t8:.2f} ms = {t8 / t1:.2f}x the 1-row {t1:.2f} ms; at the best rate ({rate[best]:.1f} GMAC/s, "
           f"M={best}) they would take {t8_best:.2f} ms = {t8_best / t1:.2f}x")
+    fixed_all = 0.0
+    for op in sorted({m.op for m in layers}):
+        group = [m for m in layers if m.op == op]
+        t8s, more = [], []
+        for r in range(max(rounds, 5)):
+            pair = {}
+            for m in ((8, 16) if r % 2 == 0 else (16, 8)):
+                pair[m] = time_set(group, m, -1, reps=5, big_m=-1)
+            t8s.append(pair[8])
+            more.append(pair[16] - pair[8])
+        g8, fixed = median(t8s), median(t8s) - median(more)
+        if op != "lm-head":
+            fixed_all += fixed
+        print(f"{op:17s} 8 rows {g8:6.2f} ms, 8 rows more {median(more):6.2f}, not growing with the rows "
+              f"{fixed:5.2f} ({fixed / g8:.0%})")
+    print(f"not growing with the rows, all groups but the lm_head: {fixed_all:.2f} ms")
 
 
 if __name__ == "__main__":
