@@ -4,10 +4,10 @@
 Every linear layer of the model runs once back to back (tools/kernel_bench.py's `time_set`, the
 op's default kernel for each row count, 2 threads), for M = 1, 8, 16, 32, 64, 128, 256 rows,
 the row counts in a rotated order each round and the median of the rounds quoted; prints ms and
-GMAC/s. Then the bound: an 8-row call does 8x a 1-row call's multiply-adds, so if it ran at the
-best rate measured at any row count (where the weights' unpacking is spread over the most rows),
-the 8-row linear layers would take 8 * MACs / best_rate; that over the 1-row time is the least
-the 8-row / 1-row ratio of the linear layers can be with these kernels. N8/N1 >= 4 needs the
+GMAC/s. Then an estimate: an 8-row call does 8x a 1-row call's multiply-adds, so if it ran at
+the best rate measured at any row count (where the weights' unpacking is spread over the most
+rows), the 8-row linear layers would take 8 * MACs / best_rate; that over the 1-row time is the
+8-row / 1-row ratio 8-row calls as efficient as the largest ones would give. N8/N1 >= 4 needs the
 whole 8-row step at about twice the 1-row one (bench batching's aggregates: docs/benchmarks.md).
 Last, per layer group, the part of an 8-row call that does not grow with the rows (its 8-row time
 less the 8 rows more that a 16-row call costs): the tile build, the weight stream, the
@@ -42,7 +42,8 @@ def main() -> None:
     torch.set_num_threads(2)
     model = Decoder.from_gguf(load_gguf(str(resolve_model(model_name))), LinearPolicy())
     layers = [m for m in model.modules() if isinstance(m, QuantLinear) and m.gguf is not None]
-    print(f"{model_name}, {cpu_summary()}, family/model {cpu_info()['family']}, kernels {kernels.isa_name()}, 2 threads, {rounds} rounds")
+    print(f"{model_name}, {cpu_summary()}, family/model {cpu_info()['family']}, kernels {kernels.isa_name()}, "
+          f"2 threads, {rounds} rounds")
     times: dict[int, list[float]] = {m: [] for m in ROWS}
     for r in range(rounds):
         order = ROWS[r % len(ROWS):] + ROWS[:r % len(ROWS)]
