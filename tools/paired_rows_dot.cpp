@@ -9,6 +9,9 @@
 // 4864:
 //   g++ -O3 -march=haswell -mtune=znver3 -o /tmp/paired_rows_dot tools/paired_rows_dot.cpp
 //   /tmp/paired_rows_dot 896; /tmp/paired_rows_dot 4864
+// (an optional second argument cycles that many distinct tiles, to take them out of L1; the
+// third column is the current loop in blocks of 2 rows instead of 4). The two loops are kept
+// side by side on purpose: they differ only in how the operands are loaded.
 #include <immintrin.h>
 #include <chrono>
 #include <cstdio>
@@ -16,7 +19,6 @@
 #include <cstring>
 #include <cstdlib>
 #include <vector>
-#include <algorithm>
 static const int M = 8;
 template <int MB>
 __attribute__((noinline)) void old_tile(const uint8_t* cil, const float* wsil, const int8_t* a, const float* d32, int64_t K, float* y) {
