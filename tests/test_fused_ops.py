@@ -262,6 +262,25 @@ def test_greedy_pick_matches_the_full_sampler(V, monkeypatch):
 
 
 @needs_kernels
+@pytest.mark.parametrize("first,second", [(1500, 5000), (1023, 1024), (1024, 151935), (0, 151935), (151934, 151935)])
+def test_greedy_pick_finds_the_first_max_across_chunks(first, second):
+    """greedy_pick scans a row in chunks of 1024 logits (the max of each chunk, then the first
+    index of the row's max in the first chunk holding it): two equal maxima on either side of a
+    chunk boundary, or in the partial last chunk, give the lower id, and the logprob is the
+    full log-softmax's."""
+    kernels.load()
+    logits = torch.randn(1, 151936, generator=_gen(3)) * 4
+    logits[0, first] = logits[0, second] = 60.0
+    ids, lp, ok = torch.ops.tokentop.greedy_pick(logits)
+    assert bool(ok[0]) and int(ids[0]) == first
+    torch.testing.assert_close(lp[0], torch.log_softmax(logits[0].double(), -1)[first].float(), atol=1e-6, rtol=1e-6)
+    logits[0, first] = 59.0                       # now the second one is the only max
+    ids, lp, ok = torch.ops.tokentop.greedy_pick(logits)
+    assert int(ids[0]) == second
+    torch.testing.assert_close(lp[0], torch.log_softmax(logits[0].double(), -1)[second].float(), atol=1e-6, rtol=1e-6)
+
+
+@needs_kernels
 @pytest.mark.parametrize("threads", [1, 2])
 def test_greedy_pick_rows_do_not_depend_on_the_batch(threads):
     kernels.load()

@@ -130,12 +130,17 @@ TT_INLINE float hsum(v16 a) {
                    __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15)));
 }
 
+// (16 lanes as two 8-lane halves: the sums of a 16-lane vector, without GCC lowering a 16-float
+// vector through memory on AVX2, 8x slower there in tools/fused_vector_width.cpp)
 template <>
 inline float dot<float>(const float* a, const float* b, int64_t n) {
-    v16 acc = {};
+    v8 lo = {}, hi = {};
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) acc += *(const v16*)(a + i) * *(const v16*)(b + i);
-    float s = hsum(acc);
+    for (; i + 16 <= n; i += 16) {
+        lo += *(const v8*)(a + i) * *(const v8*)(b + i);
+        hi += *(const v8*)(a + i + 8) * *(const v8*)(b + i + 8);
+    }
+    float s = hsum(v8(lo + hi));
     for (; i < n; ++i) s += a[i] * b[i];
     return s;
 }
@@ -630,70 +635,79 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_store, cons
     return out;
 }
 
-// exp_approx on 16 lanes: the same operations per lane (GCC vector extensions, so each
-// target_clones build gets its own width)
-typedef int32_t vi16 __attribute__((vector_size(64), aligned(4)));
-static_assert(ACC == 16, "greedy_row keeps ACC lanes in one v16");
+// exp_approx on 8 lanes: the same operations per lane. 8, not 16: GCC lowers a 16-float
+// vector's compares, selects and int conversions on AVX2 through memory, and the 16-lane form
+// of this loop ran ~4x slower there than two 8-lane halves (tools/fused_vector_width.cpp).
+typedef int32_t vi8 __attribute__((vector_size(32), aligned(4)));
 
-TT_INLINE v16 exp_approx16(v16 x) {
-    v16 n;
-    const v16 p = exp_parts(x, n);
-    const vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;
-    return p * reinterpret_cast<const v16&>(bits);
+TT_INLINE v8 exp_approx8(v8 x) {
+    v8 n;
+    const v8 p = exp_parts(x, n);
+    const vi8 bits = (__builtin_convertvector(n, vi8) + 127) << 23;
+    return p * reinterpret_cast<const v8&>(bits);
 }
 
 // the largest lane (halving shuffles; NaN lanes never win a comparison)
-TT_INLINE float hmax(v16 a) {
-    const v8 lo = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7), hi = __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
-    const v8 h = hi > lo ? hi : lo;
+TT_INLINE float hmax(v8 h) {
     const v4 l4 = __builtin_shufflevector(h, h, 0, 1, 2, 3), h4 = __builtin_shufflevector(h, h, 4, 5, 6, 7);
     const v4 q = h4 > l4 ? h4 : l4;
     const float m0 = q[0] > q[2] ? q[0] : q[2], m1 = q[1] > q[3] ? q[1] : q[3];
     return m1 > m0 ? m1 : m0;
 }
 
-// Max and exp-sum of one row of logits, in blocks of 64 values over 16 lanes (written with
-// vector types: the scalar loop with its NaN checks did not vectorize, ~5 cycles a logit); the
-// first index of the max is then searched in the first block that holds it. A NaN logit makes
-// the exp-sum NaN (exp_approx and the additions carry it), so the row is flagged from the sum.
-TT_CLONES void greedy_row(const float* x, int64_t V, int64_t* id, float* logprob, bool* ok) {
-    constexpr int64_t B = 64;
+// The max of x[b0, b1): 32 values a step in four 8-lane chains, then the tail (NaN lanes never
+// win a comparison). Inlined into each clone of its caller, as every helper here.
+TT_INLINE float max_of(const float* x, int64_t b0, int64_t b1) {
     const float ninf = -std::numeric_limits<float>::infinity();
-    float best = ninf;
-    int64_t best_block = 0;
-    const int64_t full = V / B * B;
-    for (int64_t b0 = 0; b0 < full; b0 += B) {
-        v16 mv = ninf + v16{};
-        for (int64_t i = 0; i < B; i += 16) {
-            const v16 v = *reinterpret_cast<const v16*>(x + b0 + i);
-            mv = v > mv ? v : mv;
-        }
-        const float m = hmax(mv);
-        if (m > best) {                    // strictly greater: the first block with the max wins
+    v8 m0 = ninf + v8{}, m1 = m0, m2 = m0, m3 = m0;
+    int64_t i = b0;
+    for (; i + 32 <= b1; i += 32) {
+        const v8 a = *reinterpret_cast<const v8*>(x + i), b = *reinterpret_cast<const v8*>(x + i + 8);
+        const v8 c = *reinterpret_cast<const v8*>(x + i + 16), d = *reinterpret_cast<const v8*>(x + i + 24);
+        m0 = a > m0 ? a : m0;
+        m1 = b > m1 ? b : m1;
+        m2 = c > m2 ? c : m2;
+        m3 = d > m3 ? d : m3;
+    }
+    m0 = m1 > m0 ? m1 : m0;
+    m2 = m3 > m2 ? m3 : m2;
+    float m = hmax(m2 > m0 ? m2 : m0);
+    for (; i < b1; ++i) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
+// Max and exp-sum of one row of logits, in chunks of CHUNK values: pass 1 reduces the lanes' max
+// once per chunk and notes the first chunk that holds the row's max, where the first index of
+// the max is then searched; pass 2 sums exp(x - max) in 16 lanes across a chunk and adds each
+// chunk's sum to a double. (Reduced every 64 values in 16-lane vectors, as before, a 152k row
+// took 0.59 ms on Zen 3: 2.4 ms of every 8-row decode step; docs/benchmarks.md.) A NaN logit
+// makes the exp-sum NaN (exp_approx and the additions carry it), so the row is flagged from it.
+TT_CLONES void greedy_row(const float* x, int64_t V, int64_t* id, float* logprob, bool* ok) {
+    constexpr int64_t CHUNK = 1024;   // 64 values a lane a chunk
+    float best = -std::numeric_limits<float>::infinity();
+    int64_t best_chunk = 0;
+    for (int64_t c0 = 0; c0 < V; c0 += CHUNK) {
+        const float m = max_of(x, c0, std::min(V, c0 + CHUNK));
+        if (m > best) {                    // strictly greater: the first chunk with the max wins
             best = m;
-            best_block = b0;
+            best_chunk = c0;
         }
     }
-    if (full < V) {
-        float m = ninf;
-        for (int64_t i = full; i < V; ++i) m = x[i] > m ? x[i] : m;
-        if (m > best) {
-            best = m;
-            best_block = full;
-        }
-    }
-    int64_t i = best_block;
-    while (i + 1 < V && x[i] != best) ++i;   // found in this block unless the row is all NaN
+    int64_t i = best_chunk;
+    while (i + 1 < V && x[i] != best) ++i;   // found in this chunk unless the row is all NaN
     double sum = 0.0;
-    int64_t j = 0;
-    for (; j + B <= V; j += B) {
-        v16 acc = {};
-        for (int64_t t = 0; t < B; t += 16) acc += exp_approx16(*reinterpret_cast<const v16*>(x + j + t) - best);
-        float a[ACC];
-        for (int k = 0; k < ACC; ++k) a[k] = acc[k];
-        sum += reduce(a);
+    for (int64_t c0 = 0; c0 < V; c0 += CHUNK) {
+        const int64_t c1 = std::min(V, c0 + CHUNK);
+        v8 acc0 = {}, acc1 = {};
+        int64_t j = c0;
+        for (; j + 16 <= c1; j += 16) {
+            acc0 += exp_approx8(*reinterpret_cast<const v8*>(x + j) - best);
+            acc1 += exp_approx8(*reinterpret_cast<const v8*>(x + j + 8) - best);
+        }
+        float s = hsum(v8(acc0 + acc1));
+        for (; j < c1; ++j) s += exp_approx(x[j] - best);
+        sum += s;
     }
-    for (; j < V; ++j) sum += exp_approx(x[j] - best);
     *ok = std::isfinite(best) && !std::isnan(sum);
     *id = i;
     *logprob = float(-std::log(sum));   // the chosen token's logit is the max: x - max = 0
