@@ -1,0 +1,62 @@
+"""A/B of the whole engine between two checkouts of tokentop: bench batching's burst (N requests
+of 128 tokens at once, in process, paged K/V) at N = 1 and N = 8.
+
+Each round runs both checkouts in fresh processes (PYTHONPATH = that checkout, so its kernels
+are built and used), alternating the order round by round (ABBA), so a slow spell of a shared
+machine hits both sides; prints each round, the medians and the median of the rounds' ratios.
+  python tools/engine_ab.py /path/a,/path/b [rounds]
+(e.g. a `git worktree add /tmp/base HEAD~1` against this checkout).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+CHILD = r'''
+import json
+from app.cli import build_parser
+from engine.bench import scenarios as sc
+args = build_parser().parse_args(["bench", "batching", "--threads", "2"])
+engine = sc.start_engine([sc.base_worker(args, max_active=8, kv_cache="paged")])
+sc._burst(engine, 2, 8, True, "warm")
+sc._burst(engine, 1, 8, True, "warm")
+out = {n: n * 128 / sc._burst(engine, n, 128, True, f"r{n}") for n in (1, 8)}
+sc.stop_engine(engine)
+print(json.dumps(out))
+'''
+
+
+def run_side(path: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=path)
+    proc = subprocess.run([sys.executable, "-c", CHILD], cwd=path, env=env, capture_output=True, text=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        sys.exit(f"{path}: the burst failed:\n{proc.stderr[-2000:]}")
+    return json.loads(lines[-1])
+
+
+def main() -> None:
+    if len(sys.argv) < 2 or sys.argv[1].count(",") != 1:
+        sys.exit(__doc__)
+    a, b = sys.argv[1].split(",")
+    rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 6
+    res: dict[str, list[dict]] = {a: [], b: []}
+    for r in range(rounds):
+        for side in ((a, b) if r % 2 == 0 else (b, a)):
+            res[side].append(run_side(side))
+            print(r, side, {n: round(v, 2) for n, v in res[side][-1].items()}, flush=True)
+    for n in ("1", "8"):
+        ratios = [x[n] / y[n] for x, y in zip(res[b], res[a])]
+        print(f"N={n}: {a} {statistics.median(x[n] for x in res[a]):.2f}, {b} "
+              f"{statistics.median(x[n] for x in res[b]):.2f} tok/s; {b} / {a} rounds "
+              f"{[round(x, 3) for x in ratios]}, median {statistics.median(ratios):.3f}")
+    for side in (a, b):
+        per_round = [x["8"] / x["1"] for x in res[side]]
+        print(f"{side}: N8/N1 rounds {[round(x, 3) for x in per_round]}, median {statistics.median(per_round):.3f}")
+
+
+if __name__ == "__main__":
+    main()
