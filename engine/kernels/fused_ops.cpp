@@ -6,6 +6,7 @@
 //   rope_store_kv    optional QK-norm, rotary on q and k, q scaled, K/V written to their slots
 //   decode_attention one query row per sequence over its paged keys (softmax(q k^T) v)
 //   greedy_pick      argmax of each logits row and its logprob, in two passes over the row
+//                    (greedy_row, with the vector helpers, in vec_math.h)
 // Every row is computed on its own, in a fixed order: results never depend on the batch.
 // Hot loops are plain C++ cloned per ISA (GCC target_clones picks one at load time), written so
 // the compiler vectorizes them without reassociating sums (16 independent accumulators).
@@ -17,6 +18,7 @@
 #include <torch/library.h>
 
 #include "ops.h"
+#include "vec_math.h"
 
 #include <algorithm>
 #include <cmath>
@@ -28,49 +30,9 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#define TT_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-// lets the clamps and selects below become vector blends (this file raises no FP traps)
-#pragma GCC optimize("no-trapping-math")
-#else
-#define TT_CLONES
-#endif
-
 namespace {
 
-// helpers of the blocked decode attention, inlined into each ISA's build of it (called out of
-// line they ran as baseline x86-64 code, and vectors went through memory: 13x slower)
-#define TT_INLINE inline __attribute__((always_inline))
-
 constexpr int ACC = 16;   // independent partial sums: one AVX-512 register of lanes
-
-// 2^n * p(r) with n = round(x / ln2), |r| <= ln2/2, p the Cephes expf polynomial (~2 ulp);
-// written branch-free so that a loop over it vectorizes (std::exp does not). exp_parts is the
-// part shared by the float and the 16-lane (exp_approx16) forms: x clamped, n and p(r).
-template <typename F>
-TT_INLINE F exp_parts(F x, F& n) {
-    x = x < -87.0f ? -87.0f + F{} : x;
-    x = x > 88.0f ? 88.0f + F{} : x;
-    // round to nearest by adding and removing 1.5 * 2^23 (no libm call, vectorizes)
-    n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    const F r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    F p = 1.9875691500e-4f + F{};
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    return p * r * r + r + 1.0f;
-}
-
-TT_INLINE float exp_approx(float x) {
-    float n;
-    const float p = exp_parts(x, n);
-    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-    float scale;
-    std::memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
 
 template <typename T>
 inline float to_f(T v) { return static_cast<float>(v); }
@@ -115,48 +77,9 @@ inline float dot(const float* a, const T* b, int64_t n) {
     return s + reduce(acc);
 }
 
-// fp32 rows (the default KV store): one vector accumulator, reduced by halving shuffles
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-typedef float v8 __attribute__((vector_size(32), aligned(4)));
-typedef float v4 __attribute__((vector_size(16), aligned(4)));
-
-// exp_approx on 8 lanes: the same operations per lane, so the same bits. 8, not 16: GCC lowers a
-// 16-float vector's compares, selects and int conversions on AVX2 through memory, and greedy
-// pick's exp-sum ran ~4x slower in 16 lanes than in two 8-lane halves there
-// (tools/fused_vector_width.cpp).
-typedef int32_t vi8 __attribute__((vector_size(32), aligned(4)));
-
-TT_INLINE v8 exp_approx8(v8 x) {
-    v8 n;
-    const v8 p = exp_parts(x, n);
-    const vi8 bits = (__builtin_convertvector(n, vi8) + 127) << 23;
-    return p * reinterpret_cast<const v8&>(bits);
-}
-
-// a vector's lanes added as a tree (halving shuffles)
-TT_INLINE float hsum(v8 h) {
-    const v4 h4 = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
-    return (h4[0] + h4[2]) + (h4[1] + h4[3]);
-}
-TT_INLINE float hsum(v16 a) {
-    return hsum(v8(__builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
-                   __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15)));
-}
-
-// (16 lanes as two 8-lane halves: the sums of a 16-lane vector, without GCC lowering a 16-float
-// vector through memory on AVX2, 8x slower there in tools/fused_vector_width.cpp)
+// fp32 rows (the default KV store): vec_math.h's dot_f32 (16 lanes in two 8-lane halves)
 template <>
-inline float dot<float>(const float* a, const float* b, int64_t n) {
-    v8 lo = {}, hi = {};
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        lo += *(const v8*)(a + i) * *(const v8*)(b + i);
-        hi += *(const v8*)(a + i + 8) * *(const v8*)(b + i + 8);
-    }
-    float s = hsum(v8(lo + hi));
-    for (; i < n; ++i) s += a[i] * b[i];
-    return s;
-}
+inline float dot<float>(const float* a, const float* b, int64_t n) { return dot_f32(a, b, n); }
 
 template <typename T>
 inline void axpy(float w, const T* x, float* y, int64_t n) {
@@ -663,72 +586,6 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_store, cons
         default: TORCH_CHECK(false, "K/V store dtype must be fp32, bf16 or fp16");
     }
     return out;
-}
-
-// the largest lane (halving shuffles; NaN lanes never win a comparison)
-TT_INLINE float hmax(v8 h) {
-    const v4 l4 = __builtin_shufflevector(h, h, 0, 1, 2, 3), h4 = __builtin_shufflevector(h, h, 4, 5, 6, 7);
-    const v4 q = h4 > l4 ? h4 : l4;
-    const float m0 = q[0] > q[2] ? q[0] : q[2], m1 = q[1] > q[3] ? q[1] : q[3];
-    return m1 > m0 ? m1 : m0;
-}
-
-// The max of x[b0, b1): 32 values a step in four 8-lane chains, then the tail (NaN lanes never
-// win a comparison). Inlined into each clone of its caller, as every helper here.
-TT_INLINE float max_of(const float* x, int64_t b0, int64_t b1) {
-    const float ninf = -std::numeric_limits<float>::infinity();
-    v8 m0 = ninf + v8{}, m1 = m0, m2 = m0, m3 = m0;
-    int64_t i = b0;
-    for (; i + 32 <= b1; i += 32) {
-        const v8 a = *reinterpret_cast<const v8*>(x + i), b = *reinterpret_cast<const v8*>(x + i + 8);
-        const v8 c = *reinterpret_cast<const v8*>(x + i + 16), d = *reinterpret_cast<const v8*>(x + i + 24);
-        m0 = a > m0 ? a : m0;
-        m1 = b > m1 ? b : m1;
-        m2 = c > m2 ? c : m2;
-        m3 = d > m3 ? d : m3;
-    }
-    m0 = m1 > m0 ? m1 : m0;
-    m2 = m3 > m2 ? m3 : m2;
-    float m = hmax(m2 > m0 ? m2 : m0);
-    for (; i < b1; ++i) m = x[i] > m ? x[i] : m;
-    return m;
-}
-
-// Max and exp-sum of one row of logits, in chunks of CHUNK values: pass 1 reduces the lanes' max
-// once per chunk and notes the first chunk that holds the row's max, where the first index of
-// the max is then searched; pass 2 sums exp(x - max) in 16 lanes across a chunk and adds each
-// chunk's sum to a double. (Reduced every 64 values in 16-lane vectors, as before, a 152k row
-// took 0.59 ms on Zen 3: 2.4 ms of every 8-row decode step; docs/benchmarks.md.) A NaN logit
-// makes the exp-sum NaN (exp_approx and the additions carry it), so the row is flagged from it.
-TT_CLONES void greedy_row(const float* x, int64_t V, int64_t* id, float* logprob, bool* ok) {
-    constexpr int64_t CHUNK = 1024;   // 64 values a lane a chunk
-    float best = -std::numeric_limits<float>::infinity();
-    int64_t best_chunk = 0;
-    for (int64_t c0 = 0; c0 < V; c0 += CHUNK) {
-        const float m = max_of(x, c0, std::min(V, c0 + CHUNK));
-        if (m > best) {                    // strictly greater: the first chunk with the max wins
-            best = m;
-            best_chunk = c0;
-        }
-    }
-    int64_t i = best_chunk;
-    while (i + 1 < V && x[i] != best) ++i;   // found in this chunk unless the row is all NaN
-    double sum = 0.0;
-    for (int64_t c0 = 0; c0 < V; c0 += CHUNK) {
-        const int64_t c1 = std::min(V, c0 + CHUNK);
-        v8 acc0 = {}, acc1 = {};
-        int64_t j = c0;
-        for (; j + 16 <= c1; j += 16) {
-            acc0 += exp_approx8(*reinterpret_cast<const v8*>(x + j) - best);
-            acc1 += exp_approx8(*reinterpret_cast<const v8*>(x + j + 8) - best);
-        }
-        float s = hsum(v8(acc0 + acc1));
-        for (; j < c1; ++j) s += exp_approx(x[j] - best);
-        sum += s;
-    }
-    *ok = std::isfinite(best) && !std::isnan(sum);
-    *id = i;
-    *logprob = float(-std::log(sum));   // the chosen token's logit is the max: x - max = 0
 }
 
 // Greedy choice of each row (the lowest id among equal maxima) and its logprob.
