@@ -238,10 +238,12 @@ def test_dense_copy_dtype(monkeypatch):
     quant.preferred_dense_dtype.cache_clear()
     assert LinearPolicy(torch.float16).dense_weight_dtype == torch.float16
     lin = make_linear(td, bias=torch.ones(48), policy=LinearPolicy(dense_dtype=torch.float32, use_kernels=False))
-    x = torch.randn(4, 256).to(torch.bfloat16)
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     y = lin(x)
     assert y.dtype == torch.bfloat16
-    assert torch.equal(y, (F.linear(x.float(), dequantize(td)) + 1).to(torch.bfloat16))
+    # the bias inside the same fp32 linear: added afterwards instead, the fp32 sums round
+    # differently and ~1% of random inputs land on the other side of a bf16 rounding
+    assert torch.equal(y, F.linear(x.float(), dequantize(td), torch.ones(48)).to(torch.bfloat16))
 
 
 def test_policy_validation():
