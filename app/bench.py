@@ -15,8 +15,8 @@ from engine.stats import median
 def bench_dashboard(args) -> dict:
     """The same burst through the engine headless, and with the dashboard open (rendering
     at 200x60 in a headless Textual driver). Workers run in their own processes in both."""
-    from engine.devices import parse_devices
-    from engine.engine import Engine
+    from engine.facade.devices import parse_devices
+    from engine.facade.engine import Engine
 
     runs = 1 if args.quick else args.runs
     n, out_tokens = 8, (16 if args.quick else 64)

@@ -17,8 +17,10 @@ import threading
 from dataclasses import replace
 
 from engine.config import (KV_DTYPES, KV_MODES, PREFIX_CACHE, ROUTER_POLICIES, SCHED_POLICIES, SINGLE_FLIGHT, SPEC_MODES,
-                           EngineConfig, SamplingParams, WorkerConfig)
-from engine.devices import parse_devices, parse_size, worker_from_flags
+                           EngineConfig, SamplingParams)
+from engine.facade.devices import parse_devices
+from engine.config import parse_size
+from app.flags import worker_from_flags
 from engine.errors import ConfigError, TokentopError, describe_error
 from engine.trace import check_trace_dir
 
@@ -99,8 +101,6 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--deterministic", action="store_true",
                    help="batch-invariant greedy output (fixed kernels and prefill chunks)")
     g.add_argument("--activation-dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto")
-    g.add_argument("--weights", choices=["faithful"], default="faithful",
-                   help="faithful: every GGUF type is computed as stored (the only mode)")
     g.add_argument("--worker-mode", choices=["process", "thread"], default=None,
                    help="run each worker in its own process (default for several workers) or a thread")
     g.add_argument("--recalibrate", action="store_true",
@@ -192,6 +192,13 @@ def build_dashboard_parser() -> OneLineParser:
     return p
 
 
+def with_worker(args):
+    """`tokentop bench`'s arguments with the engine flags made into `args.worker`, the
+    WorkerConfig the scenarios start from: the engine takes fields, not flags."""
+    args.worker = worker_from_flags(args)
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in COMMANDS:
@@ -204,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench":
             from app.bench import APP_SCENARIOS
             from engine.bench import run_bench
-            return run_bench(args, APP_SCENARIOS)
+            return run_bench(with_worker(args), APP_SCENARIOS)
         if args.command == "models":
             return cmd_models(args)
         if args.command == "serve":
@@ -241,7 +248,7 @@ def read_prompt(args) -> str:
 
 
 def cmd_generate(args) -> int:
-    from engine.engine import Engine
+    from engine.facade.engine import Engine
     from engine.models.catalog import tty_progress
 
     prompt = read_prompt(args)
@@ -320,7 +327,7 @@ def cmd_models(args) -> int:
     for m in models:
         flag = "assembled" if m.get("assembled") else "installed" if m.get("installed") else "not installed"
         print(f"{m['name']:22} {m.get('arch', ''):8} {m.get('size', 0) / 1e6:8.0f} MB  {flag}")
-    from engine import kernels   # imports torch: only here, not for every command
+    from engine import kernels  # imports torch: only here, not for every command
     from engine.cpuinfo import cpu_summary
     from engine.models import huge_pages
     print(f"{kernels.describe()}; CPU: {cpu_summary()}")
@@ -374,7 +381,7 @@ def serve_config_from(args, host: str | None = None, port: int | None = None):
 
 
 def cmd_serve(args) -> int:
-    from engine.engine import Engine
+    from engine.facade.engine import Engine
     from engine.serve.server import HttpServer
 
     serve_config = serve_config_from(args)                  # bad server flags fail before any work

@@ -43,9 +43,9 @@ from app.widgets.routing import RoutingPanel
 from app.widgets.spec import SpecPanel
 from app.widgets.streams import StreamsPanel
 from engine.config import ROUTER_POLICIES, SCHED_POLICIES, EngineConfig, SamplingParams
-from engine.engine import Engine
+from engine.facade.engine import Engine
 from engine.errors import TokentopError, describe_error
-from engine.snapshot import EngineSnapshot
+from engine.facade.snapshot import EngineSnapshot
 from themes import KV_DEFAULTS, STYLESHEET, THEMES
 
 REFRESH_S = 0.2              # 5 Hz, as often as workers report their stats

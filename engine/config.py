@@ -66,7 +66,7 @@ class SamplingParams:
 SPEC_MODES = ("off", "ngram", "draft")
 SPEC_K_POLICIES = ("adaptive:cost", "adaptive:acceptance", "adaptive:length")
 KV_MODES = ("paged", "contiguous")
-KV_DTYPES = ("auto", "fp32", "bf16", "fp16")   # auto: engine/devices.py DEFAULT_KV_DTYPE
+KV_DTYPES = ("auto", "fp32", "bf16", "fp16")   # auto: engine/facade/devices.py DEFAULT_KV_DTYPE
 DEFAULT_MAX_CONTEXT = 4096   # when --max-context is not given (and the model allows that much)
 SCHED_POLICIES = ("fcfs", "spf")
 ROUTER_POLICIES = ("round-robin", "least-loaded", "cost", "cache-aware")
@@ -105,10 +105,9 @@ class WorkerConfig:
     policy: str = "fcfs"
     deterministic: bool = False
     activation_dtype: str = "auto"        # auto | bf16 | fp16 | fp32
-    weights: str = "faithful"             # faithful (the only mode: GGUF types as stored)
     recalibrate: bool = False             # measure the speed profile again instead of the cached one
     calibrate: bool = True                # False: skip the profile (tests, benchmarks of one worker)
-    # speculative decoding (engine/spec/)
+    # speculative decoding (engine/speculative/)
     speculate: str = "off"                # default mode of requests: off | ngram | draft
     draft_model: str = ""                 # catalog name or .gguf path of the draft model
     spec_k: str = "adaptive:cost"         # N (fixed draft length) or one of SPEC_K_POLICIES
@@ -130,7 +129,7 @@ class WorkerConfig:
 
     @property
     def remote(self) -> bool:
-        """remote:URL - requests are forwarded to an OpenAI-compatible server (engine/remote.py)."""
+        """remote:URL - requests are forwarded to an OpenAI-compatible server (engine/remote/worker.py)."""
         return self.device.startswith("remote:")
 
     def validate(self) -> "WorkerConfig":
@@ -157,7 +156,7 @@ class WorkerConfig:
                               f"got {self.single_flight!r}")
         if self.kv_cache_memory <= 0:
             raise ConfigError("--kv-cache-memory must be positive, e.g. 256MiB")
-        # what the model needs per page is checked once its header is read (devices.check_model_limits)
+        # what the model needs per page is checked once its header is read (facade.limits.check_model_limits)
         if self.speculate not in SPEC_MODES:
             raise ConfigError(f"--speculate must be one of {', '.join(SPEC_MODES)}, got {self.speculate!r}")
         if self.speculate == "draft" and not self.draft_model:
@@ -183,3 +182,23 @@ class EngineConfig:
     routing_log: str | None = None
     worker_mode: str = "process"          # process | thread
     worker_log: str | None = None         # process mode: workers' stdout/stderr go here (dashboard)
+
+
+def parse_size(text: str) -> int:
+    """'256MiB', '1.5GiB', '512M', '1000000' -> bytes."""
+    units = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+    s = text.strip().lower().replace("ib", "").replace("b", "")
+    try:
+        if s and s[-1] in units:
+            return int(float(s[:-1]) * units[s[-1]])
+        return int(float(s))
+    except (ValueError, OverflowError):
+        raise ConfigError(f"cannot read size {text!r}; write e.g. 256MiB or 2GiB") from None
+
+
+def format_size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" or n == int(n) else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""

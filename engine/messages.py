@@ -61,7 +61,6 @@ class WorkerInfo:
     device: str
     dtype: str = "?"
     kv_dtype: str = "?"            # what its K/V store holds (float32, bfloat16, float16)
-    weights: str = "?"
     arch: str = ""
     layers: int = 0
     simulated: bool = False
@@ -82,7 +81,7 @@ class WorkerInfo:
     sim_decode_tps: float = 0.0
     remote: bool = False
     url: str | None = None         # a remote worker's server
-    tokenize: str = ""             # a remote's prompt-length source (engine/remote.py TOKENIZE_*)
+    tokenize: str = ""             # a remote's prompt-length source (engine/remote/worker.py TOKENIZE_*)
     spec_modes: tuple[str, ...] = ("off",)   # speculative decoding modes it can serve
     draft_model: str = ""          # its draft model, when it has one
     kernels: str = ""              # which weight forms its linear layers use, when it says
@@ -131,7 +130,7 @@ class RequestMetrics:
     itl_max: float | None
     e2e: float                     # arrival -> finished (s)
     preemptions: int = 0
-    spec: dict | None = None       # speculative decoding counters (engine/spec/stats.py)
+    spec: dict | None = None       # speculative decoding counters (engine/speculative/stats.py)
     follow_start: float | None = None   # arrival -> started waiting on a leader (s)
     follow_time: float = 0.0            # seconds spent waiting on leaders (single flight)
 

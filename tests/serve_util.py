@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 
 from engine.config import EngineConfig, WorkerConfig
-from engine.devices import parse_devices
-from engine.engine import Engine
+from engine.facade.devices import parse_devices
+from engine.facade.engine import Engine
 from engine.bench.llama_server import wait_healthy
 from engine.serve.app import ServeConfig
 from engine.serve.server import HttpServer

@@ -33,10 +33,10 @@ from app.widgets.routing import format_decision
 from app.widgets.streams import StreamsPanel
 from engine.config import EngineConfig, SamplingParams, WorkerConfig
 from engine import messages as msg
-from engine import procstat
-from engine.devices import parse_devices
-from engine.router import Candidate, RouteDecision
-from engine.snapshot import EngineSnapshot, LogLine, RequestView, WorkerView
+from engine.facade import procstat
+from engine.facade.devices import parse_devices
+from engine.facade.router import Candidate, RouteDecision
+from engine.facade.snapshot import EngineSnapshot, LogLine, RequestView, WorkerView
 from tests.trace_checks import check_nesting
 from tests.fixtures.tiny_gguf import write_tiny_model
 
@@ -593,7 +593,7 @@ def fixture_snapshot(dead: bool = False) -> EngineSnapshot:
         gone = dead and i == 1
         return WorkerView(
             index=i, name=f"sim:gpu{i}", device=f"sim:gpu{i}", model="tiny.gguf", dtype="simulated",
-            weights="simulated", simulated=True, state="dead" if gone else "ready",
+            simulated=True, state="dead" if gone else "ready",
             message="worker process exited (exit code -9)" if gone else "", running=running,
             waiting=waiting, prefill_tps=history[-1] * 8, decode_tps=history[-1],
             prefill_history=tuple(h * 8 for h in history), decode_history=history,

@@ -9,7 +9,7 @@ from app.widgets.requests import spec_text
 from app.widgets.spec import spec_markup
 from app.widgets.streams import DRAFTED_STYLE, drafted_ranges, stream_content, stream_lines
 from engine.config import EngineConfig, SamplingParams, WorkerConfig
-from engine.snapshot import RequestView
+from engine.facade.snapshot import RequestView
 from tests.fixtures.tiny_gguf import write_tiny_model
 
 

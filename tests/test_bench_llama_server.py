@@ -12,7 +12,7 @@ import pytest
 
 from engine.bench import llama_server as ls
 from engine.config import WorkerConfig
-from engine.devices import parse_devices
+from engine.facade.devices import parse_devices
 
 
 def test_llama_server_command_line():

@@ -95,17 +95,20 @@ def test_read_bandwidth_reads_with_the_threads_asked_and_puts_them_back():
 def test_bench_flags_reach_the_benchmarked_worker():
     """Every engine flag reaches the benchmarked worker: --max-context, --policy, --prefix-cache,
     --single-flight and the speculation flags were read by the parser and then dropped."""
-    from app.cli import build_parser
+    from app.cli import build_parser, with_worker
     from engine.bench.scenarios import base_worker
 
-    args = build_parser().parse_args(["bench", "batching", "--max-context", "300", "--max-active", "5",
-                                      "--policy", "spf", "--prefix-cache", "off", "--single-flight", "off",
-                                      "--speculate", "ngram", "--spec-k", "3"])
+    def parse(argv):   # as `tokentop bench` does: the flags become the WorkerConfig it passes on
+        return with_worker(build_parser().parse_args(argv))
+
+    args = parse(["bench", "batching", "--max-context", "300", "--max-active", "5",
+                  "--policy", "spf", "--prefix-cache", "off", "--single-flight", "off",
+                  "--speculate", "ngram", "--spec-k", "3"])
     worker = base_worker(args)
     assert (worker.max_context, worker.max_active, worker.policy, worker.prefix_cache, worker.single_flight,
             worker.speculate, worker.spec_k) == (300, 5, "spf", "off", "off", "ngram", "3")
     assert worker.threads == 2 and not worker.calibrate        # the benchmark's own defaults
-    assert base_worker(build_parser().parse_args(["bench", "batching"])).max_context == 0
+    assert base_worker(parse(["bench", "batching"])).max_context == 0
 
 
 def test_a_part_that_could_not_run_fails_the_command(monkeypatch, capsys):

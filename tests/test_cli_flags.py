@@ -18,7 +18,7 @@ def model(tiny_model_path):
 @pytest.fixture
 def no_weights(monkeypatch):
     """Fail loudly if a model's weights start loading: the check must come before."""
-    from engine.runner import ModelRunner
+    from engine.worker.runner import ModelRunner
 
     def refuse(*a, **kw):
         raise AssertionError("weights loaded before the flags were checked")
@@ -60,8 +60,8 @@ def test_max_tokens_beyond_the_context_is_lowered_and_said_once(model, capsys):
 
 def test_the_record_router_and_snapshot_use_the_real_limit(model):
     from engine.config import EngineConfig, SamplingParams, WorkerConfig
-    from engine.devices import parse_devices
-    from engine.engine import Engine
+    from engine.facade.devices import parse_devices
+    from engine.facade.engine import Engine
 
     workers = parse_devices([SIM], WorkerConfig(model=model, max_context=64))
     with Engine(EngineConfig(workers=workers, worker_mode="thread")).start(timeout=60) as engine:
@@ -79,8 +79,8 @@ def test_the_record_router_and_snapshot_use_the_real_limit(model):
 
 def test_the_kv_pool_caps_the_context(tiny_model_path):
     from engine.config import EngineConfig, SamplingParams, WorkerConfig
-    from engine.devices import parse_devices
-    from engine.engine import Engine
+    from engine.facade.devices import parse_devices
+    from engine.facade.engine import Engine
 
     model = str(tiny_model_path("qwen2"))
     workers = parse_devices([SIM], WorkerConfig(model=model, kv_cache_memory=4 * 8 * 1024))   # 4 pages
@@ -100,8 +100,8 @@ def test_kv_dtype_is_checked_where_the_config_is_built():
 @pytest.mark.parametrize("kv_dtype,pages", [("fp32", 4), ("fp16", 8), ("bf16", 8)])
 def test_a_16_bit_kv_store_holds_twice_the_pages_in_the_same_memory(tiny_model_path, kv_dtype, pages):
     from engine.config import EngineConfig, WorkerConfig
-    from engine.devices import parse_devices
-    from engine.engine import Engine
+    from engine.facade.devices import parse_devices
+    from engine.facade.engine import Engine
 
     model = str(tiny_model_path("qwen2"))
     workers = parse_devices(["cpu"], WorkerConfig(model=model, kv_cache_memory=4 * 8 * 1024, kv_dtype=kv_dtype,

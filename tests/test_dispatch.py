@@ -4,8 +4,8 @@ import threading
 from types import SimpleNamespace
 
 from engine import messages as msg
-from engine.dispatch import Dispatcher
-from engine.requests import RequestTable
+from engine.facade.dispatch import Dispatcher
+from engine.facade.requests import RequestTable
 
 
 class _Exited:

@@ -4,10 +4,10 @@ import time
 
 import pytest
 
-import engine.runner as runner
-import engine.sampling as sampling
+import engine.worker.runner as runner
+import engine.worker.sampling as sampling
 from engine.config import EngineConfig, SamplingParams, WorkerConfig
-from engine.engine import Engine
+from engine.facade.engine import Engine
 from engine.messages import Finished
 from tests.waiting import pages_back
 

@@ -10,8 +10,8 @@ import time
 import pytest
 
 from engine.config import EngineConfig, SamplingParams, WorkerConfig
-from engine.devices import parse_devices
-from engine.engine import Engine, RequestFailed
+from engine.facade.devices import parse_devices
+from engine.facade.engine import Engine, RequestFailed
 from engine.errors import ConfigError, InvalidRequest
 from tests.waiting import wait_until
 
@@ -181,7 +181,7 @@ def test_snapshot_is_immutable(model):
 
 
 def test_workers_that_cannot_fit_in_memory_are_refused(tmp_path):
-    from engine.devices import check_memory
+    from engine.facade.limits import check_memory
     model = tmp_path / "m.gguf"
     model.write_bytes(b"\0" * 1000)
     two = parse_devices(["cpu", "cpu"], WorkerConfig(model=str(model), kv_cache_memory=10**6))
@@ -247,7 +247,7 @@ def test_contiguous_kv_says_when_it_caps_the_sequences_at_once(model, memory, sa
     """Contiguous K/V reserves a whole context per sequence, so the pool, not --max-active, can
     cap how many run at once: the ready line says so (it was silent, and N = 8 ran two at a
     time). The tiny model: 256-token context, 8 KiB per page of 16 tokens, 128 KiB a region."""
-    from engine.devices import parse_size
+    from engine.config import parse_size
 
     workers = parse_devices(["sim:gpu0"], WorkerConfig(model=str(model), max_active=4, kv_cache="contiguous",
                                                        kv_cache_memory=parse_size(memory)))

@@ -256,7 +256,7 @@ def test_top_candidates_is_topk(V):
 @needs_kernels
 @pytest.mark.parametrize("V", [151936, 1000, 65, 1])
 def test_greedy_pick_matches_the_full_sampler(V, monkeypatch):
-    from engine import sampling
+    from engine.worker import sampling
     from engine.config import SamplingParams
 
     kernels.load()
@@ -317,7 +317,7 @@ def test_greedy_pick_rows_do_not_depend_on_the_batch(threads):
 
 @needs_kernels
 def test_greedy_pick_leaves_unusable_rows_and_other_requests_to_the_full_sampler():
-    from engine import sampling
+    from engine.worker import sampling
     from engine.config import SamplingParams
 
     kernels.load()

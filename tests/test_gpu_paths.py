@@ -8,9 +8,10 @@ import json
 import pytest
 import torch
 
-from engine import devices
+from engine.facade import devices
 from engine.config import WorkerConfig
-from engine.devices import check_activation_dtype, parse_devices
+from engine.dtypes import check_activation_dtype
+from engine.facade.devices import parse_devices
 from engine.errors import ConfigError
 
 NO_GPU = not torch.cuda.is_available()
@@ -39,7 +40,7 @@ def test_unfaithful_dtype_is_refused_with_the_reason(monkeypatch):
                         {"cpu": {"fp16": "greedy output left the fp32 reference on X"}})
     with pytest.raises(ConfigError, match=r"fp16 is refused on cpu: greedy output left .* use --activation-dtype bf16"):
         parse_devices(["cpu"], WorkerConfig(activation_dtype="fp16"))
-    from engine.runner import pick_activation_dtype
+    from engine.worker.runner import pick_activation_dtype
     with pytest.raises(ConfigError, match="refused"):
         pick_activation_dtype("cpu", "fp16")
     assert pick_activation_dtype("cpu", "bf16") == torch.bfloat16
@@ -61,11 +62,11 @@ def test_auto_never_picks_a_refused_dtype(monkeypatch):
 
 def test_benches_run_on_the_given_device():
     from engine.bench.scenarios import base_worker
-    from app.cli import build_parser
+    from app.cli import build_parser, with_worker
 
-    args = build_parser().parse_args(["bench", "single", "--device", "sim:gpu0"])
+    args = with_worker(build_parser().parse_args(["bench", "single", "--device", "sim:gpu0"]))
     assert base_worker(args).device == "sim:gpu0"
-    assert base_worker(build_parser().parse_args(["bench", "single"])).device == "cpu"
+    assert base_worker(with_worker(build_parser().parse_args(["bench", "single"]))).device == "cpu"
 
 
 def test_causal_mask_is_built_on_the_queries_device():

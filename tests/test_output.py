@@ -2,8 +2,8 @@
 import pytest
 
 from engine.config import SamplingParams
-from engine.output import OutputProcessor, SampledToken
-from engine.sequence import Sequence
+from engine.worker.output import OutputProcessor, SampledToken
+from engine.worker.sequence import Sequence
 
 EOG = 99
 PIECES = {1: "Hel", 2: "lo ", 3: "EN", 4: "D!", 5: "x", 6: "y"}

@@ -8,8 +8,8 @@ from engine.kv.pages import CACHED, FREE, SHARED, USED, BlockManager, PagePool
 from engine.kv.prefix_cache import ROOT, PrefixCache, chain_keys, extra_key, page_key
 from engine.kv.reuse import PrefixReuse
 from engine.kv.single_flight import FlightCoordinator
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SeqState
+from engine.worker.scheduler import Scheduler
+from engine.worker.sequence import Sequence, SeqState
 from tests.test_scheduler import finish_sampled
 
 PS = 4

@@ -8,9 +8,9 @@ import pytest
 
 from engine import messages as msg
 from engine.config import EngineConfig, SamplingParams, WorkerConfig
-from engine.devices import parse_devices
-from engine.engine import Engine
-from engine.router import Router, WorkerLoad
+from engine.facade.devices import parse_devices
+from engine.facade.engine import Engine
+from engine.facade.router import Router, WorkerLoad
 
 FAST = "prefill=20000,decode=5000"
 
@@ -171,10 +171,10 @@ def finished_events(handle):
 def test_randomized_stress_accounts_for_every_page_and_handle(model, single_flight, monkeypatch):
     import functools
 
-    import engine.worker
-    from engine.scheduler import Scheduler
+    import engine.worker.loop
+    from engine.worker.scheduler import Scheduler
     # admissions overcommit (2 tokens of decode headroom), so preemption happens often
-    monkeypatch.setattr(engine.worker, "Scheduler", functools.partial(Scheduler, decode_headroom=2))
+    monkeypatch.setattr(engine.worker.loop, "Scheduler", functools.partial(Scheduler, decode_headroom=2))
     rng = random.Random(zlib.crc32(single_flight.encode()))   # the same run in every process
     docs = [doc_ids(rng.randrange(20, 60), seed=s) for s in range(6)]
     specs = ["sim:a:prefill=200000,decode=50000", "sim:b:prefill=200000,decode=50000"]

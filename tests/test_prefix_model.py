@@ -6,7 +6,7 @@ import time
 import pytest
 
 from engine.config import EngineConfig, SamplingParams, WorkerConfig
-from engine.engine import Engine
+from engine.facade.engine import Engine
 
 
 def start(model, **worker):

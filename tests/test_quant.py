@@ -246,11 +246,6 @@ def test_dense_copy_dtype(monkeypatch):
     assert torch.equal(y, F.linear(x.float(), dequantize(td), torch.ones(48)).to(torch.bfloat16))
 
 
-def test_policy_validation():
-    with pytest.raises(ModelError, match="weights must be 'faithful'"):
-        LinearPolicy(weights="fast")
-
-
 @pytest.mark.realmodel
 @pytest.mark.slow
 def test_real_model_builds_every_linear(real_model_path):

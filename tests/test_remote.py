@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from engine.config import WorkerConfig
-from engine.devices import parse_devices
+from engine.facade.devices import parse_devices
 from engine.errors import ConfigError
 from tests.serve_util import ServeProcess, in_process_server
 
@@ -182,7 +182,7 @@ def test_a_request_with_only_an_unreachable_remote_says_why(tiny_model_path):
     import socket
 
     from engine.config import EngineConfig
-    from engine.engine import Engine
+    from engine.facade.engine import Engine
     from engine.errors import InvalidRequest
 
     with socket.socket() as s:          # a port nothing listens on

@@ -2,7 +2,7 @@
 import pytest
 
 from engine.errors import ConfigError
-from engine.router import Router, WorkerLoad
+from engine.facade.router import Router, WorkerLoad
 
 
 def loads(*specs, **over):
@@ -89,8 +89,8 @@ def test_nominal_rates_are_flagged_on_the_candidate_and_labelled_in_the_routing_
 
 def test_an_uncalibrated_real_worker_routes_on_nominal_rates_and_says_so(tiny_model_path):
     from engine.config import EngineConfig, SamplingParams, WorkerConfig
-    from engine.devices import parse_devices
-    from engine.engine import Engine
+    from engine.facade.devices import parse_devices
+    from engine.facade.engine import Engine
 
     workers = parse_devices(["cpu", "sim:gpu0"], WorkerConfig(model=str(tiny_model_path("qwen2")),
                                                               calibrate=False))

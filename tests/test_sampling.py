@@ -12,8 +12,8 @@ import torch
 
 from engine.config import SamplingParams
 from engine.errors import InvalidRequest, TokentopError
-from engine.sampling import (RequestSampler, SamplingError, apply_penalties_, draw_from, mentored_mix,
-                             probs_for, residual, sample, speculative_accept, total_variation)
+from engine.speculative.acceptance import mentored_mix, residual, speculative_accept, total_variation
+from engine.worker.sampling import RequestSampler, SamplingError, apply_penalties_, draw_from, probs_for, sample
 
 N_DRAWS = 30_000
 P_OK = 1e-3      # a correct sampler's p-value stays above this (seeds are fixed)
@@ -73,7 +73,7 @@ def test_chi2_sf_matches_known_quantiles():
     assert chi2_sf(124.342, 100) == pytest.approx(0.05, abs=1e-4)
 
 
-# --- references, written independently of engine/sampling.py ----------------------------
+# --- references, written independently of engine/worker/sampling.py ----------------------------
 
 def reference_probs(logits: list[float], temperature: float, top_k: int = 0, top_p: float = 1.0,
                     min_p: float = 0.0) -> list[float]:

@@ -5,8 +5,8 @@ import pytest
 
 from engine.config import SamplingParams
 from engine.kv.pages import BlockManager, OutOfPages, PagePool
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SeqState
+from engine.worker.scheduler import Scheduler
+from engine.worker.sequence import Sequence, SeqState
 
 
 def make(num_pages=16, page_size=4, max_active=4, budget=32, mode="paged", policy="fcfs", chunk=0,

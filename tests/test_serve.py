@@ -334,8 +334,8 @@ def test_429_past_the_queue_limit_and_bearer_key(real_model_path):
 
 def test_health_is_503_while_loading_then_200(real_model_path):
     from engine.config import EngineConfig, WorkerConfig
-    from engine.devices import parse_devices
-    from engine.engine import Engine
+    from engine.facade.devices import parse_devices
+    from engine.facade.engine import Engine
     from engine.serve.app import ServeConfig
     from engine.serve.server import HttpServer
 

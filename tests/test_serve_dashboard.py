@@ -11,8 +11,8 @@ from app.cli import build_dashboard_parser
 from app.main import TokentopApp, _start_http
 from app.widgets.backend import BackendPanel
 from engine.config import EngineConfig, WorkerConfig
-from engine.devices import parse_devices
-from engine.snapshot import EngineSnapshot, WorkerView
+from engine.facade.devices import parse_devices
+from engine.facade.snapshot import EngineSnapshot, WorkerView
 from tests.fixtures.tiny_gguf import write_tiny_model
 
 
@@ -48,7 +48,7 @@ async def test_http_requests_appear_in_the_panels(tmp_path):
 
 def remote_view(url: str) -> WorkerView:
     return WorkerView(
-        index=0, name="a", device=f"remote:{url}", model="qwen2.5-coder-0.5b", dtype="remote", weights="remote",
+        index=0, name="a", device=f"remote:{url}", model="qwen2.5-coder-0.5b", dtype="remote",
         simulated=False, state="ready", message="", running=2, waiting=1, prefill_tps=0.0, decode_tps=55.0,
         prefill_history=(0.0,), decode_history=(40.0, 55.0), pages_total=0, pages_used=0, page_states=b"",
         page_size=0, policy="remote", steps=0, profile_prefill_tps=900.0, profile_decode_tps=48.0, max_active=8,

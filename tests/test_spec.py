@@ -8,13 +8,14 @@ import pytest
 import torch
 
 from engine.config import EngineConfig, SamplingParams, WorkerConfig
-from engine.engine import Engine
+from engine.facade.engine import Engine
 from engine.kv.pages import BlockManager, PagePool
-from engine.sampling import RequestSampler, mentored_mix, probs_for, total_variation
-from engine.sequence import Sequence
-from engine.spec.ngram import propose_ngram
-from engine.spec.policy import AcceptanceK, CostK, CostModel, LengthK, StepContext
-from engine.spec.verify import verify
+from engine.speculative.acceptance import mentored_mix, total_variation
+from engine.worker.sampling import RequestSampler, probs_for
+from engine.worker.sequence import Sequence
+from engine.speculative.ngram import propose_ngram
+from engine.speculative.policy import AcceptanceK, CostK, CostModel, LengthK, StepContext
+from engine.speculative.verify import verify
 from tests.waiting import pages_back
 
 # TOKENTOP_TEST_DEVICE=cuda runs the engine tests and the acceptance arithmetic on a GPU
@@ -291,7 +292,7 @@ def test_vocabulary_check_names_both_models():
     from types import SimpleNamespace
 
     from engine.errors import ConfigError
-    from engine.spec.draft import check_vocab
+    from engine.speculative.draft import check_vocab
 
     a = SimpleNamespace(_tokens=["a", "b", "c"], eog_ids=frozenset({2}))
     b = SimpleNamespace(_tokens=["a", "x", "c"], eog_ids=frozenset({2}))
@@ -429,8 +430,8 @@ def test_randomized_stress_with_speculation_aborts_preemption_and_stops(tiny_mod
 
 def test_draft_pages_are_given_up_before_any_request_is_preempted():
     """A lone sequence whose own draft-model pages fill the pool still gets its next page."""
-    from engine.scheduler import Scheduler
-    from engine.sequence import SeqState
+    from engine.worker.scheduler import Scheduler
+    from engine.worker.sequence import SeqState
 
     pool = PagePool(4, 16)
     blocks = BlockManager(pool)

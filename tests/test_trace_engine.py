@@ -5,7 +5,7 @@ from collections import Counter
 import pytest
 
 from engine.config import EngineConfig, SamplingParams, WorkerConfig
-from engine.engine import Engine
+from engine.facade.engine import Engine
 from tests.trace_checks import check_nesting
 
 SCOPES = {"engine step", "scheduler decision", "model", "layer", "attn", "attention", "mlp",

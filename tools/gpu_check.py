@@ -240,7 +240,7 @@ class Check:
             entry = {d: f"greedy output left the fp32 reference on {self._gpu_name()} ({w})"
                      for d, w in res["unfaithful"].items() if d != "fp32"}
             res["refusal_entry"] = {kind: entry}
-            self.rows.append(("fidelity", "refuse (engine/devices.py)",
+            self.rows.append(("fidelity", "refuse (engine/facade/devices.py)",
                               f"UNFAITHFUL_ACTIVATION_DTYPES = {json.dumps({kind: entry})[:200]}"))
         if not self.args.tiny:
             res["qwen2.5-coder-1.5b"] = ("not run: the 1.1 GB file cannot travel to the GPU machine "
@@ -747,7 +747,7 @@ def nvtx_balance(model_path: Path, device: str, out: Path, force: bool = False) 
     import engine.trace as trace
     from tests.trace_checks import check_nesting
     from engine.config import EngineConfig, SamplingParams, WorkerConfig
-    from engine.engine import Engine
+    from engine.facade.engine import Engine
 
     backend = CountingNvtx()
     real = trace._make_nvtx_backend

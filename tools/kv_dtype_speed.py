@@ -21,7 +21,7 @@ from engine.models.catalog import resolve_model
 from engine.models.decoder import Decoder
 from engine.models.gguf import load_gguf
 from engine.models.quant import LinearPolicy
-from engine.runner import pick_activation_dtype
+from engine.worker.runner import pick_activation_dtype
 from engine.stats import median
 
 CHUNK, DECODE = 500, 32

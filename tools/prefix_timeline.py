@@ -10,7 +10,7 @@ import os
 import time
 
 import engine.bench.scenarios as SC
-import engine.worker as W
+import engine.worker.loop as W
 from engine.bench import prefix as P
 from engine.bench.scenarios import base_worker, start_engine, stop_engine
 from engine.config import SamplingParams

@@ -5,8 +5,8 @@ import sys
 import time
 sys.path.insert(0, ".")
 from engine.config import EngineConfig, SamplingParams, WorkerConfig
-from engine.devices import parse_devices
-from engine.engine import Engine
+from engine.facade.devices import parse_devices
+from engine.facade.engine import Engine
 from engine.bench.scenarios import prompt_of
 def run(threads):
     workers = parse_devices(["cpu", "cpu"], WorkerConfig(threads=threads, calibrate=False))

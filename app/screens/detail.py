@@ -11,7 +11,7 @@ from textual.widgets import Static
 
 from app.widgets.fmt import fmt_seconds
 from engine.config import SamplingParams
-from engine.snapshot import RequestView
+from engine.facade.snapshot import RequestView
 
 REFRESH_S = 0.2
 PROMPT_CHARS = 1200        # the prompt's head shown; a long one ends with "…"

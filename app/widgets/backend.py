@@ -18,7 +18,7 @@ from app.widgets.kv_grid import KVGrid
 from app.widgets.line import Line
 from app.widgets.rate_sparkline import RateSparkline
 from engine.config import WorkerConfig
-from engine.snapshot import WorkerView
+from engine.facade.snapshot import WorkerView
 
 STATE_STYLE = {"ready": "$success", "loading": "$warning", "starting": "$warning",
                "dead": "$error", "down": "$error", "stopped": "$text-muted"}
@@ -169,7 +169,7 @@ class BackendPanel(Vertical):
         else:
             parts.append((0, escape(short_model(self.cfg.model))))
         if w is not None and not w.simulated and not self.cfg.remote and w.dtype != "?":
-            parts.append((2, escape(f"{w.dtype}/{w.weights}")))
+            parts.append((2, escape(w.dtype)))
         line = getattr(self, "_identity_line", None)
         return fit_parts(parts, line.size.width if line is not None and line.size.width else 10_000, sep=" ")
 

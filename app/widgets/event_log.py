@@ -9,7 +9,7 @@ from collections import deque
 from rich.text import Text
 from textual.widgets import RichLog
 
-from engine.snapshot import LogLine
+from engine.facade.snapshot import LogLine
 
 LEVEL_COLOUR = {"error": "error", "warning": "warning", "info": "primary"}
 LEVEL_LABEL = {"error": "ERROR", "warning": "WARN", "info": "INFO"}

@@ -21,7 +21,7 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
 from app.widgets.fmt import fmt_seconds, short_worker
-from engine.snapshot import LIVE_STATES, RequestState, RequestView
+from engine.facade.snapshot import LIVE_STATES, RequestState, RequestView
 
 # (header, width). The columns that matter most come first: on a narrow terminal the last
 # ones are cut off (left / right scroll, z zooms the panel).

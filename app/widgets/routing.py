@@ -13,7 +13,7 @@ from textual.markup import escape
 from textual.widgets import Static
 
 from app.widgets.fmt import fit_parts, fmt_rate, fmt_seconds, short_worker
-from engine.router import Candidate, RouteDecision
+from engine.facade.router import Candidate, RouteDecision
 
 SHOWN = 12
 POLICY_NOTE = {"cost": "least estimated seconds of work wins",

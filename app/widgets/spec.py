@@ -13,7 +13,7 @@ from textual.widgets import Static
 
 from app.widgets.fmt import short_worker
 from app.widgets.rate_sparkline import spark_bars
-from engine.snapshot import LIVE_STATES, RequestView, WorkerView
+from engine.facade.snapshot import LIVE_STATES, RequestView, WorkerView
 
 BAR_WIDTH = 12
 MAX_POSITIONS = 8

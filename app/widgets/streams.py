@@ -14,7 +14,7 @@ from textual.widgets import Static
 
 from app.widgets.fmt import short_worker
 from app.widgets.requests import request_number
-from engine.snapshot import LIVE_STATES, RequestState, RequestView
+from engine.facade.snapshot import LIVE_STATES, RequestState, RequestView
 
 ACTIVE = LIVE_STATES
 KEEP_FINISHED = 4

@@ -176,7 +176,7 @@ def _cyclic(args) -> dict:
 
 
 def _pages_bytes(args, pages: int) -> int:
-    from engine.devices import kv_bytes_per_slot
+    from engine.dtypes import kv_bytes_per_slot
     from engine.models.catalog import resolve_model
     from engine.models.gguf import load_gguf
     c = load_gguf(str(resolve_model(args.model))).config

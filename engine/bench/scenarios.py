@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from engine.bench import peak_rss_mb, read_bandwidth, rss_now_mb
 from engine.config import EngineConfig, SamplingParams, WorkerConfig
-from engine.devices import resolve_kv_dtype
+from engine.dtypes import resolve_kv_dtype
 from engine.errors import describe_error
 from engine.pacing import paced
 from engine.stats import median, percentile
@@ -32,10 +32,11 @@ FILLER = ("The scheduler admits requests in arrival order, charges each step aga
 
 
 def base_worker(args, **over) -> WorkerConfig:
-    """The benchmarked worker: the first --device (default cpu) with every engine flag, on 2
-    threads unless --threads says otherwise, without a speed calibration; `over` replaces fields."""
-    from engine.devices import parse_devices, worker_from_flags
-    w = replace(worker_from_flags(args), threads=args.threads or 2, calibrate=False)
+    """The benchmarked worker: the first device of the run (default cpu) built from
+    `args.worker` (the WorkerConfig the command line made), on 2 threads unless it names
+    another count, without a speed calibration; `over` replaces fields."""
+    from engine.facade.devices import parse_devices
+    w = replace(args.worker, threads=args.worker.threads or 2, calibrate=False)
     if args.device:
         w = parse_devices(args.device[:1], w)[0]
     return replace(w, **over)
@@ -45,7 +46,7 @@ TRACE_DIR: str | None = None   # `bench --trace-dir DIR`: every engine of the ru
 
 
 def start_engine(workers, mode="thread"):
-    from engine.engine import Engine
+    from engine.facade.engine import Engine
     return Engine(EngineConfig(workers=tuple(workers), worker_mode=mode, trace_dir=TRACE_DIR)).start()
 
 
@@ -142,7 +143,7 @@ def _linears_helper(path: str, worker: WorkerConfig, conn, reps: int = 5) -> Non
     from engine.models.decoder import Decoder
     from engine.models.gguf import load_gguf
     from engine.models.quant import LinearPolicy, QuantLinear
-    from engine.runner import pick_activation_dtype
+    from engine.worker.runner import pick_activation_dtype
 
     torch.set_num_threads(worker.threads)
     policy = LinearPolicy(activation_dtype=pick_activation_dtype(worker.device, worker.activation_dtype),
@@ -234,7 +235,7 @@ def bench_single(args) -> dict:
                 if "error" in ours[-1] or "error" in refs[-1]:
                     break
             res = ours[-1] if "error" in ours[-1] else merge_rounds(ours)
-        row = {"model": model, "device": worker.device, "threads": worker.threads, "weights": worker.weights,
+        row = {"model": model, "device": worker.device, "threads": worker.threads,
                "activation_dtype": worker.activation_dtype,
                "kv_dtype": resolve_kv_dtype(worker.device, worker.kv_dtype),
                "kv_cache_memory_mib": worker.kv_cache_memory / 2**20,
@@ -410,7 +411,8 @@ PRESSURE_DEVICE = "sim:fast:prefill=25000,decode=4000"
 def _memory_pressure(args, kv_memory: str, n: int = 8, out_tokens: int = 1000) -> dict:
     """n requests x out_tokens at once on a simulated worker (the model's KV geometry, no
     forward pass) with kv_memory of KV: what preemption costs when the pool is too small."""
-    from engine.devices import parse_devices, parse_size
+    from engine.facade.devices import parse_devices
+    from engine.config import parse_size
 
     worker = parse_devices([PRESSURE_DEVICE], base_worker(args, max_active=8,
                                                           kv_cache_memory=parse_size(kv_memory)))
@@ -466,8 +468,8 @@ def bench_routing(args) -> dict:
 
     Devices default to one real CPU worker plus one simulated GPU with mini-vllm-rs's published
     Metal rates (labelled simulated in the report)."""
-    from engine.devices import parse_devices
-    from engine.engine import Engine
+    from engine.facade.devices import parse_devices
+    from engine.facade.engine import Engine
 
     runs = 1 if args.quick else args.runs
     sizes = [8, 16] if args.quick else [8, 48]

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from engine.kv.states import CACHED, FREE, SHARED, USED
-from engine.sequence import Sequence
+from engine.worker.sequence import Sequence
 
 
 class OutOfPages(Exception):

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence as Seq
 
 from engine.kv.pages import PagePool
-from engine.sequence import Sequence
+from engine.worker.sequence import Sequence
 
 ROOT = bytes(32)          # parent key of a sequence's first page
 DELTA_KEY_BYTES = 8       # key prefix sent to the facade for routing estimates
@@ -52,8 +52,8 @@ def chain_keys(tokens: Seq[int], page_size: int, extra: bytes, max_pages: int | 
     return keys
 
 
-def model_identity(model: str, weights: str, activation_dtype: str, simulated: bool = False) -> str:
-    return f"{model}|{weights}|{activation_dtype}" + ("|sim" if simulated else "")
+def model_identity(model: str, activation_dtype: str, simulated: bool = False) -> str:
+    return f"{model}|{activation_dtype}" + ("|sim" if simulated else "")
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import time
 from engine.kv.pages import PagePool
 from engine.kv.prefix_cache import PrefixCache
 from engine.kv.single_flight import FlightCoordinator
-from engine.sequence import Sequence
+from engine.worker.sequence import Sequence
 
 
 class PrefixReuse:

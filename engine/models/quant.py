@@ -56,15 +56,9 @@ class LinearPolicy:
     # (fp32 where bf16 GEMM is emulated: 4 bytes per weight, but 3-6x faster); else the
     # activation dtype.
     dense_dtype: torch.dtype | None = None
-    weights: str = "faithful"      # every GGUF value as stored (the only mode)
     deterministic: bool = False    # one kernel for every T, so a row never depends on its batch
     device: str = "cpu"
     use_kernels: bool = True       # False: dense torch matmuls only (the no-compiler path)
-
-    def __post_init__(self) -> None:
-        if self.weights != "faithful":
-            raise ModelError(f"weights must be 'faithful', got {self.weights!r} (the GGUF kernels "
-                             f"read every type as stored; int4 requantization was removed)")
 
     @property
     def on_cuda(self) -> bool:

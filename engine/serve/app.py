@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from engine.engine import Engine, RequestFailed
+from engine.facade.engine import Engine, RequestFailed
 from engine.errors import InvalidRequest, TokentopError, describe_error
 from engine.serve import protocol as P
 from engine.serve.metrics import CONTENT_TYPE, EngineMetrics

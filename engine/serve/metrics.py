@@ -152,7 +152,7 @@ class _GaugeCollector:
         return [running, waiting, kv, pages, state, info, prefill, decode, outstanding, prefix_q, prefix_h, *spec]
 
     def _spec_families(self, snap, lab: list[str]) -> list:
-        """Speculative decoding totals under vLLM's spec_decode_* names (engine/spec/stats.py)."""
+        """Speculative decoding totals under vLLM's spec_decode_* names (engine/speculative/stats.py)."""
         names = (("drafts", "vllm:spec_decode_num_drafts", "Verify rounds with at least one draft token."),
                  ("draft_tokens", "vllm:spec_decode_num_draft_tokens", "Draft tokens verified."),
                  ("accepted_tokens", "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted."))

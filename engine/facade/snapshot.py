@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from engine.config import SamplingParams
-from engine.router import RouteDecision
+from engine.facade.router import RouteDecision
 
 
 class RequestState(StrEnum):
@@ -27,7 +27,7 @@ class RequestState(StrEnum):
 
     @classmethod
     def of_worker(cls, seq_state: str) -> "RequestState":
-        """From a worker's sequence state (engine/sequence.py: waiting, prefill, decode, finished)."""
+        """From a worker's sequence state (engine/worker/sequence.py: waiting, prefill, decode, finished)."""
         return cls.QUEUED if seq_state == "waiting" else cls(seq_state)
 
     @classmethod
@@ -78,7 +78,6 @@ class WorkerView:
     device: str
     model: str
     dtype: str
-    weights: str
     simulated: bool
     state: str               # starting | loading | ready | dead | stopped
     message: str
@@ -107,7 +106,7 @@ class WorkerView:
     rss_bytes: int | None = None       # the worker process's resident memory (process mode)
     preemptions: int = 0          # since the worker started
     recomputed_tokens: int = 0    # tokens whose KV preemptions threw away, computed again
-    spec: dict | None = None      # speculative decoding totals (engine/spec/stats.py), None = sim
+    spec: dict | None = None      # speculative decoding totals (engine/speculative/stats.py), None = sim
     spec_history: tuple[float, ...] = ()   # acceptance rate of each stats report that verified drafts
     spec_modes: tuple[str, ...] = ("off",)
     draft_model: str = ""

@@ -214,7 +214,7 @@ class RemoteWorker:
             self.tokenize, f"prompt lengths: estimate (local {self.local_model} tokenizer; remote serves "
                            f"{self.remote_model} and has no /tokenize)")
         return msg.WorkerInfo(
-            name=self.cfg.name, model=self.remote_model, dtype="remote", weights="remote", pages=0,
+            name=self.cfg.name, model=self.remote_model, dtype="remote", pages=0,
             page_size=0, max_context=self.max_context, device=self.cfg.device, simulated=False,
             remote=True, url=self.url, max_active=self.cfg.max_active, policy="remote", note=note,
             tokenize=self.tokenize,

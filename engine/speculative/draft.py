@@ -22,7 +22,7 @@ import torch
 
 from engine.errors import ConfigError
 from engine.models.batch import ForwardBatch, SeqSlice
-from engine.sampling import draw_from, probs_for
+from engine.worker.sampling import draw_from, probs_for
 from engine.trace import get_tracer
 
 
@@ -54,7 +54,7 @@ class DraftModel:
         self.target_vocab = target_vocab
         self.config = gf.config
         self.model = Decoder.from_gguf(gf, policy)
-        from engine.devices import resolve_kv_dtype
+        from engine.dtypes import resolve_kv_dtype
         from engine.models.batch import KV_TORCH_DTYPES
         self.kv_dtype = KV_TORCH_DTYPES[resolve_kv_dtype(cfg.device, cfg.kv_dtype)]
         from engine.models.batch import KVStore

@@ -20,15 +20,15 @@ from engine.errors import ConfigError, TokentopError, describe_error
 from engine.kv.pages import BlockManager, PagePool
 from engine.kv.prefix_cache import model_identity
 from engine.kv.reuse import PrefixReuse
-from engine.output import OutputProcessor, SampledToken, spec_dict
-from engine.profile import worker_profile
-from engine.runner import ModelRunner
-from engine.runner_api import Runner
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SeqState
-from engine.sim import SimRunner
-from engine.spec.controller import SpecController
-from engine.spec.verify import Verdict
+from engine.worker.output import OutputProcessor, SampledToken, spec_dict
+from engine.worker.profile import worker_profile
+from engine.worker.runner import ModelRunner
+from engine.worker.runner_api import Runner
+from engine.worker.scheduler import Scheduler
+from engine.worker.sequence import Sequence, SeqState
+from engine.worker.sim import SimRunner
+from engine.speculative.controller import SpecController
+from engine.speculative.verify import Verdict
 from engine.trace import get_tracer
 
 STATS_INTERVAL = 0.2     # seconds between WorkerStats events (5 Hz)
@@ -66,7 +66,7 @@ class Worker:
             self.blocks, max_active=cfg.max_active, max_batched_tokens=cfg.max_batched_tokens,
             max_context=self.max_context, policy=cfg.policy,
             prefill_chunk=64 if cfg.deterministic else 0)
-        # speculative decoding (engine/spec/): real runners only
+        # speculative decoding (engine/speculative/): real runners only
         self.spec = None
         if not cfg.simulated:
             self.spec = SpecController(cfg, self.runner, self.blocks)
@@ -76,7 +76,7 @@ class Worker:
         self.reuse = None
         if cfg.prefix_cache == "on" and cfg.kv_cache == "paged":
             self.reuse = PrefixReuse(
-                self.pool, model_identity(cfg.model, cfg.weights, cfg.activation_dtype, cfg.simulated),
+                self.pool, model_identity(cfg.model, cfg.activation_dtype, cfg.simulated),
                 cfg.single_flight, align=self.scheduler.prefill_chunk, tracer=get_tracer())
             self.scheduler.enable_reuse(self.reuse)
         profile = {}

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 
 from engine.config import WorkerConfig
 from engine.errors import InvalidRequest
-from engine.sequence import Sequence, SeqState
-from engine.spec.ngram import propose_ngram
-from engine.spec.policy import CostK, CostModel, PositionAcceptance, StepContext, make_policy
-from engine.spec.stats import SpecStats
-from engine.spec.verify import Verdict
+from engine.worker.sequence import Sequence, SeqState
+from engine.speculative.ngram import propose_ngram
+from engine.speculative.policy import CostK, CostModel, PositionAcceptance, StepContext, make_policy
+from engine.speculative.stats import SpecStats
+from engine.speculative.verify import Verdict
 from engine.trace import get_tracer
 
 
@@ -48,7 +48,7 @@ class SpecController:
     def __init__(self, cfg: WorkerConfig, runner, blocks):
         self.cfg = cfg
         self.runner, self.blocks = runner, blocks
-        self.draft = getattr(runner, "draft", None)   # engine.spec.draft.DraftModel or None
+        self.draft = getattr(runner, "draft", None)   # engine.speculative.draft.DraftModel or None
         self.calibrated = False
         self.stats = SpecStats()             # the worker's totals
         self.recent = {"ngram": PositionAcceptance(), "draft": PositionAcceptance()}
@@ -109,8 +109,8 @@ class SpecController:
         """Measure a verify step by rows, and a draft step, on a scratch sequence (about a
         second on the 1.5B); skipped while the pool is too full, the steps then teach it."""
         from engine.config import SamplingParams
-        from engine.scheduler import ScheduledSeq, StepPlan
-        from engine.spec.policy import FixedK
+        from engine.worker.scheduler import ScheduledSeq, StepPlan
+        from engine.speculative.policy import FixedK
 
         runner, blocks = self.runner, self.blocks
         n, k_max = CALIBRATE_PROMPT, max(CALIBRATE_ROWS) - 1

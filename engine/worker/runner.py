@@ -5,7 +5,7 @@ import torch
 
 from engine import kernels
 from engine.config import WorkerConfig
-from engine.devices import check_activation_dtype, resolve_kv_dtype
+from engine.dtypes import check_activation_dtype, resolve_kv_dtype
 from engine.kv.pages import BlockManager
 from engine.models.batch import KV_TORCH_DTYPES, ForwardBatch, KVStore, SeqSlice
 from engine.models.catalog import resolve_model
@@ -14,19 +14,19 @@ from engine.models.gguf import load_gguf
 from engine.models.quant import LinearPolicy, QuantLinear
 from engine.models.selfcheck import check_linears
 from engine.models.tokenizer import IncrementalDetokenizer, Tokenizer
-from engine.output import SampledToken, StepOutput
-from engine.runner_api import Runner
-from engine.sampling import RequestSampler, SamplingError, sample
-from engine.scheduler import StepPlan
-from engine.spec.draft import DraftModel
-from engine.spec.verify import verify
+from engine.worker.output import SampledToken, StepOutput
+from engine.worker.runner_api import Runner
+from engine.worker.sampling import RequestSampler, SamplingError, sample
+from engine.worker.scheduler import StepPlan
+from engine.speculative.draft import DraftModel
+from engine.speculative.verify import verify
 from engine.trace import get_tracer
 
 
 def pick_activation_dtype(device: str, requested: str) -> torch.dtype:
     """bf16 unless asked otherwise: the activation dtype of dense forms (float tensors, no
     compiler; the GGUF kernels quantize activations to int8 themselves); a dtype measured
-    unfaithful on this device type is refused (engine/devices.py)."""
+    unfaithful on this device type is refused (engine/facade/devices.py)."""
     table = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     return table[check_activation_dtype(device, requested)]
 
@@ -47,12 +47,12 @@ class ModelRunner(Runner):
         gf = load_gguf(model_path)
         self.config = gf.config
         self.tokenizer = Tokenizer.from_gguf(model_path, gf.metadata)
-        self.policy = LinearPolicy(activation_dtype=dtype, weights=cfg.weights,
+        self.policy = LinearPolicy(activation_dtype=dtype,
                                    deterministic=cfg.deterministic, device=cfg.device)
         self.model = Decoder.from_gguf(gf, self.policy)
         with get_tracer().scope("selfcheck", model=cfg.model):
-            check_linears(self.model, cfg.weights)   # refuses a layout this CPU computes wrongly
-        self.draft = None   # speculative decoding's draft model, on this worker (engine/spec/draft.py)
+            check_linears(self.model)   # refuses a layout this CPU computes wrongly
+        self.draft = None   # speculative decoding's draft model, on this worker (engine/speculative/draft.py)
         if cfg.draft_model:
             with get_tracer().scope("load draft", model=cfg.draft_model):
                 self.draft = DraftModel(cfg, str(resolve_model(cfg.draft_model)), self.policy,
@@ -67,7 +67,7 @@ class ModelRunner(Runner):
         self.spec_bonus = cfg.spec_bonus
         self.info = {"model": cfg.model, "arch": gf.config.arch, "dtype": str(dtype).replace("torch.", ""),
                      "kv_dtype": str(self.kv_dtype).replace("torch.", ""),
-                     "weights": cfg.weights, "simulated": False, "layers": gf.config.n_layers,
+                     "simulated": False, "layers": gf.config.n_layers,
                      "kernels": _kernel_label(self.model)}
 
     def allocate_kv(self, num_slots: int) -> None:

@@ -15,8 +15,8 @@ from pathlib import Path
 import platformdirs
 
 from engine.config import SamplingParams
-from engine.scheduler import ScheduledSeq, StepPlan
-from engine.sequence import Sequence, SeqState
+from engine.worker.scheduler import ScheduledSeq, StepPlan
+from engine.worker.sequence import Sequence, SeqState
 
 PREFILL_TOKENS = 256
 DECODE_STEPS = 8
@@ -28,9 +28,9 @@ def profile_path() -> Path:
     return Path(root) / "profiles.json"
 
 
-def profile_key(model_path: str, device: str, dtype: str, weights: str, threads: int) -> str:
+def profile_key(model_path: str, device: str, dtype: str, threads: int) -> str:
     st = os.stat(model_path)
-    return f"{Path(model_path).name}:{st.st_size}|{device}|{dtype}|{weights}|threads={threads}"
+    return f"{Path(model_path).name}:{st.st_size}|{device}|{dtype}|threads={threads}"
 
 
 def load_profiles() -> dict:
@@ -96,7 +96,7 @@ def worker_profile(runner, blocks, cfg, model_path: str) -> dict:
     if cfg.simulated:
         return {"prefill_tps": cfg.sim_prefill_tps, "decode_tps": cfg.sim_decode_tps, "source": "declared"}
     import torch
-    key = profile_key(model_path, cfg.device, runner.info.get("dtype", "?"), cfg.weights,
+    key = profile_key(model_path, cfg.device, runner.info.get("dtype", "?"),
                       cfg.threads or torch.get_num_threads())
     if not cfg.recalibrate:
         cached = load_profiles().get(key)

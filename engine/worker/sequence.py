@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 from engine.config import SamplingParams
 
 if TYPE_CHECKING:   # for annotations only: sampling imports torch
-    from engine.output import Detokenizer
-    from engine.sampling import RequestSampler
+    from engine.worker.output import Detokenizer
+    from engine.worker.sampling import RequestSampler
 
 
 class SeqState(str, Enum):
@@ -56,8 +56,8 @@ class Sequence:
     detok: Detokenizer | None = None
     text: str = ""
     held_text: str = ""     # decoded text held back while it could still start a stop string
-    # speculative decoding (engine/spec/): this step's proposal, the draft model's own KV
-    spec: object | None = None                 # engine.spec.state.SeqSpec, None = no speculation
+    # speculative decoding (engine/speculative/): this step's proposal, the draft model's own KV
+    spec: object | None = None                 # engine.speculative.state.SeqSpec, None = no speculation
     spec_want: int = 0           # draft tokens the scheduler may add after this step's decode
     draft_ids: list[int] = field(default_factory=list)   # proposed tokens verified this step
     draft_table: list[int] = field(default_factory=list)  # the draft model's pages

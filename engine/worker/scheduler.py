@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from engine.config import check_scheduler_policy
 from engine.kv.pages import BlockManager
-from engine.sequence import Sequence, SeqState
+from engine.worker.sequence import Sequence, SeqState
 
 
 DECODE_HEADROOM = 128   # tokens of growth reserved per sequence when admitting (paged mode)
@@ -175,7 +175,7 @@ class Scheduler:
 
     def _draft_room(self, seq: Sequence, n: int, budget: int) -> int:
         """Draft tokens verified right after a decode: what speculation wants, within the
-        step's budget and the context (speculative decoding, engine/spec/)."""
+        step's budget and the context (speculative decoding, engine/speculative/)."""
         if not seq.spec_want or n != 1 or seq.num_pending != 1:
             return 0
         return max(0, min(seq.spec_want, budget - n, self.max_context - seq.num_tokens))

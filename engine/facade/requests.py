@@ -1,7 +1,7 @@
 """Requests as the facade keeps them: records, handles, and the load they put on workers.
 
-The table is not locked itself: the facade's lock guards it (engine/engine.py), and the
-dispatcher (engine/dispatch.py) takes that lock to apply workers' events to it.
+The table is not locked itself: the facade's lock guards it (engine/facade/engine.py), and the
+dispatcher (engine/facade/dispatch.py) takes that lock to apply workers' events to it.
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from typing import Callable, Iterator
 from engine import messages as msg
 from engine.config import SamplingParams
 from engine.errors import TokentopError
-from engine.router import WorkerLoad
-from engine.snapshot import RequestState
+from engine.facade.router import WorkerLoad
+from engine.facade.snapshot import RequestState
 
 KEEP_FINISHED = 200   # finished requests kept in snapshots
 TEXT_TAIL = 2000      # characters of each request's text kept for the dashboard

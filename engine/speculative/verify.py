@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from engine.sampling import (RequestSampler, draw_from, mentored_mix, probs_for, residual, sample,
-                             speculative_accept)
+from engine.speculative.acceptance import mentored_mix, residual, speculative_accept
+from engine.worker.sampling import RequestSampler, draw_from, probs_for, sample
 
 
 @dataclass
@@ -129,7 +129,7 @@ def _point_mass(like: Tensor, token: int) -> Tensor:
 
 def _row_logprob(row: Tensor, token: int, sampler: RequestSampler) -> tuple[float, list]:
     """Logprob as sample() reports it: after penalties and temperature, before the filters."""
-    from engine.sampling import _score
+    from engine.worker.sampling import _score
 
     sc = _score(row.unsqueeze(0), [sampler])
     lp = sc.scaled[0] - sc.mass[0].log().to(sc.scaled.dtype)

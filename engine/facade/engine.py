@@ -1,7 +1,7 @@
 """The Engine facade: lifecycle, submit, stream, abort, policies, snapshots, traces.
 
 Threads and processes: each worker runs in its own process (default) or thread. Requests are
-kept in a RequestTable (engine/requests.py); one Dispatcher thread (engine/dispatch.py) reads
+kept in a RequestTable (engine/facade/requests.py); one Dispatcher thread (engine/facade/dispatch.py) reads
 the shared event queue, updates the records and wakes the request handles. Public methods
 are thread-safe (one lock, never held while waiting on a queue or a worker).
 """
@@ -21,17 +21,17 @@ from typing import Callable
 
 from engine import messages as msg
 from engine.config import SPEC_MODES, EngineConfig, SamplingParams, WorkerConfig, check_scheduler_policy
-from engine.devices import check_memory, check_model_limits
-from engine.dispatch import Dispatcher
+from engine.facade.limits import check_memory, check_model_limits
+from engine.facade.dispatch import Dispatcher
 from engine.errors import ConfigError, InvalidRequest, TokentopError, describe_error
 from engine.models.catalog import resolve_model
 from engine.models.tokenizer import Tokenizer
-from engine.procstat import UsageSampler
+from engine.facade.procstat import UsageSampler
 # RequestFailed, RequestHandle and RequestResult are part of the facade's API, imported from here
-from engine.requests import (RequestFailed, RequestHandle, RequestRecord, RequestResult,  # noqa: F401
+from engine.facade.requests import (RequestFailed, RequestHandle, RequestRecord, RequestResult,  # noqa: F401
                              RequestTable, TEXT_TAIL, seen_timings)
-from engine.router import NOMINAL_RATES, RouteDecision, Router, WorkerLoad
-from engine.snapshot import EngineSnapshot, LogLine, RequestState, RequestView, WorkerView
+from engine.facade.router import NOMINAL_RATES, RouteDecision, Router, WorkerLoad
+from engine.facade.snapshot import EngineSnapshot, LogLine, RequestState, RequestView, WorkerView
 from engine.trace import Tracer, check_trace_dir, request_track_events, set_tracer, write_chrome_trace
 
 # how long start() waits for the workers: longer than the kernels' build time-out (600 s), so a
@@ -107,7 +107,7 @@ class Engine:
         self._started_at: float | None = None
         self._usage = UsageSampler()
         self._observers: list[Callable[[str, object], None]] = []
-        self._counters: dict = {}   # remote worker index -> RemoteTokenCounter (engine/remote.py)
+        self._counters: dict = {}   # remote worker index -> RemoteTokenCounter (engine/remote/worker.py)
 
     # --- lifecycle ----------------------------------------------------------------------
     def start(self, wait: bool = True, timeout: float = READY_TIMEOUT_S) -> "Engine":
@@ -133,7 +133,7 @@ class Engine:
             self._events = queue.Queue()
         for i, cfg in enumerate(self.config.workers):
             if cfg.remote:      # forwarding needs no process of its own: a thread of I/O
-                from engine.remote import RemoteTokenCounter, remote_worker_main
+                from engine.remote.worker import RemoteTokenCounter, remote_worker_main
                 self._counters[i] = RemoteTokenCounter(cfg.device[len("remote:"):])
                 commands = queue.Queue()
                 proc = threading.Thread(target=remote_worker_main, name=f"tokentop-remote-{i}",
@@ -287,7 +287,7 @@ class Engine:
         """(index, /tokenize shape or "" for none, model) of each ready remote of another model."""
         if not self._counters:        # no remote workers (and engine.remote, httpx, not imported)
             return []
-        from engine.remote import TOKENIZE_SAME
+        from engine.remote.worker import TOKENIZE_SAME
 
         with self._lock:
             return [(w.index, w.info.tokenize, w.info.model) for w in self._workers
@@ -297,13 +297,13 @@ class Engine:
         """The prompt's length on each ready remote worker that serves another model, and where
         the figure comes from: "remote" (its /tokenize) or "estimate" (the local count, when it has
         no /tokenize or the call failed or timed out). Workers not listed count len(ids) ("local").
-        Asks the remotes over HTTP (bounded by engine/remote.py TOKENIZE_TIMEOUT in all): call it
+        Asks the remotes over HTTP (bounded by engine/remote/worker.py TOKENIZE_TIMEOUT in all): call it
         outside any event loop."""
         out: dict[int, tuple[int, str]] = {}
         remotes = self._other_model_remotes()
         if not remotes:
             return out
-        from engine.remote import TOKENIZE_TIMEOUT
+        from engine.remote.worker import TOKENIZE_TIMEOUT
 
         text = self.tokenizer.decode(list(ids)) if messages is None else ""   # what the remote is sent
         deadline = time.monotonic() + TOKENIZE_TIMEOUT
@@ -335,7 +335,7 @@ class Engine:
             if w.info.prefix_cache != "on" or not w.cache_keys:
                 continue
             cfg, ps = w.cfg, w.info.page_size
-            ident = model_identity(cfg.model, cfg.weights, cfg.activation_dtype, cfg.simulated)
+            ident = model_identity(cfg.model, cfg.activation_dtype, cfg.simulated)
             if (ident, ps) not in chains:
                 chains[ident, ps] = chain_keys(ids, ps, extra_key(ident, salt), (len(ids) - 1) // ps)
             n = 0
@@ -509,7 +509,7 @@ class Engine:
         return WorkerView(
             index=w.index, name=info.name, device=w.cfg.device,
             model=info.model if w.cfg.remote and w.info else w.cfg.model,   # a remote: what it serves
-            dtype=info.dtype, weights=info.weights,
+            dtype=info.dtype,
             simulated=w.cfg.simulated, state=w.state, message=w.message,
             running=s.running if s else 0, waiting=s.waiting if s else 0,
             prefill_tps=s.prefill_tps if s else 0.0, decode_tps=s.decode_tps if s else 0.0,
@@ -639,7 +639,7 @@ def _tail_spans(spans: list, text_len: int) -> tuple[tuple[int, int], ...]:
 
 
 def _worker_entry(index, cfg, model_path, commands, events, tracing, log_path=None) -> None:
-    from engine.worker import worker_main   # imports torch: see engine/__init__.py
+    from engine.worker.loop import worker_main   # imports torch: see engine/__init__.py
 
     if log_path:   # a worker process must not draw over the dashboard's terminal
         os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)

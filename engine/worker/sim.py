@@ -16,12 +16,12 @@ import time
 
 from engine.config import WorkerConfig
 from engine.errors import ConfigError
-from engine.devices import kv_bytes_per_slot
+from engine.dtypes import kv_bytes_per_slot
 from engine.models.gguf import load_gguf
 from engine.models.tokenizer import Tokenizer
-from engine.output import SampledToken, StepOutput
-from engine.runner_api import Runner
-from engine.scheduler import StepPlan
+from engine.worker.output import SampledToken, StepOutput
+from engine.worker.runner_api import Runner
+from engine.worker.scheduler import StepPlan
 
 PLACEHOLDER_TEXT = " sim"
 
@@ -41,7 +41,7 @@ class SimRunner(Runner):
         self.bytes_per_slot = kv_bytes_per_slot(gf.config, cfg.device, cfg.kv_dtype)
         self.rng = random.Random(0)
         self.info = {"model": cfg.model, "arch": "simulated", "dtype": "simulated",
-                     "weights": "simulated", "simulated": True,
+                     "simulated": True,
                      "sim_prefill_tps": cfg.sim_prefill_tps, "sim_decode_tps": cfg.sim_decode_tps}
 
     def allocate_kv(self, num_slots: int) -> None:

@@ -12,13 +12,13 @@ import time
 from typing import TYPE_CHECKING
 
 from engine import messages as msg
-from engine.devices import too_many_threads
+from engine.facade.devices import too_many_threads
 from engine.errors import WorkerDied
-from engine.requests import TEXT_TAIL, seen_timings
-from engine.snapshot import RequestState
+from engine.facade.requests import TEXT_TAIL, seen_timings
+from engine.facade.snapshot import RequestState
 
 if TYPE_CHECKING:
-    from engine.engine import Engine
+    from engine.facade.engine import Engine
 
 
 def contiguous_room(info) -> str:

@@ -1,5 +1,5 @@
 """The interface between a worker loop and what runs its steps: the real model
-(engine/runner.py, ModelRunner) or a simulated device (engine/sim.py, SimRunner)."""
+(engine/worker/runner.py, ModelRunner) or a simulated device (engine/worker/sim.py, SimRunner)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
@@ -9,9 +9,9 @@ from engine.trace import get_tracer
 if TYPE_CHECKING:
     from engine.kv.pages import BlockManager
     from engine.models.tokenizer import Tokenizer
-    from engine.output import StepOutput
-    from engine.scheduler import StepPlan
-    from engine.sequence import Sequence
+    from engine.worker.output import StepOutput
+    from engine.worker.scheduler import StepPlan
+    from engine.worker.sequence import Sequence
 
 
 class Runner(Protocol):

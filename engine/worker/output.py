@@ -10,7 +10,7 @@ import time
 from typing import NamedTuple, Protocol
 
 from engine import messages as msg
-from engine.sequence import Sequence
+from engine.worker.sequence import Sequence
 
 
 class SampledToken(NamedTuple):
@@ -101,7 +101,7 @@ class OutputProcessor:
 
 
 def spec_dict(seq: Sequence) -> dict | None:
-    """A speculating sequence's mode and counters (engine/spec/stats.py); None when it is not."""
+    """A speculating sequence's mode and counters (engine/speculative/stats.py); None when it is not."""
     if seq.spec is None:
         return None
     return {"mode": seq.spec.mode, **seq.spec.stats.as_dict()}
