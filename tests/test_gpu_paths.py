@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from engine.facade import devices
+from engine import dtypes
 from engine.config import WorkerConfig
 from engine.dtypes import check_activation_dtype
 from engine.facade.devices import parse_devices
@@ -36,7 +36,7 @@ def test_cuda_code_paths_import_without_a_gpu():
 
 
 def test_unfaithful_dtype_is_refused_with_the_reason(monkeypatch):
-    monkeypatch.setattr(devices, "UNFAITHFUL_ACTIVATION_DTYPES",
+    monkeypatch.setattr(dtypes, "UNFAITHFUL_ACTIVATION_DTYPES",
                         {"cpu": {"fp16": "greedy output left the fp32 reference on X"}})
     with pytest.raises(ConfigError, match=r"fp16 is refused on cpu: greedy output left .* use --activation-dtype bf16"):
         parse_devices(["cpu"], WorkerConfig(activation_dtype="fp16"))
@@ -51,7 +51,7 @@ def test_unfaithful_dtype_is_refused_with_the_reason(monkeypatch):
 
 
 def test_auto_never_picks_a_refused_dtype(monkeypatch):
-    monkeypatch.setattr(devices, "UNFAITHFUL_ACTIVATION_DTYPES", {"cuda": {"bf16": "why"}})
+    monkeypatch.setattr(dtypes, "UNFAITHFUL_ACTIVATION_DTYPES", {"cuda": {"bf16": "why"}})
     assert check_activation_dtype("cuda:1", "auto") == "fp32"
     assert check_activation_dtype("cpu", "auto") == "bf16"
     with pytest.raises(ConfigError, match="use --activation-dtype fp32"):
