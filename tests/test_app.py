@@ -357,7 +357,7 @@ async def test_dead_worker_greys_its_panel_and_its_failed_requests_keep_their_fi
         await fire_burst(pilot, app, count="4", interval="0", max_tokens="4000")
         on_w1 = lambda: [r for r in app.last_snapshot.requests if r.worker == 1]  # noqa: E731
         await wait_for(pilot, lambda: on_w1() and all(r.output_tokens > 2 for r in on_w1()), "tokens on worker 1")
-        app.engine._workers[1].commands.put(msg.Stop())   # its loop ends: to the engine, a worker that died
+        app.engine.workers[1].send(msg.Stop())   # its loop ends: to the engine, a worker that died
         panel = app.query(BackendPanel)[1]
         await wait_for(pilot, lambda: panel.has_class("-dead"), "worker 1's panel marked dead")
         await pilot.pause(0.3)

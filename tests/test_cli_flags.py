@@ -68,7 +68,7 @@ def test_the_record_router_and_snapshot_use_the_real_limit(model):
         handles = [engine.submit(f"prompt {i}", params=SamplingParams(max_tokens=20000)) for i in range(3)]
         room = 64 - len(engine.encode("prompt 0", None, None))
         assert handles[0].notice.startswith(f"max_tokens 20000 lowered to {room}")
-        assert engine._routing[-1].candidates[0].decode_tokens <= 3 * room
+        assert engine.routes[-1].candidates[0].decode_tokens <= 3 * room
         snap = engine.snapshot()
         assert {r.max_tokens for r in snap.requests} == {room}
         results = [h.result(30) for h in handles]

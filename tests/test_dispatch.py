@@ -6,6 +6,7 @@ from types import SimpleNamespace
 from engine import messages as msg
 from engine.facade.dispatch import Dispatcher
 from engine.facade.requests import RequestTable
+from engine.facade.workers import WorkerSet, WorkerSlot, WorkerState
 
 
 class _Exited:
@@ -17,11 +18,12 @@ class _Exited:
 
 def _engine_with_one_exited_worker():
     logs = []
-    worker = SimpleNamespace(index=0, state="loading", message="", process=_Exited(),
-                             cfg=SimpleNamespace(device="cpu"))
-    engine = SimpleNamespace(_workers=[worker], _events=queue.Queue(), _lock=threading.RLock(),
-                             _stopping=False, requests=RequestTable(),
-                             _log_line=lambda level, text, locked=False: logs.append(text))
+    worker = WorkerSlot(0, SimpleNamespace(device="cpu", remote=False), queue.Queue(), _Exited(),
+                        state=WorkerState.LOADING)
+    workers = WorkerSet([worker.cfg], worker_mode="thread", tracing=False, worker_log=None)
+    workers.slots, workers.events = [worker], queue.Queue()
+    engine = SimpleNamespace(workers=workers, lock=threading.RLock(), stopping=False, requests=RequestTable(),
+                             log=lambda level, text: logs.append(text))
     return engine, worker, logs
 
 
@@ -29,7 +31,7 @@ def test_a_worker_that_said_why_before_exiting_keeps_its_reason():
     # The worker queued its reason and exited before the dispatcher read the queue: the
     # liveness check runs first and must not report a silent exit over the real reason.
     engine, worker, logs = _engine_with_one_exited_worker()
-    engine._events.put(msg.WorkerDead(0, "draft model x cannot draft for target y: eos differs"))
+    engine.workers.events.put(msg.WorkerDead(0, "draft model x cannot draft for target y: eos differs"))
     Dispatcher(engine)._check_liveness()
     assert worker.state == "dead"
     assert worker.message.startswith("draft model x cannot draft for")
@@ -40,3 +42,47 @@ def test_a_silent_exit_is_still_reported():
     engine, worker, _ = _engine_with_one_exited_worker()
     Dispatcher(engine)._check_liveness()
     assert worker.state == "dead" and "worker process exited" in worker.message
+
+
+def _serving_process_slot():
+    workers = WorkerSet([SimpleNamespace(device="cpu", remote=False, model="m")], worker_mode="process",
+                        tracing=False, worker_log=None)
+    workers._paths = {"m": "/models/m.gguf"}
+    slot = WorkerSlot(0, workers.configs[0], queue.Queue(), _Exited(), state=WorkerState.READY,
+                      info=msg.WorkerInfo(name="cpu", model="m", device="cpu"))
+    workers.slots = [slot]
+    return workers, slot
+
+
+def test_a_dead_serving_worker_is_respawned_with_backoff_then_given_up():
+    workers, slot = _serving_process_slot()
+    waits = []
+    for death in range(4):
+        now = 100.0 + death
+        said = workers.note_death(slot, now)
+        assert slot.state == WorkerState.DEAD and slot.stats is None
+        if death < 3:
+            waits.append(slot.respawn_at - now)
+            assert "restarting" in said and workers.respawn_due(now) == []
+            assert workers.respawn_due(slot.respawn_at) == [slot]
+            slot.state = WorkerState.READY     # as if respawned and ready again
+        else:
+            assert "not restarted" in said and slot.respawn_at is None
+            assert workers.respawn_due(now + 1e6) == []
+    assert waits == [1.0, 2.0, 4.0]
+
+
+def test_deaths_long_ago_do_not_count_against_a_worker():
+    workers, slot = _serving_process_slot()
+    for death in range(10):    # one death every ten minutes: always restarted
+        assert "restarting in 1 s" in workers.note_death(slot, 600.0 * death)
+        slot.state = WorkerState.READY
+
+
+def test_a_worker_that_never_served_or_runs_in_a_thread_is_not_respawned():
+    workers, slot = _serving_process_slot()
+    slot.info = None                                  # died while starting: it would again
+    assert workers.note_death(slot, 1.0) == "" and slot.respawn_at is None
+    workers, slot = _serving_process_slot()
+    workers.worker_mode = "thread"
+    assert workers.note_death(slot, 1.0) == "" and slot.respawn_at is None

@@ -97,7 +97,7 @@ def test_worker_death_fails_only_its_requests(model):
         handles = [engine.submit(f"req {i}", params=SamplingParams(max_tokens=60)) for i in range(4)]
         wait_until(lambda: all(w.running for w in engine.snapshot().workers), 10,
                    "both workers to run their requests")
-        os.kill(engine._workers[1].process.pid, signal.SIGKILL)
+        os.kill(engine.workers[1].process.pid, signal.SIGKILL)
         results = [h.result(30) for h in handles]
         by_worker = {0: [], 1: []}
         for r in results:
@@ -107,9 +107,16 @@ def test_worker_death_fails_only_its_requests(model):
         with pytest.raises(RequestFailed):
             list(handles[1]) if handles[1].result().worker == 1 else list(handles[3])
         snap = engine.snapshot()
-        assert [w.state for w in snap.workers] == ["ready", "dead"]
+        assert snap.workers[0].state == "ready" and snap.workers[1].state != "ready"
+        assert snap.workers[1].running == 0 and snap.workers[1].waiting == 0   # its gauges corrected
         after = engine.submit("still serving", params=SamplingParams(max_tokens=3)).result(10)
-        assert after.worker == 0 and after.finish_reason == "length"
+        assert after.finish_reason == "length"
+        # the dead worker's process is started again, and serves again
+        wait_until(lambda: engine.snapshot().workers[1].state == "ready", 60, "worker 1 to be restarted")
+        assert engine.snapshot().workers[1].respawns == 1
+        again = engine.submit("on the restarted worker", params=SamplingParams(max_tokens=3), worker=1).result(10)
+        assert again.worker == 1 and again.finish_reason == "length"
+        assert any("restarting" in line.text for line in engine.snapshot().log)
 
 
 def test_round_robin_and_decision_records(model, tmp_path):

@@ -2,7 +2,9 @@
 
 Events arrive on one queue from every worker (engine/messages.py): tokens and finished
 requests (delivered to their handles), stats, readiness, deaths, reroutes, trace events. It
-also notices a worker process that exited without a word, and fails its requests.
+also notices a worker process that exited without a word, fails its requests, and starts a
+worker again when its slot says a respawn is due (engine/facade/workers.py). It uses the
+engine's public attributes only: workers, requests, lock, event_log, router, tracer, traces.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from engine.facade.devices import too_many_threads
 from engine.errors import WorkerDied
 from engine.facade.requests import TEXT_TAIL, seen_timings
 from engine.facade.snapshot import RequestState
+from engine.facade.workers import WorkerState
 
 if TYPE_CHECKING:
     from engine.facade.engine import Engine
@@ -47,7 +50,7 @@ class Dispatcher:
     def run(self) -> None:
         while True:
             try:
-                event = self.engine._events.get(timeout=0.2)
+                event = self.engine.workers.events.get(timeout=0.2)
             except queue.Empty:
                 event = None
             except (EOFError, OSError):
@@ -55,7 +58,8 @@ class Dispatcher:
             if event is not None:
                 self.apply(event)
             self._check_liveness()
-            if self.engine._stopping and all(not _alive(w.process) for w in self.engine._workers):
+            self._respawn_due()
+            if self.engine.stopping and all(not w.alive for w in self.engine.workers):
                 self._drain()
                 return
 
@@ -63,24 +67,34 @@ class Dispatcher:
         """Apply every event already queued."""
         try:
             while True:
-                self.apply(self.engine._events.get_nowait())
+                self.apply(self.engine.workers.events.get_nowait())
         except (queue.Empty, EOFError, OSError):
             pass
 
     def _check_liveness(self) -> None:
-        for w in self.engine._workers:
-            if w.state in ("dead", "stopped") or _alive(w.process):
+        for w in self.engine.workers:
+            if w.state in (WorkerState.DEAD, WorkerState.STOPPED) or w.alive:
                 continue
-            if self.engine._stopping:
-                w.state = "stopped"
+            if self.engine.stopping:
+                w.state = WorkerState.STOPPED
                 continue
             # A worker that fails says why (WorkerDead) and then exits: its last words may still
             # sit in the queue, so apply them before calling the exit silent.
             self._drain()
-            if w.state == "dead":
+            if w.state == WorkerState.DEAD:
                 continue
             code = getattr(w.process, "exitcode", None)
             self.apply(msg.WorkerDead(w.index, f"worker process exited (exit code {code})"))
+
+    def _respawn_due(self) -> None:
+        if self.engine.stopping:
+            return
+        with self.engine.lock:
+            due = self.engine.workers.respawn_due(time.monotonic())
+            for w in due:
+                self.engine.workers.respawn(w)
+        for w in due:
+            self.engine.log("warning", f"worker {w.index} ({w.cfg.device}) restarting (restart {w.respawns})")
 
     def apply(self, event) -> None:
         if isinstance(event, msg.StepEvents):
@@ -88,12 +102,12 @@ class Dispatcher:
         elif isinstance(event, msg.WorkerStats):
             self._on_stats(event)
         elif isinstance(event, msg.WorkerReady):
-            too_many = too_many_threads(event.worker, [w.cfg for w in self.engine._workers])
+            too_many = too_many_threads(event.worker, [w.cfg for w in self.engine.workers])
             if too_many:   # logged before "ready": a caller that waits for it finds the warning
-                self.engine._log_line("warning", f"worker {event.worker} (cpu): {too_many}")
-            with self.engine._lock:
-                w = self.engine._workers[event.worker]
-                w.state, w.info, w.message = "ready", event.info, ""
+                self.engine.log("warning", f"worker {event.worker} (cpu): {too_many}")
+            with self.engine.lock:
+                w = self.engine.workers[event.worker]
+                w.state, w.info, w.message = WorkerState.READY, event.info, ""
                 if w.profile == (0.0, 0.0):   # unless set_worker_profile came first
                     w.profile = (event.info.profile_prefill_tps, event.info.profile_decode_tps)
             info = event.info
@@ -101,35 +115,33 @@ class Dispatcher:
                 if info.context_capped_by_kv else ""
             capped += contiguous_room(info)
             kernels = f"; linear layers: {info.kernels}" if info.kernels else ""
-            self.engine._log_line("info", f"worker {event.worker} ({w.cfg.device}) ready: " + (
+            self.engine.log("info", f"worker {event.worker} ({w.cfg.device}) ready: " + (
                 info.summary or f"{info.pages} KV pages of {info.page_size} tokens, "
                 f"context {info.max_context} tokens{capped}") + kernels)
         elif isinstance(event, msg.WorkerDown):
-            with self.engine._lock:
-                w = self.engine._workers[event.worker]
-                w.state, w.message = "down", event.message
-            self.engine._log_line("error", f"worker {event.worker} ({w.cfg.device}) down: {event.message}")
+            with self.engine.lock:
+                w = self.engine.workers[event.worker]
+                w.state, w.message = WorkerState.DOWN, event.message
+            self.engine.log("error", f"worker {event.worker} ({w.cfg.device}) down: {event.message}")
         elif isinstance(event, msg.Reroute):
             self._reroute(event)
         elif isinstance(event, msg.ProfileUpdate):
-            with self.engine._lock:
-                self.engine._workers[event.worker].profile = (event.prefill_tps, event.decode_tps)
+            with self.engine.lock:
+                self.engine.workers[event.worker].profile = (event.prefill_tps, event.decode_tps)
         elif isinstance(event, msg.WorkerLoading):
-            with self.engine._lock:
-                w = self.engine._workers[event.worker]
-                w.state, w.message = "loading", event.message
+            with self.engine.lock:
+                w = self.engine.workers[event.worker]
+                w.state, w.message = WorkerState.LOADING, event.message
         elif isinstance(event, msg.WorkerDead):
             self._on_dead(event)
         elif isinstance(event, msg.TraceEvents):
-            with self.engine._trace_cv:
-                self.engine._trace_wait[event.worker] = event.events
-                self.engine._trace_cv.notify_all()
+            self.engine.traces.received(event)
 
     def on_step(self, event: msg.StepEvents) -> None:
         deliveries = []
-        with self.engine._lock:
+        with self.engine.lock:
             if event.cache_delta:
-                keys = self.engine._workers[event.worker].cache_keys
+                keys = self.engine.workers[event.worker].cache_keys
                 for added, key in event.cache_delta:
                     if added:
                         keys.add(key)
@@ -167,24 +179,27 @@ class Dispatcher:
                 self.engine.requests.finished(rec)
                 deliveries.append((rec.id, f))
                 if f.reason == "error":
-                    self.engine._log_line("error", f"{rec.id}: {f.error}", locked=True)
+                    self.engine.log("error", f"{rec.id}: {f.error}")
                 deliveries.append((None, (rec.worker, f)))
             for rid in event.preempted:
-                self.engine._log_repeated(("preempted", event.worker, rid), "warning",
-                                   f"{rid} preempted{{times}} on worker {event.worker} (will recompute)")
-                if self.engine._tracer is not None and self.engine._tracer.enabled:
-                    self.engine._tracer.instant("preempted", request=rid, worker=event.worker)
+                self.engine.event_log.repeated(("preempted", event.worker, rid), "warning",
+                                               f"{rid} preempted{{times}} on worker {event.worker} (will recompute)")
+                tracer = self.engine.tracer
+                if tracer is not None and tracer.enabled:
+                    tracer.instant("preempted", request=rid, worker=event.worker)
         for rid, d in deliveries:
             if rid is None:
-                self.engine._notify("finished", d)
+                self.engine.notify("finished", d)
                 continue
             handle = self.engine.requests.handles.get(rid)
             if handle is not None:
                 handle._deliver(d)
 
     def _on_stats(self, s: msg.WorkerStats) -> None:
-        with self.engine._lock:
-            w = self.engine._workers[s.worker]
+        with self.engine.lock:
+            w = self.engine.workers[s.worker]
+            if w.state == WorkerState.DEAD:
+                return   # a report its process sent just before it died
             w.stats = s
             w.prefill_hist.append(s.prefill_tps)
             w.decode_hist.append(s.decode_tps)
@@ -208,14 +223,15 @@ class Dispatcher:
                     rec.prefill_at = time.monotonic()
 
     def _on_dead(self, event: msg.WorkerDead) -> None:
-        with self.engine._lock:
-            w = self.engine._workers[event.worker]
-            if w.state == "dead":
+        with self.engine.lock:
+            w = self.engine.workers[event.worker]
+            if w.state == WorkerState.DEAD:
                 return
-            w.state, w.message = "dead", event.message.splitlines()[0] if event.message else "died"
+            w.message = event.message.splitlines()[0] if event.message else "died"
+            after = self.engine.workers.note_death(w, time.monotonic())
             failed = self.engine.requests.open_on(event.worker)
-            self.engine._log_line("error", f"worker {event.worker} ({w.cfg.device}) died: {w.message}; "
-                                    f"{len(failed)} request(s) failed", locked=True)
+        self.engine.log("error", f"worker {event.worker} ({w.cfg.device}) died: {w.message}; "
+                        f"{len(failed)} request(s) failed" + (f"; {after}" if after else ""))
         for rid in failed:
             rec = self.engine.requests.records[rid]
             err = WorkerDied(f"worker {event.worker} ({w.cfg.device}) died: {w.message}")
@@ -225,11 +241,11 @@ class Dispatcher:
 
     def _reroute(self, event: msg.Reroute) -> None:
         """A request its remote worker could not start (nothing streamed yet) goes elsewhere once."""
-        with self.engine._lock:
+        with self.engine.lock:
             rec = self.engine.requests.get(event.request_id)
             if rec is None or rec.finish_reason is not None or rec.worker != event.worker:
                 return
-            loads = [ld for ld in self.engine._loads() if ld.worker != event.worker and ld.alive]
+            loads = [ld for ld in self.engine.loads() if ld.worker != event.worker and ld.alive]
             error = None
             if rec.output_ids or rec.text:
                 error = f"worker {event.worker} failed mid-stream: {event.reason}"
@@ -239,19 +255,14 @@ class Dispatcher:
                 decision = self.engine.router.choose(rec.id, len(rec.prompt_ids), rec.params.max_tokens, loads,
                                                      prompt_lens=rec.prompt_lens)
                 rec.worker, rec.state = decision.chosen, RequestState.QUEUED
-                self.engine._routing.append(decision)
-                slot = self.engine._workers[decision.chosen]
-                self.engine._log_line("warning", f"{rec.id} rerouted from worker {event.worker} to "
-                                          f"{decision.chosen}: {event.reason}", locked=True)
+                self.engine.record_route(decision)
+                slot = self.engine.workers[decision.chosen]
+                self.engine.log("warning", f"{rec.id} rerouted from worker {event.worker} to "
+                                f"{decision.chosen}: {event.reason}")
         if error is not None:
             m = msg.RequestMetrics(len(rec.prompt_ids), 0, len(rec.output_ids), None, None, None, None,
                                    time.monotonic() - rec.arrival)
             self.on_step(msg.StepEvents(event.worker, (), (msg.Finished(rec.id, "error", error, m),)))
             return
-        slot.commands.put(msg.Submit(rec.id, tuple(rec.prompt_ids), rec.params, rec.arrival,
-                                     rec.messages if slot.cfg.remote else None, rec.prompt_len_on(decision.chosen)))
-        self.engine._notify("route", decision)
-
-
-def _alive(proc) -> bool:
-    return proc is not None and proc.is_alive()
+        self.engine.send_to(slot, rec, rec.arrival)
+        self.engine.notify("route", decision)

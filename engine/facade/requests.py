@@ -14,8 +14,8 @@ from typing import Callable, Iterator
 
 from engine import messages as msg
 from engine.config import SamplingParams
-from engine.errors import TokentopError
-from engine.facade.router import WorkerLoad
+from engine.errors import InvalidRequest, TokentopError
+from engine.facade.router import NOMINAL_RATES, WorkerLoad
 from engine.facade.snapshot import RequestState
 
 KEEP_FINISHED = 200   # finished requests kept in snapshots
@@ -196,10 +196,15 @@ class RequestTable:
         """Ids of the unfinished requests routed to `worker`."""
         return [r.id for r in self.records.values() if r.worker == worker and r.finish_reason is None]
 
-    def loads(self, workers: list[WorkerLoad]) -> list[WorkerLoad]:
-        """Add each unfinished request's outstanding work to its worker's load: prompt tokens not
-        yet computed (nor expected from the prefix cache) and its decode budget left."""
-        loads = {w.worker: w for w in workers}
+    def loads(self, workers) -> list[WorkerLoad]:
+        """What the router weighs for each worker slot (engine/facade/workers.py): its rates
+        and every unfinished request's outstanding work: prompt tokens not yet computed (nor
+        expected from the prefix cache) and its decode budget left."""
+        loads = {}
+        for w in workers:
+            pre, dec = w.profile   # (0, 0) when it was not calibrated, e.g. a lone worker
+            loads[w.index] = WorkerLoad(w.index, w.info_or_config().name, pre or NOMINAL_RATES[0],
+                                        dec or NOMINAL_RATES[1], alive=w.ready, nominal=not (pre and dec))
         for rec in self.records.values():
             if rec.finish_reason is not None or rec.worker is None:
                 continue
@@ -210,4 +215,42 @@ class RequestTable:
                 load.running += 1
             load.prefill_tokens += max(0, rec.prompt_len_on(rec.worker) - max(rec.computed, rec.cached_estimate))
             load.decode_tokens += max(0, rec.params.max_tokens - len(rec.output_ids))
+        external = {w.index: w.stats.external_requests for w in workers
+                    if w.cfg.remote and w.stats is not None and w.stats.external_requests}
+        if external:
+            # a remote's requests from other clients (its scrape): each weighs as a typical
+            # request here, since their sizes are not known
+            recs = list(self.records.values())
+            prompt = sum(len(r.prompt_ids) for r in recs) / len(recs) if recs else 0.0
+            decode = sum(r.params.max_tokens for r in recs) / len(recs) if recs else 0.0
+            for ld in loads.values():
+                n = external.get(ld.worker, 0)
+                if n:
+                    ld.waiting += n
+                    ld.prefill_tokens += round(n * prompt)
+                    ld.decode_tokens += round(n * decode)
         return list(loads.values())
+
+
+def encode_prompt(tokenizer, prompt: str | None, messages: list[dict] | None,
+              prompt_ids: list[int] | None, parse_special: bool = False) -> list[int]:
+    """A request's prompt token ids from exactly one of text, chat messages or ids."""
+    given = sum(x is not None for x in (prompt, messages, prompt_ids))
+    if given != 1:
+        raise InvalidRequest("give exactly one of a prompt, chat messages or prompt token ids")
+    if prompt_ids is not None:
+        ids = list(prompt_ids)
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < tokenizer.vocab_size]
+        if bad:
+            raise InvalidRequest(f"prompt token ids out of range 0..{tokenizer.vocab_size - 1}: {bad[:5]}")
+    elif messages is not None:
+        ids = tokenizer.encode_chat(messages, add_generation_prompt=True)
+    else:
+        if not isinstance(prompt, str):
+            raise InvalidRequest("the prompt must be text")
+        if not prompt.strip():
+            raise InvalidRequest("the prompt is empty; type some text")
+        ids = tokenizer.encode(prompt, parse_special=parse_special)
+    if not ids:
+        raise InvalidRequest("the prompt encodes to no tokens")
+    return ids

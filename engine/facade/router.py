@@ -152,3 +152,27 @@ class Router:
             return min(cands, key=lambda c: (c.score, c.worker)).worker, "miss"
         return min((c for c in cands if c.cached_tokens == best),
                    key=lambda c: (c.score, c.worker)).worker, "longest prefix"
+
+
+def reusable_prefix_tokens(ids: list[int], salt: str | None, live: list) -> dict[int, int]:
+    """Prompt tokens each ready worker (slots, engine/facade/workers.py) could restore from its
+    prefix cache: the page keys it published vs the prompt's hash chain."""
+    # imported here: it imports torch (see engine/__init__.py)
+    from engine.kv.prefix_cache import DELTA_KEY_BYTES, chain_keys, extra_key, model_identity
+
+    chains: dict[tuple, list[bytes]] = {}
+    out = {}
+    for w in live:
+        if w.info.prefix_cache != "on" or not w.cache_keys:
+            continue
+        cfg, ps = w.cfg, w.info.page_size
+        ident = model_identity(cfg.model, cfg.activation_dtype, cfg.simulated)
+        if (ident, ps) not in chains:
+            chains[ident, ps] = chain_keys(ids, ps, extra_key(ident, salt), (len(ids) - 1) // ps)
+        n = 0
+        for key in chains[ident, ps]:
+            if key[:DELTA_KEY_BYTES] not in w.cache_keys:
+                break
+            n += 1
+        out[w.index] = n * ps
+    return out

@@ -79,7 +79,7 @@ class WorkerView:
     model: str
     dtype: str
     simulated: bool
-    state: str               # starting | loading | ready | dead | stopped
+    state: str               # engine/facade/workers.py WorkerState: starting | loading | ready | down | dead | stopped
     message: str
     running: int
     waiting: int
@@ -113,6 +113,7 @@ class WorkerView:
     remote_url: str | None = None    # remote workers: the server requests are forwarded to
     kv_usage: float | None = None    # remote workers: KV usage scraped from its /metrics, if any
     note: str = ""                   # e.g. how prompt lengths are counted for a remote
+    respawns: int = 0                # times its process was started again after dying
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import queue
 import threading
 import time
 from dataclasses import replace
