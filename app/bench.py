@@ -1,59 +1,34 @@
-"""`tokentop bench dashboard`: the engine's throughput headless and with the dashboard open.
-
-It lives on the app side because it drives the dashboard; the engine's own scenarios are in
-engine/bench/.
-"""
+"""The dashboard side of `tokentop bench dashboard` (engine/bench/dashboard.py): run a piece
+of engine work while the dashboard renders, in a headless Textual driver at 200x60."""
 from __future__ import annotations
 
 import asyncio
-
-from engine.bench.scenarios import _burst, _decode_burst_tok_s, base_worker
-from engine.config import EngineConfig
-from engine.stats import median
+from functools import partial
 
 
-def bench_dashboard(args) -> dict:
-    """The same burst through the engine headless, and with the dashboard open (rendering
-    at 200x60 in a headless Textual driver). Workers run in their own processes in both."""
-    from engine.facade.devices import parse_devices
-    from engine.facade.engine import Engine
+def with_dashboard(config, work) -> float:
+    """work(engine) with the dashboard open over an engine of `config`; its result."""
+    from app.main import TokentopApp
 
-    runs = 1 if args.quick else args.runs
-    n, out_tokens = 8, (16 if args.quick else 64)
-    workers = parse_devices(args.device or ["cpu"], base_worker(args))
-    config = EngineConfig(workers=workers, worker_mode="process")
+    app = TokentopApp(config)
+    result = {}
 
-    def headless() -> float:
-        with Engine(config).start() as engine:
-            _burst(engine, 2, 4, True, "warm")
-            return _decode_burst_tok_s(engine, n, out_tokens, "headless")
-
-    def with_dashboard() -> float:
-        from app.main import TokentopApp
-        app = TokentopApp(config)
-        result = {}
-
-        async def drive():
-            async with app.run_test(headless=True, size=(200, 60)) as pilot:
-                while not app.engine.ready:
-                    await pilot.pause(0.1)
-                await asyncio.to_thread(_burst, app.engine, 2, 4, True, "warm")
-                result["tok_s"] = await asyncio.to_thread(
-                    _decode_burst_tok_s, app.engine, n, out_tokens, "dashboard")
-                await pilot.press("q")
-        asyncio.run(drive())
-        app.wait_for_shutdown()
-        return result["tok_s"]
-
-    a, b = [], []
-    for _ in range(runs):
-        a.append(headless())
-        b.append(with_dashboard())
-    return {"requests": n, "output_tokens": out_tokens, "runs": runs,
-            "headless_tok_s": median(a), "dashboard_tok_s": median(b),
-            "dashboard_over_headless": round(median(b) / median(a), 3),
-            "headless_runs": a, "dashboard_runs": b,
-            "goals": {"dashboard_costs_le_5pct": median(b) / median(a) >= 0.95}}
+    async def drive():
+        async with app.run_test(headless=True, size=(200, 60)) as pilot:
+            while not app.engine.ready:
+                await pilot.pause(0.1)
+            result["value"] = await asyncio.to_thread(work, app.engine)
+            await pilot.press("q")
+    asyncio.run(drive())
+    app.wait_for_shutdown()
+    return result["value"]
 
 
-APP_SCENARIOS = {"dashboard": bench_dashboard}
+def app_scenarios() -> dict:
+    """The scenarios the command line adds to engine/bench's: those that need the UI."""
+    from engine.bench.dashboard import bench_dashboard
+    return {"dashboard": partial(_dashboard, bench_dashboard)}
+
+
+def _dashboard(bench, args) -> dict:
+    return bench(args, with_dashboard)

@@ -209,9 +209,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "generate":
             return cmd_generate(args)
         if args.command == "bench":
-            from app.bench import APP_SCENARIOS
+            from app.bench import app_scenarios
             from engine.bench import run_bench
-            return run_bench(with_worker(args), APP_SCENARIOS)
+            return run_bench(with_worker(args), app_scenarios())
         if args.command == "models":
             return cmd_models(args)
         if args.command == "serve":

@@ -289,7 +289,7 @@ def bench_single(args) -> dict:
 
 
 # --- batching ----------------------------------------------------------------------------
-def _burst(engine, n: int, out_tokens: int, concurrent: bool, salt: str) -> float:
+def timed_burst(engine, n: int, out_tokens: int, concurrent: bool, salt: str) -> float:
     """Wall seconds to finish n requests, all at once or one after another."""
     params = SamplingParams(max_tokens=out_tokens, ignore_eos=True)
     prompts = [prompt_of(engine, 24, f"{salt} request {i}: ") for i in range(n)]
@@ -319,17 +319,17 @@ def bench_batching(args) -> dict:
     active = max(8, *ns)
     paged = start_engine([base_worker(args, max_active=active, kv_cache="paged")])
     try:
-        _burst(paged, 2, 8, True, "warm")
-        _burst(paged, 1, 8, True, "warm")   # one stream takes the single-sequence attention path
+        timed_burst(paged, 2, 8, True, "warm")
+        timed_burst(paged, 1, 8, True, "warm")   # one stream takes the single-sequence attention path
         # every size in every round, batched and sequential side by side: a slow spell of the
         # shared machine lands on all sizes of a round, not on one size's runs
         runs_of = {n: ([], []) for n in ns}
         for r in range(runs):
             for n in ns:
                 batched, sequential = runs_of[n]
-                batched.append(n * out_tokens / _burst(paged, n, out_tokens, True, f"b{r}"))
+                batched.append(n * out_tokens / timed_burst(paged, n, out_tokens, True, f"b{r}"))
                 if sequential_too:
-                    sequential.append(n * out_tokens / _burst(paged, n, out_tokens, False, f"s{r}"))
+                    sequential.append(n * out_tokens / timed_burst(paged, n, out_tokens, False, f"s{r}"))
         table = []
         for n in ns:
             batched, sequential = runs_of[n]
@@ -360,15 +360,15 @@ def bench_batching(args) -> dict:
     paged = start_engine([base_worker(args, max_active=active, kv_cache="paged", max_context=context)],
                          mode="process")
     try:
-        _burst(contiguous, 2, 8, True, "warm")
-        _burst(paged, 2, 8, True, "warm")
+        timed_burst(contiguous, 2, 8, True, "warm")
+        timed_burst(paged, 2, 8, True, "warm")
         kv = []
         for n in (1, 8):
             res = {"paged": [], "contiguous": []}
             for r in range(runs):
                 pair = (("paged", paged), ("contiguous", contiguous))
                 for name, eng in pair if r % 2 == 0 else pair[::-1]:   # ABBA: neither always goes first
-                    res[name].append(n * out_tokens / _burst(eng, n, out_tokens, True, f"{name}{r}"))
+                    res[name].append(n * out_tokens / timed_burst(eng, n, out_tokens, True, f"{name}{r}"))
             p, c = median(res["paged"]), median(res["contiguous"])
             # the median of the rounds' ratios (each round ran both back to back), as elsewhere:
             # the ratio of medians moved 0.94-1.01 between runs of the same code
@@ -527,8 +527,8 @@ def bench_routing(args) -> dict:
 
 
 # --- tracing cost ------------------------------------------------------------------------
-def _decode_burst_tok_s(engine, n: int, out_tokens: int, salt: str) -> float:
-    return n * out_tokens / _burst(engine, n, out_tokens, True, salt)
+def decode_burst_tok_s(engine, n: int, out_tokens: int, salt: str) -> float:
+    return n * out_tokens / timed_burst(engine, n, out_tokens, True, salt)
 
 
 def bench_trace(args) -> dict:
@@ -541,13 +541,13 @@ def bench_trace(args) -> dict:
     n = 4
     engine = start_engine([base_worker(args)])
     try:
-        _burst(engine, 2, 8, True, "warm")
+        timed_burst(engine, 2, 8, True, "warm")
         off, on = [], []
         for r in range(runs):
             engine.set_tracing(False)
-            off.append(_decode_burst_tok_s(engine, n, out_tokens, f"off{r}"))
+            off.append(decode_burst_tok_s(engine, n, out_tokens, f"off{r}"))
             engine.set_tracing(True)
-            on.append(_decode_burst_tok_s(engine, n, out_tokens, f"on{r}"))
+            on.append(decode_burst_tok_s(engine, n, out_tokens, f"on{r}"))
             engine.export_trace(args.trace_dir or "traces")   # drain: the buffers stay bounded
         engine.set_tracing(False)
         from engine.models.gguf import load_gguf
@@ -584,8 +584,8 @@ def bench_prefix(args) -> dict:
 
 # --- serve ---------------------------------------------------------------------------------
 def bench_serve(args) -> dict:
-    """HTTP API vs in-process, 8 concurrent streams (engine/serve/bench.py)."""
-    from engine.serve.bench import bench_serve as run
+    """HTTP API vs in-process, 8 concurrent streams (engine/bench/serve.py)."""
+    from engine.bench.serve import bench_serve as run
     return run(args)
 
 
