@@ -71,7 +71,7 @@ def test_batching_runs_every_size_in_every_round(monkeypatch):
         config=SimpleNamespace(workers=[SimpleNamespace(device="cpu")])))
     monkeypatch.setattr(scenarios, "stop_engine", lambda engine: None)
     monkeypatch.setattr(scenarios, "base_worker", lambda args, **k: None)
-    monkeypatch.setattr(scenarios, "_burst", burst)
+    monkeypatch.setattr(scenarios, "timed_burst", burst)
     monkeypatch.setattr(scenarios, "_memory_pressure", lambda args, kv: {})
     args = SimpleNamespace(quick=False, runs=3, sizes="1,8", no_sequential=True, model="m", llama_server=None)
     report = scenarios.bench_batching(args)
