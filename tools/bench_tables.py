@@ -1,7 +1,5 @@
-"""Render docs/bench/*.json (written by `tokentop bench ... --out`) as markdown tables.
-
-    python tools/bench_tables.py > docs/benchmarks-tables.md
-"""
+"""Render docs/bench/*.json (written by `tokentop bench ... --out`) as markdown tables."""
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -152,6 +150,7 @@ def spec(d):
 
 
 def main():
+    argparse.ArgumentParser(description=__doc__).parse_args()
     parts = []
     for name, render in (("single-0.5b", single), ("single-1.5b", single), ("batching", batching),
                          ("routing", routing), ("routing-all-policies", routing), ("trace", trace), ("dashboard", dashboard),

@@ -1,19 +1,20 @@
-"""A/B of the whole engine between two checkouts of tokentop: bench batching's burst (N requests
-of 128 tokens at once, in process, paged K/V) at N = 1 and N = 8.
-
-Each round runs both checkouts in fresh processes (PYTHONPATH = that checkout, so its kernels
-are built and used), alternating the order round by round (ABBA), so a slow spell of a shared
-machine hits both sides; prints each round, the medians and the median of the rounds' ratios.
-  python tools/engine_ab.py /path/a,/path/b [rounds]
-(e.g. a `git worktree add /tmp/base HEAD~1` against this checkout).
-"""
+"""A/B of the whole engine between two checkouts: bench batching's burst at N = 1 and N = 8 (ABBA)."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
 import subprocess
 import sys
+
+USAGE = """\
+bench batching's burst: N requests of 128 tokens at once, in process, paged K/V. Each round runs
+both checkouts in fresh processes (PYTHONPATH = that checkout, so its kernels are built and
+used), alternating the order round by round (ABBA), so a slow spell of a shared machine hits
+both sides; prints each round, the medians and the median of the rounds' ratios.
+  git worktree add /tmp/base HEAD~1 && python tools/engine_ab.py /tmp/base,$PWD 8
+"""
 
 CHILD = r'''
 import json
@@ -39,10 +40,15 @@ def run_side(path: str) -> dict:
 
 
 def main() -> None:
-    if len(sys.argv) < 2 or sys.argv[1].count(",") != 1:
-        sys.exit(__doc__)
-    a, b = sys.argv[1].split(",")
-    rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 6
+    ap = argparse.ArgumentParser(description=__doc__, epilog=USAGE,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trees", help="the two checkouts, comma-separated: /path/a,/path/b")
+    ap.add_argument("rounds", nargs="?", type=int, default=6, help="rounds (default 6)")
+    args = ap.parse_args()
+    if args.trees.count(",") != 1:
+        ap.error("give exactly two checkouts: /path/a,/path/b")
+    a, b = args.trees.split(",")
+    rounds = args.rounds
     res: dict[str, list[dict]] = {a: [], b: []}
     for r in range(rounds):
         for side in ((a, b) if r % 2 == 0 else (b, a)):
