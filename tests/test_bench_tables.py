@@ -60,3 +60,12 @@ def test_the_command_shown_is_the_report_s_without_its_out_path():
     r = bt.Report.__new__(bt.Report)
     r.data = {"command": "tokentop bench single --runs 5 --out /tmp/x/y.json --threads 2"}
     assert r.command == "tokentop bench single --runs 5 --threads 2"
+
+
+def test_the_readme_quotes_the_headline_table():
+    """README.md's Measured section is the page's headline table (the same reports)."""
+    readme = (bt.ROOT / "README.md").read_text()
+    assert bt.headline() in readme
+    measured = readme[readme.index("## Measured"):]
+    assert len(measured.splitlines()) <= 15 and "docs/benchmarks.md" in measured
+    assert len(readme.encode()) < 10 * 1024
