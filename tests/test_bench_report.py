@@ -113,7 +113,7 @@ def _fake_single(monkeypatch, decode):
 
 def test_single_without_llama_cpp_reports_tokentop_only(monkeypatch):
     """Without --llama-cpp there is nothing to compare with: no llama.cpp figures, no ratios and
-    no goal flags (the report once filled them in from fixed figures of another machine)."""
+    no goal flags: a ratio is only reported against llama.cpp measured in the same run."""
     from engine.bench import scenarios
     calls = _fake_single(monkeypatch, [80.0, 90.0, 85.0])
     row = scenarios.bench_single(_single_args())["results"][0]
@@ -143,8 +143,8 @@ def test_read_bandwidth_reads_with_the_threads_asked_and_puts_them_back():
 
 
 def test_bench_flags_reach_the_benchmarked_worker():
-    """Every engine flag reaches the benchmarked worker: --max-context, --policy, --prefix-cache,
-    --single-flight and the speculation flags were read by the parser and then dropped."""
+    """Every engine flag reaches the benchmarked worker (--max-context, --policy, --prefix-cache,
+    --single-flight and the speculation flags included), not only those the parser reads."""
     from app.cli import build_parser
     from engine.bench.scenarios import base_worker
 
@@ -159,7 +159,8 @@ def test_bench_flags_reach_the_benchmarked_worker():
 
 
 def test_a_part_that_could_not_run_fails_the_command(monkeypatch, capsys):
-    """`bench single --models nope` printed its report, the error inside it, and exited 0."""
+    """`bench single --models nope` prints its report with the error inside it, and exits 1
+    with the error on stderr: a script cannot take the report for a success."""
     import json
     import sys
     from types import SimpleNamespace

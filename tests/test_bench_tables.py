@@ -44,7 +44,7 @@ def test_one_report_per_benchmark_and_cpu_class_named_after_both():
     ({"cpu_model": "AMD EPYC", "cpu_family_model": "25/1", "isa": ["avx2", "fma"]}, "Zen 3"),
     ({"cpu_model": "AMD EPYC", "cpu_family_model": "25/17", "isa": ["avx2", "avx512f"]}, "Zen 4"),
     ({"cpu_model": "AMD EPYC", "cpu_family_model": "26/2", "isa": ["avx512f", "avx_vnni"]}, "Zen 5"),
-    # reports from before the family was recorded: the ISA tells these three apart
+    # reports that do not record the family: the ISA tells these three apart
     ({"cpu_model": "AMD EPYC", "isa": ["avx2", "fma"]}, "Zen 3"),
     ({"cpu_model": "AMD EPYC", "isa": ["avx2", "avx512f", "avx512_vnni"]}, "Zen 4"),
     ({"cpu_model": "AMD EPYC", "isa": ["avx2", "avx_vnni", "avx512f"]}, "Zen 5"),

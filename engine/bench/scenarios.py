@@ -91,13 +91,14 @@ def _framework_overhead(engine, path: str, worker: WorkerConfig, pairs: int = 7,
     layer of one decode step (one row each, on the same GGUF file) timed in a helper process
     (median of 5). The reported overhead is the median of the pairs' differences: both halves
     of a pair run at the same moment, so a busy spell of the machine cannot land on one side
-    only (timed minutes apart, the difference came out negative). The rest of a step is
-    framework overhead: norms, rope, attention, sampling, the scheduler, Python.
+    only. The rest of a step is framework overhead: norms, rope, attention, sampling, the
+    scheduler, Python.
 
     The linear layers are timed in their own process, on its main thread: torch work from a
     second thread of the engine's process would start a second OpenMP team, and with more
-    OpenMP threads than cores libgomp barely spin-waits, which slowed this 2-core machine's
-    decode steps from 20 to 29 ms (0.5B) - the measurement would have moved what it measures."""
+    OpenMP threads than cores libgomp barely spin-waits and every step slows down
+    (docs/benchmarks.md, "Measurements behind defaults"): the measurement would move what it
+    measures."""
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe()
     helper = ctx.Process(target=_linears_helper, args=(path, worker, theirs), daemon=True)
@@ -200,7 +201,7 @@ def merge_rounds(rounds: list[dict]) -> dict:
 
 def paired_ratio(ours: list[float], theirs: list[float]) -> float:
     """Median of the run-by-run ratios of two interleaved series: each pair ran within seconds
-    of each other, so a slow spell of the shared machine (its read bandwidth swings ~1.4x over
+    of each other, so a slow spell of a shared machine (its read bandwidth can swing over
     minutes) lands on both sides of a pair instead of on one side of the comparison."""
     return median([a / b for a, b in zip(ours, theirs)])
 
@@ -326,10 +327,9 @@ def bench_batching(args) -> dict:
 
     # Two engines at once: each worker in its own process. As two threads of this process
     # they would run two OpenMP teams on the same cores, and with more OpenMP threads than
-    # cores libgomp hardly spin-waits: one-stream decode fell from ~44 to ~30 tok/s (0.5B,
-    # 2 cores) in both variants, measuring the teams rather than the KV layouts.
-    # Contiguous K/V reserves a whole context per sequence: at the default 4096 tokens 256 MiB
-    # of the 0.5B's fp32 K/V holds two, and N = 8 measured admission (paged/contiguous 1.9-2.6)
+    # cores libgomp hardly spin-waits: both variants would measure the teams rather than the
+    # KV layouts. Contiguous K/V reserves a whole context per sequence: at the default 4096
+    # tokens 256 MiB of the 0.5B's fp32 K/V holds two, and N = 8 would measure admission
     # rather than what paging costs. Both get a context that lets all N run (the burst's
     # sequences are 24 + out_tokens long), unless --max-context says otherwise.
     context = getattr(args, "max_context", None) or PAIR_CONTEXT
