@@ -320,7 +320,7 @@ def test_command_line_errors_are_one_line(capsys):
 
 
 @pytest.mark.parametrize("flags, fragment", [
-    # these once did nothing at all: the dashboard serves the API with --serve only
+    # the dashboard serves the API with --serve only: alone, these flags would do nothing
     (["--port", "9000"], "--port applies to the API server, which the dashboard runs with --serve only; "
                          "add e.g. --serve 9000"),
     (["--api-key", "k"], "--api-key applies to the API server"),

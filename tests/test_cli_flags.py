@@ -128,7 +128,7 @@ def test_a_missing_reference_program_is_one_line_before_any_run(tmp_path, no_wei
     (["--max-body", "lots"], "cannot read size 'lots'"),
 ])
 def test_bad_server_flags_are_one_line_before_any_work(model, no_weights, capsys, flags, fragment):
-    # --port 99999 once reached socket.bind after the engine was built: an OverflowError traceback
+    # unchecked, --port 99999 reaches socket.bind after the engine is built: an OverflowError traceback
     code = main(["serve", "--model", model, "--device", SIM, *flags])
     out, err = capsys.readouterr()
     assert code == 2 and out == "" and err.count("\n") == 1, err
@@ -144,7 +144,7 @@ def test_bind_refuses_an_impossible_port_in_one_line():
 
 
 def test_an_unwritable_routing_log_is_one_line_before_any_work(model, no_weights, capsys):
-    # it was a FileNotFoundError traceback from the engine's constructor
+    # unchecked, it is a FileNotFoundError traceback from the engine's constructor
     code = main(["generate", "hello", "--model", model, "--device", SIM,
                  "--routing-log", "/nonexistent-folder/routes.jsonl"])
     out, err = capsys.readouterr()
@@ -160,7 +160,7 @@ def test_an_unwritable_routing_log_is_one_line_before_any_work(model, no_weights
     (["single", "--models", " , "], "argument --models: name at least one model"),
 ])
 def test_bad_bench_flags_are_one_line_before_any_run(no_weights, capsys, flags, fragment):
-    # these were a ValueError, TypeError or KeyError traceback, some after a first benchmark ran
+    # unchecked, these are a ValueError, TypeError or KeyError traceback, some after a first benchmark ran
     with pytest.raises(SystemExit) as exit_:
         main(["bench", *flags])
     _, err = capsys.readouterr()
@@ -169,7 +169,7 @@ def test_bad_bench_flags_are_one_line_before_any_run(no_weights, capsys, flags, 
 
 
 def test_an_out_file_in_a_missing_folder_is_refused_before_the_bench(no_weights, capsys):
-    # the report was written only after the whole benchmark, as an OSError traceback
+    # unchecked, the report fails only after the whole benchmark, as an OSError traceback
     with pytest.raises(SystemExit) as exit_:
         main(["bench", "batching", "--out", "/nonexistent-folder/report.json"])
     _, err = capsys.readouterr()
@@ -193,8 +193,9 @@ def test_an_unexpected_failure_is_one_line_and_exit_1(monkeypatch, capsys):
 
 
 def test_more_threads_than_cores_is_warned_of(model, capsys):
-    """--threads above the usable cores was taken silently; OpenMP threads that wait for each
-    other slow CPU decode many times over, so the worker's start says so (stderr for generate)."""
+    """--threads above the usable cores: OpenMP threads that wait for each other slow CPU decode
+    many times over, so the worker's start says so (stderr for generate) rather than run slowly
+    in silence."""
     import os
 
     cores = len(os.sched_getaffinity(0))

@@ -425,8 +425,8 @@ def test_unsupported_rope_scaling_is_refused_clearly():
 
 
 def test_batched_decode_attention_reads_only_its_rows():
-    """Attention must not copy the whole KV store (indexing a transposed view of it once did,
-    every layer): what a decode step allocates depends on its contexts, not the store size."""
+    """Attention must not copy the whole KV store (indexing a transposed view of it would, every
+    layer): what a decode step allocates depends on its contexts, not the store size."""
     from torch.profiler import ProfilerActivity, profile
 
     from engine.models.attention import attend, plan_attention

@@ -252,8 +252,8 @@ def test_chat_content_and_prompts_cannot_inject_special_tokens(model):
                                           ("1MiB", None)])
 def test_contiguous_kv_says_when_it_caps_the_sequences_at_once(model, memory, said):
     """Contiguous K/V reserves a whole context per sequence, so the pool, not --max-active, can
-    cap how many run at once: the ready line says so (it was silent, and N = 8 ran two at a
-    time). The tiny model: 256-token context, 8 KiB per page of 16 tokens, 128 KiB a region."""
+    cap how many run at once: the ready line says so (else N = 8 runs two at a time, silently).
+    The tiny model: 256-token context, 8 KiB per page of 16 tokens, 128 KiB a region."""
     from engine.config import parse_size
 
     workers = parse_devices(["sim:gpu0"], WorkerConfig(model=str(model), max_active=4, kv_cache="contiguous",
@@ -268,8 +268,8 @@ def test_contiguous_kv_says_when_it_caps_the_sequences_at_once(model, memory, sa
 
 
 def test_cpu_workers_share_the_cores_or_are_warned_of(tiny_model_path):
-    """Two CPU workers each took every core by default (--threads 0): twice the threads the cores
-    run, silently. By default they now split the cores; asked for more, they are warned of."""
+    """Two CPU workers with --threads 0 split the cores instead of each taking every core (twice
+    the threads the cores run); asked for more than the cores, they are warned of."""
     import os
 
     cores = len(os.sched_getaffinity(0))

@@ -7,10 +7,10 @@ greedy tokens of transformers' fp32 implementation loaded from the *same* GGUF f
 We teacher-force the reference's tokens and compare our argmax at every step. Up to the first
 divergence this is exactly free-running greedy decoding; past it, every later step is still
 checked. A step may pick another token than the reference only at a near-tie: the GGUF
-kernels quantize activations to int8 per 32 values (as llama.cpp does). NEAR_TIE was set when
-the former int4 path (bf16 inputs) moved the margin of the reference's token over its
-runner-up by at most 0.10 logits over 192 teacher-forced 0.5B steps; the int8 kernels pass
-the same checks on all three models (top logits are refined in fp32). A real bug
+kernels quantize activations to int8 per 32 values (as llama.cpp does). NEAR_TIE is well above
+the largest shift of the reference token's margin over its runner-up that lossy activations
+give (0.10 logits with bf16 inputs over 192 teacher-forced 0.5B steps), and the int8 kernels
+pass the same checks on all three models (top logits are refined in fp32). A real bug
 (rope, masks, norms, a wrong weight) moves logits by whole units and flips steps whose gap
 is large. The first step's top-8 logits are also compared as numbers.
 """
@@ -132,9 +132,9 @@ def test_qwen05_greedy_default_kernels(qwen05):
 
 
 def test_qwen05_greedy_fp16_kv_store(qwen05):
-    """--kv-dtype fp16 (K/V rounded to fp16 when stored): the same checks hold on the 0.5B
-    (docs/benchmarks.md, "KV dtype": fp16 is not the default, the Gemma 270M leaves the
-    reference with it at a step that is no near-tie)."""
+    """--kv-dtype fp16 (K/V rounded to fp16 when stored): the same checks hold on the 0.5B. It is
+    not the default: the Gemma 270M leaves the reference with it at a step that is no near-tie
+    (docs/benchmarks.md, "Measurements behind defaults")."""
     prompts = REFERENCE["models"]["qwen2.5-coder-0.5b"]["prompts"]
     check("qwen2.5-coder-0.5b", prompts, run_greedy(qwen05[1], prompts, prefill_steps=24, kv_dtype=torch.float16))
 

@@ -177,8 +177,8 @@ def test_a_refusing_remote_reroutes_busy_and_reports_bad(real_model_path, status
 
 
 def test_a_request_with_only_an_unreachable_remote_says_why(tiny_model_path):
-    """With no worker ready, the refusal names each worker and what it last said (it once said
-    only "still loading, or all workers died", which left a wrong URL to guess)."""
+    """With no worker ready, the refusal names each worker and what it last said ("still loading,
+    or all workers died" alone would leave a wrong URL to guess)."""
     import socket
 
     from engine.config import EngineConfig

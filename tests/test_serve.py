@@ -256,8 +256,8 @@ def test_metrics_agree_with_the_engine_snapshot_after_a_burst(sim_server):
 
 # --- disconnects ----------------------------------------------------------------------------
 # 500 tokens/s a worker: the server, not this process's client, sets the pace. At FAST's 4000 a
-# slow machine's client read every stream's 48 tokens after they had all been generated, so no
-# quitter had anything left to abort (seen on a 2-core AVX2 EPYC: 0 of 67)
+# slow machine's client can read every stream's 48 tokens after they have all been generated,
+# and then no quitter has anything left to abort
 PACED = ["sim:gpu0:prefill=20000,decode=500", "sim:gpu1:prefill=20000,decode=500"]
 
 

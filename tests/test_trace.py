@@ -1,7 +1,7 @@
 """engine/trace.py: Chrome traces that Perfetto can read, NVTX ranges that last as long as their code.
 
-Per-scope cost, measured with `python tests/test_trace.py` (runs `_benchmark()` below) on the
-shared 2-core dev box (noisy; best of 3 runs, empty-loop cost subtracted):
+Per-scope cost, of the order `python tests/test_trace.py` measures (it runs `_benchmark()` below:
+best of 3 runs, empty-loop cost subtracted):
     disabled scope                    ~0.3 µs   (a Python `with` on a no-op object costs as much)
     enabled scope                     ~2 µs
     enabled scope + NVTX (nvtx pkg)   ~3.5 µs   (no profiler attached: nvtx's no-op domain)

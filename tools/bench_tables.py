@@ -1,166 +1,554 @@
-"""Render docs/bench/*.json (written by `tokentop bench ... --out`) as markdown tables.
+"""Rewrite docs/benchmarks.md from the kept reports in docs/bench/ (written by `tokentop bench ... --out`)."""
+from __future__ import annotations
 
-    python tools/bench_tables.py > docs/benchmarks-tables.md
-"""
+import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent / "docs" / "bench"
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+BENCH = DOCS / "bench"
+PAGE = DOCS / "benchmarks.md"
+
+USAGE = """\
+One section per benchmark: what it measures, the command, the latest figures per CPU class (one
+report per benchmark and class: docs/bench/BENCH-CLASS.json) and what bounds them. The
+hand-written text lives here, the figures come from the reports only.
+  python tools/bench_tables.py            rewrite docs/benchmarks.md
+  python tools/bench_tables.py --check    exit 1 if docs/benchmarks.md differs from the reports
+"""
+
+# --- CPU classes -----------------------------------------------------------------------------
+# A report records the CPU's model name, cpuid family/model and ISA flags (engine/cpuinfo.py).
+# The VMs name every CPU "AMD EPYC", so the class comes from family/model, or, in reports that do
+# not record it, from the ISA: among these CPUs AVX-512 with AVX-VNNI is Zen 5 only, AVX-512
+# without it Zen 4, AVX2 alone Zen 3.
+FAMILY_CLASS = {"25/1": "Zen 3", "25/17": "Zen 4", "26/2": "Zen 5"}
+CLASS_ORDER = ("Zen 3", "Zen 4", "Zen 5", "CPU not recorded")
 
 
-def load(name):
-    p = ROOT / f"{name}.json"
-    return json.loads(p.read_text()) if p.exists() else None
+def class_order(cls: str) -> int:
+    return CLASS_ORDER.index(cls) if cls in CLASS_ORDER else len(CLASS_ORDER)
 
 
-def f(x, nd=1):
-    return "—" if x is None else f"{x:.{nd}f}"
+def cpu_class(machine: dict) -> str:
+    if machine.get("cpu_model") and not machine["cpu_model"].startswith("AMD"):
+        return machine["cpu_model"]
+    if machine.get("cpu_family_model") in FAMILY_CLASS:
+        return FAMILY_CLASS[machine["cpu_family_model"]]
+    isa = set(machine.get("isa") or ())
+    if not isa:
+        return "CPU not recorded"
+    if "avx512f" in isa:
+        return "Zen 5" if "avx_vnni" in isa else "Zen 4"
+    return "Zen 3"
 
 
-def single(d):
-    out = [f"`{d['command']}` ({d['started']}, {d['runs']} runs, medians)\n",
-           "| model | prefill tok/s (500-token prompt) | llama.cpp | ratio (goal) | decode tok/s (128 tokens) | llama.cpp | ratio (goal) | peak RSS MB | llama.cpp | ratio |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in d["results"]:
-        if "error" in r:
-            out.append(f"| {r['model']} | error: {r['error']} |")
-            continue
-        l, g = r.get("llama_cpp") or {}, r.get("goals") or {}
-        out.append(f"| {r['model']} | {f(r['prefill_tok_s_median'])} | {f(l.get('prefill_tok_s_median'))} | "
-                   f"{f(r.get('prefill_ratio'), 2)} ({g.get('prefill_ratio', '—')}) | {f(r['decode_tok_s_median'])} | "
-                   f"{f(l.get('decode_tok_s_median'))} | {f(r.get('decode_ratio'), 2)} ({g.get('decode_ratio', '—')}) | "
-                   f"{f(r['peak_rss_mb'], 0)} | {f(l.get('peak_rss_mb'), 0)} | {f(r.get('rss_ratio'), 2)} |")
-    return "\n".join(out)
+def isa_summary(isa: list[str]) -> str:
+    isa = set(isa)
+    if not isa:
+        return "—"
+    base = "AVX-512 F/BW/VL/VNNI/BF16" if "avx512f" in isa else "AVX2/FMA"
+    extra = [name for flag, name in (("avx_vnni", "AVX-VNNI"), ("amx_tile", "AMX")) if flag in isa]
+    return base + "".join(f" + {e}" for e in extra) + ("" if "avx512f" in isa else " only")
 
 
-def batching(d):
-    out = [f"`{d['command']}` ({d['started']}, {d['runs']} run(s), {d['output_tokens']} output tokens each)\n",
-           "| N concurrent | batched aggregate tok/s | one after another tok/s | batched / sequential |",
-           "|---|---|---|---|"]
-    for t in d["batching"]:
-        out.append(f"| {t['n']} | {f(t['batched_tok_s'])} | {f(t['sequential_tok_s'])} | {f(t['ratio'], 2)} |")
-    out += ["", f"Aggregate at N=8 over one stream: **{d['aggregate_n8_over_n1']}×**.", "",
-            "| N | paged tok/s | contiguous tok/s | paged / contiguous |", "|---|---|---|---|"]
-    for k in d["paged_vs_contiguous"]:
-        out.append(f"| {k['n']} | {f(k['paged_tok_s'])} | {f(k['contiguous_tok_s'])} | {f(k['paged_over_contiguous'], 3)} |")
-    out.append(f"\nGoals: {d['goals']}")
-    return "\n".join(out)
+# --- reports ---------------------------------------------------------------------------------
+class Report:
+    def __init__(self, path: Path):
+        self.path = path
+        self.rel = path.relative_to(DOCS).as_posix()           # bench/single-zen5.json
+        self.data = json.loads(path.read_text())
+        # a GPU check holds its benches' reports: their machine is the GPU machine's host
+        self.machine = self.data.get("machine") or self.data.get("sections", {}).get("single", {}).get("machine") or {}
+        self.cls = cpu_class(self.machine)
+
+    def __getitem__(self, key):
+        return self.data[key]
+
+    @property
+    def link(self) -> str:
+        return f"[{self.path.name}]({self.rel})"
+
+    @property
+    def command(self) -> str:
+        """The command that wrote the report, without its --out (a path of that machine)."""
+        return re.sub(r" --out \S+", "", self.data["command"])
 
 
-def routing(d):
-    devs = ", ".join(f"{x['name']}{' (simulated)' if x['simulated'] else ''} "
-                     f"{f(x['profile_prefill_tps'], 0)}/{f(x['profile_decode_tps'], 0)} tok/s" for x in d["devices"])
-    out = [f"`{d['command']}` ({d['started']}, {d['runs']} run(s)); workers: {devs}; "
-           f"{d['prompt_tokens']}-token prompts sharing {d['shared_prefix_tokens']} tokens, "
-           f"{d['output_tokens']} output tokens, {d['interval_ms']} ms apart, 4 active per worker\n",
-           "| requests | policy | completion s | throughput tok/s | TTFT p50 / p95 s | e2e p50 / p95 s | requests per worker |",
-           "|---|---|---|---|---|---|---|"]
-    for t in d["table"]:
-        out.append(f"| {t['requests']} | {t['policy']} | {f(t['completion_s'], 2)} | {f(t['throughput_tok_s'])} | "
-                   f"{f(t['ttft_p50'], 2)} / {f(t['ttft_p95'], 2)} | {f(t['e2e_p50'], 2)} / {f(t['e2e_p95'], 2)} | "
-                   f"{t['requests_per_worker']} |")
-    goals = d["goals"] if "cost" in {t["policy"] for t in d["table"]} else "—"
-    out.append(f"\nGoals: {goals}")
-    return "\n".join(out)
+def reports(pattern: str) -> list[Report]:
+    """The reports matching pattern, in CLASS_ORDER."""
+    found = [Report(p) for p in sorted(BENCH.glob(pattern))]
+    return sorted(found, key=lambda r: class_order(r.cls))
 
 
-def trace(d):
-    return (f"`{d['command']}` ({d['started']}, {d['runs']} runs interleaved)\n\n"
-            "| tracing off tok/s | tracing on tok/s | on / off | disabled scope | scopes per step | disabled cost / step |\n"
-            "|---|---|---|---|---|---|\n"
-            f"| {f(d['tracing_off_tok_s'])} | {f(d['tracing_on_tok_s'])} | {d['on_over_off']} | "
-            f"{d['disabled_scope_ns']} ns | {d['scopes_per_step']} | {d['disabled_cost_fraction_of_step'] * 100:.3f}% |\n\n"
-            f"Goals: {d['goals']}")
+def newest_per_class(found: list[Report]) -> list[Report]:
+    best: dict[str, Report] = {}
+    for r in found:
+        if r.cls not in best or r["started"] > best[r.cls]["started"]:
+            best[r.cls] = r
+    return sorted(best.values(), key=lambda r: class_order(r.cls))
 
 
-def dashboard(d):
-    return (f"`{d['command']}` ({d['started']}, {d['runs']} runs)\n\n"
-            "| headless tok/s | dashboard open tok/s | dashboard / headless |\n|---|---|---|\n"
-            f"| {f(d['headless_tok_s'])} | {f(d['dashboard_tok_s'])} | {d['dashboard_over_headless']} |\n\n"
-            f"Goals: {d['goals']}")
+def f(x, nd=1) -> str:
+    return "—" if x is None else f"{x:,.{nd}f}"
+
+
+def x(ratio, nd=2) -> str:
+    return "—" if ratio is None else f"{ratio:.{nd}f}×"
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def commands(found: list[Report]) -> str:
+    """The commands, once each, with the reports they wrote."""
+    by_command: dict[str, list[Report]] = {}
+    for r in found:
+        by_command.setdefault(r.command, []).append(r)
+    return "\n".join(f"* {', '.join(r.link for r in rs)}: `{cmd}`" for cmd, rs in by_command.items()) + "\n"
+
+
+def section(title: str, measures: str, found: list[Report], body: str, bounds: str) -> str:
+    return f"## {title}\n\n{measures}\n\n{commands(found)}\n{body}\n\n{bounds}\n"
+
+
+# --- sections --------------------------------------------------------------------------------
+MODEL_SHORT = {"qwen2.5-coder-0.5b": "0.5B", "qwen2.5-coder-1.5b": "1.5B"}
+
+
+def single_rows(r: Report) -> dict[str, dict]:
+    return {row["model"]: row for row in r["results"]}
+
+
+def sec_single() -> str:
+    found = reports("single-*.json")
+    rows = []
+    for r in found:
+        for row in r["results"]:
+            ref = row.get("llama_cpp") or {}
+            rows.append([r.cls, MODEL_SHORT.get(row["model"], row["model"]),
+                         f(row["prefill_tok_s_median"], 0), f(ref.get("prefill_tok_s_median"), 0),
+                         f"**{x(row.get('prefill_ratio'))}**",
+                         f(row["decode_tok_s_median"]), f(ref.get("decode_tok_s_median")),
+                         f"**{x(row.get('decode_ratio'))}**",
+                         f(row["peak_rss_mb"], 0), f(ref.get("peak_rss_mb"), 0), x(row.get("rss_ratio"))])
+    body = table(["CPU", "model", "prefill tok/s", "llama.cpp", "ratio", "decode tok/s", "llama.cpp", "ratio",
+                  "peak RSS MB", "llama.cpp", "ratio"], rows)
+    return section("single: one stream against llama.cpp", TEXT["single"], found, body, BOUNDS["single"])
+
+
+def sec_batching() -> str:
+    found = newest_per_class(reports("batching-*.json"))
+    sizes = sorted({t["n"] for r in found for t in r["batching"]})
+    rows = []
+    for r in found:
+        by_n = {t["n"]: t for t in r["batching"]}
+        kv = {k["n"]: k["paged_over_contiguous"] for k in r["paged_vs_contiguous"]}
+        eight = by_n.get(8, {})
+        rows.append([r.cls, *(f(by_n[n]["batched_tok_s"]) if n in by_n else "—" for n in sizes),
+                     f"**{x(r['aggregate_n8_over_n1'])}**", x(eight.get("ratio")),
+                     f"{x(kv.get(1), 3)}, {x(kv.get(8), 3)}"])
+    body = table(["CPU", *(f"N = {n} tok/s" for n in sizes), "N8 / N1", "batched / sequential, N = 8",
+                  "paged / contiguous, N = 1, 8"], rows)
+    return section("batching: N streams in one engine", TEXT["batching"], found, body, BOUNDS["batching"])
+
+
+def sec_llama_server() -> str:
+    found = reports("batching-llama-server-*.json")
+    rows = []
+    for r in found:
+        s = r["llama_server"]
+        by_n = {t["n"]: t for t in s["table"]}
+        rows.append([r.cls, f(by_n[1]["tokentop_tok_s"]), f(by_n[1]["llama_server_tok_s"]), x(by_n[1]["tokentop_over_llama_server"]),
+                     f(by_n[8]["tokentop_tok_s"]), f(by_n[8]["llama_server_tok_s"]),
+                     f"**{x(by_n[8]['tokentop_over_llama_server'])}**",
+                     x(s["tokentop_n8_over_n1"]), x(s["llama_server_n8_over_n1"])])
+    body = table(["CPU", "tokentop N = 1 tok/s", "llama-server", "ratio", "tokentop N = 8 tok/s", "llama-server -np 8",
+                  "ratio", "tokentop N8 / N1", "llama-server N8 / N1"], rows)
+    return section("batching against llama-server", TEXT["llama_server"], found, body, BOUNDS["llama_server"])
+
+
+def routing_table(r: dict) -> str:
+    rows = [[str(t["requests"]), t["policy"], f(t["completion_s"], 2), f(t["throughput_tok_s"]),
+             f"{f(t['ttft_p50'], 2)} / {f(t['ttft_p95'], 2)}", f"{f(t['e2e_p50'], 2)} / {f(t['e2e_p95'], 2)}",
+             ", ".join(f"{k}: {v}" for per_run in t["requests_per_worker"] for k, v in sorted(per_run.items()))]
+            for t in r["table"]]
+    return table(["requests", "policy", "completion s", "tok/s", "TTFT p50 / p95 s", "e2e p50 / p95 s",
+                  "requests per worker"], rows)
+
+
+def workers(r: dict) -> str:
+    return "; ".join(f"worker {d['index']} {d['name']}{' (simulated)' if d['simulated'] else ''}: "
+                     f"{f(d['profile_prefill_tps'], 0)} / {f(d['profile_decode_tps'])} tok/s prefill / decode"
+                     for d in r["devices"])
+
+
+def sec_routing() -> str:
+    found = reports("routing-*.json")
+    body = "\n\n".join(f"{r.cls}: {workers(r.data)}.\n\n{routing_table(r.data)}" for r in found)
+    return section("routing: a burst over unequal workers", TEXT["routing"], found, body, BOUNDS["routing"])
 
 
 MODES = ("independent", "incremental", "at-completion", "after-prefill")
-SEEDS_8 = {"independent": "baseline", "incremental": "— (not measured)", "at-completion": "−47.5% / −25.8%",
-           "after-prefill": "−82.9% / −32.4%"}
 
 
-def prefix(d):
-    wc = d["warm_vs_cold"]
-    out = [f"`{d['command']}` ({d['started']}, {d['runs']} run(s), {d['output_tokens']} output tokens; "
-           f"CPU {d['machine']['cpu_model']})\n",
-           "| 1. warm vs cold | restored | cold TTFT s | warm TTFT s | TTFT change (goal warm ≤ 5% of cold) | seeds (M2 GPU) |",
-           "|---|---|---|---|---|---|",
-           f"| ~900-token document | {wc['restored_tokens']} of {wc['prompt_tokens']} | {f(wc['cold_ttft_s'], 3)} | "
-           f"{f(wc['warm_ttft_s'], 3)} | {wc['ttft_change']}% ({'met' if wc['goal_warm_le_5pct_of_cold'] else 'missed'}) "
-           f"| 880 of 904, −96.2% |", ""]
-    for title, rows in (("2. identical requests, 532-token prompt", d["identical"]),
-                        ("3. shared 800-token document, different questions", d["partial_prefix"])):
-        out += [f"| {title} | N | mean TTFT s | TTFT change | per-run change (median) | slowest s | slowest change "
-                "| restored per request" + (" | seeds at N=8: TTFT / slowest change |" if title.startswith("2") else " |"),
-                "|---|---|---|---|---|---|---|---|" + ("---|" if title.startswith("2") else "")]
-        for row in rows:
-            for m in MODES:
-                r = row[m]
-                restored = sorted(set(r["restored_tokens"]))
-                paired = r.get("mean_ttft_change_paired")
-                line = (f"| {m} | {row['n']} | {f(r['mean_ttft_s'], 2)} | {r['mean_ttft_change']}% | "
-                        f"{'—' if paired is None else f'{paired}%'} | "
-                        f"{f(r['slowest_s'], 2)} | {r['slowest_change']}% | {restored} |")
-                if title.startswith("2"):
-                    line += f" {SEEDS_8[m] if row['n'] == 8 else ''} |"
-                out.append(line)
-        out.append("")
-    cy, eq = d["cyclic"], d["equality"]
-    out += [f"4. cyclic: {cy['documents']} documents of {cy['document_tokens']} tokens, {cy['cycles']} cycles, "
-            f"{cy['cache_pages']}-page cache: hit rate {cy['hit_rate']:.1%}, {cy['evictions']} evictions, "
-            f"{cy['errors']} errors (seeds: 0 restored).",
-            f"5. greedy tokens cache on vs off (--deterministic): identical served together "
-            f"{eq['identical_together']}, one by one {eq['identical_one_by_one']}; restored "
-            f"{eq['restored_tokens_together']} / {eq['restored_tokens_one_by_one']} tokens."]
-    return "\n".join(out)
-
-
-# The seed article's sampling benchmark (Qwen2.5 7B target, 0.5B draft, Apple M2, creative
-# prompt at temperature 0.7, 256 tokens, EOS ignored, no bonus token): median E2E latency.
-SEEDS_SPEC = {"target only": "20.971 s", "mentored D=0.75 k=8": "18.820 s (93.4%, 34 rounds)",
-              "mentored D=0.5 k=8": "22.900 s (63.5%, 46 rounds)", "mentored D=1 k=8": "18.508 s (100%, 32 rounds)"}
-
-
-def spec(d):
-    out = [f"`{d['command']}` ({d['started']}, {d['runs']} run(s), creative: {d['workloads']['creative']}, "
-           f"{d['max_tokens']} tokens; CPU {d['machine']['cpu_model']})\n",
-           "decode tok/s = (output − 1) / (e2e − TTFT): the draft model's catch-up on the prompt counts "
-           "against speculation. Acceptance = accepted / drafted tokens; length = tokens per verify round.\n",
-           "| model | configuration | code tok/s | × target | acc | length | rounds | creative tok/s | × target "
-           "| acc | length | rounds | seeds (7B/0.5B on M2, creative) |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for model in ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"):
-        for name, row in d[model].items():
-            c, r = row["code"], row["creative"]
-            seeds = SEEDS_SPEC.get(name, "") if model.endswith("1.5b") else ""
-            out.append(f"| {model} | {name} | {f(c['decode_tok_s'])} | {f(c['vs_target_only'], 2)} | "
-                       f"{f(c['acceptance'], 2)} | {f(c['mean_accepted_length'], 2)} | {f(c['rounds_per_request'], 0)} | "
-                       f"{f(r['decode_tok_s'])} | {f(r['vs_target_only'], 2)} | {f(r['acceptance'], 2)} | "
-                       f"{f(r['mean_accepted_length'], 2)} | {f(r['rounds_per_request'], 0)} | {seeds} |")
-    b = d["burst"]
-    out += ["", f"Burst of {b['requests']} concurrent requests ({b['max_tokens']} tokens, {b['policy']}): "
-            f"off {f(b['off_tok_s'])} tok/s, draft {f(b['draft_tok_s'])} ({f(b['draft_vs_off'], 2)}×), "
-            f"ngram {f(b['ngram_tok_s'])} ({f(b['ngram_vs_off'], 2)}×).", "", f"Goals: {d['goals']}"]
-    return "\n".join(out)
-
-
-def main():
+def sec_prefix() -> str:
+    found = reports("prefix-*.json")
     parts = []
-    for name, render in (("single-0.5b", single), ("single-1.5b", single), ("batching", batching),
-                         ("routing", routing), ("routing-all-policies", routing), ("trace", trace), ("dashboard", dashboard),
-                         ("prefix", prefix), ("spec", spec)):
-        d = load(name)
-        if d:
-            parts.append(f"### {name}\n\n{render(d)}\n")
-    sys.stdout.write("\n".join(parts))
+    for r in found:
+        wc = r["warm_vs_cold"]
+        parts.append(f"{r.cls}. Warm against cold (~900-token document): {wc['restored_tokens']} of "
+                     f"{wc['prompt_tokens']} tokens restored, TTFT {f(wc['cold_ttft_s'], 3)} → "
+                     f"{f(wc['warm_ttft_s'], 3)} s (**{wc['ttft_change']}%**).")
+        for title, rows in (("identical requests, 532-token prompt", r["identical"]),
+                            ("8 questions on one shared 800-token document", r["partial_prefix"])):
+            out = []
+            for row in rows:
+                for m in MODES:
+                    t = row[m]
+                    out.append([str(row["n"]), m, f(t["mean_ttft_s"], 2), f"{t['mean_ttft_change']}%",
+                                f(t["slowest_s"], 2), f"{t['slowest_change']}%",
+                                ", ".join(map(str, sorted(set(t["restored_tokens"]))))])
+            parts.append(f"{title.capitalize()}, against `independent` (no cache):\n\n" + table(
+                ["N", "mode", "mean TTFT s", "change", "slowest s", "change", "tokens restored"], out))
+        cy, eq = r["cyclic"], r["equality"]
+        parts.append(f"Cyclic working set ({cy['documents']} documents of {cy['document_tokens']} tokens through a "
+                     f"{cy['cache_pages']}-page cache, {cy['cycles']} cycles): hit rate {cy['hit_rate']:.0%}, "
+                     f"{cy['evictions']} evictions, {cy['errors']} errors. Greedy tokens with the cache on and off "
+                     f"(`--deterministic`): {'identical' if eq['identical_together'] else '**different**'} served together, "
+                     f"{'identical' if eq['identical_one_by_one'] else '**different**'} one by one.")
+    return section("prefix: prefix caching", TEXT["prefix"], found, "\n\n".join(parts), BOUNDS["prefix"])
+
+
+def sec_spec() -> str:
+    found = reports("spec-*.json")
+    parts = []
+    for r in found:
+        rows = []
+        for model in ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"):
+            for name, row in r[model].items():
+                c, k = row["code"], row["creative"]
+                rows.append([MODEL_SHORT[model], name, f(c["decode_tok_s"]), x(c["vs_target_only"]),
+                             f(c["acceptance"], 2), f(c["mean_accepted_length"], 2),
+                             f(k["decode_tok_s"]), x(k["vs_target_only"]), f(k["acceptance"], 2),
+                             f(k["mean_accepted_length"], 2)])
+        b = r["burst"]
+        parts.append(f"{r.cls}; code: {r['workloads']['code']}, creative: {r['workloads']['creative']}, "
+                     f"{r['max_tokens']} tokens.\n\n" + table(
+                         ["target", "speculation", "code tok/s", "× target", "acceptance", "length",
+                          "creative tok/s", "× target", "acceptance", "length"], rows) +
+                     f"\n\nBurst of {b['requests']} concurrent requests ({b['max_tokens']} tokens, {b['policy']}): "
+                     f"off {f(b['off_tok_s'])} tok/s, draft model {f(b['draft_tok_s'])} ({x(b['draft_vs_off'])}), "
+                     f"n-gram {f(b['ngram_tok_s'])} ({x(b['ngram_vs_off'])}).")
+    return section("spec: speculative decoding", TEXT["spec"], found, "\n\n".join(parts), BOUNDS["spec"])
+
+
+def sec_serve() -> str:
+    found = reports("serve-*.json")
+    rows = []
+    for r in found:
+        for name, side in (("in process (`submit`)", r["in_process"]), ("HTTP (`/v1/completions`, SSE)", r["http"])):
+            rows.append([r.cls, name, f(side["throughput_tok_s"]), f(side["ttft_p50_s"], 2), f(side["ttft_p95_s"], 2)])
+    overhead = "; ".join(f"{r.cls} {r['http_throughput_overhead_pct']}%" for r in found)
+    body = table(["CPU", "client", "tok/s", "TTFT p50 s", "TTFT p95 s"], rows) + \
+        f"\n\nThroughput lost over HTTP: {overhead}."
+    return section("serve: the HTTP API against in process", TEXT["serve"], found, body, BOUNDS["serve"])
+
+
+def sec_dashboard() -> str:
+    found = reports("dashboard-*.json")
+    body = table(["CPU", "headless tok/s", "dashboard open tok/s", "dashboard / headless"],
+                 [[r.cls, f(r["headless_tok_s"]), f(r["dashboard_tok_s"]), x(r["dashboard_over_headless"], 3)]
+                  for r in found])
+    return section("dashboard: the cost of watching", TEXT["dashboard"], found, body, BOUNDS["dashboard"])
+
+
+def sec_trace() -> str:
+    found = reports("trace-*.json")
+    body = table(["CPU", "tracing off tok/s", "on tok/s", "on / off", "disabled scope", "scopes a step",
+                  "disabled cost a step"],
+                 [[r.cls, f(r["tracing_off_tok_s"]), f(r["tracing_on_tok_s"]), x(r["on_over_off"], 3),
+                   f"{r['disabled_scope_ns']:.0f} ns", str(r["scopes_per_step"]),
+                   f"{r['disabled_cost_fraction_of_step'] * 100:.3f}%"] for r in found])
+    return section("trace: the cost of tracing", TEXT["trace"], found, body, BOUNDS["trace"])
+
+
+def gpu_argv(r: Report) -> str:
+    argv = list(r["argv"])
+    if "--out" in argv:
+        i = argv.index("--out")
+        del argv[i:i + 2]
+    return "python3 " + " ".join(argv)
+
+
+def sec_gpu() -> str:
+    found = [Report(p) for p in sorted((BENCH / "gpu").glob("*.json"))]
+    gpus = {g["name"] for r in found for g in r["sections"]["env"]["gpus"]}
+    fidelity, speed = [], []
+    for r in found:
+        s = r["sections"]
+        model = MODEL_SHORT[s["fidelity"]["model"]]
+        for dtype, v in s["fidelity"]["dtypes"].items():
+            near = v["mismatches"] - v["bad"]
+            fidelity.append([model, dtype, f"{v['steps'] - v['mismatches']} / {v['steps']}"
+                             + (f" ({near} more at a near-tie)" if near else ""), f(v["first_logit_diff"], 3),
+                             "faithful" if v["faithful"] else "**not faithful**"])
+        res = s["single"]["results"][0]
+        speed.append([model, f(res["prefill_tok_s_median"], 0), f(res["decode_tok_s_median"])])
+    body = ["Greedy ids teacher-forced against transformers' fp32 reference (as tests/test_fidelity.py), "
+            "by activation dtype:\n",
+            table(["model", "activations", "steps matching", "first-logit diff", "verdict"], fidelity), "",
+            table(["model", "prefill tok/s (500 tokens)", "decode tok/s, one stream"], speed)]
+    for r in found:
+        s = r["sections"]
+        if "batching" in s and s["batching"].get("status") == "ok":
+            b = s["batching"]
+            kv = {k["n"]: k["paged_over_contiguous"] for k in b["paged_vs_contiguous"]}
+            body.append("\n" + table(["N", "aggregate tok/s"], [[str(t["n"]), f(t["batched_tok_s"], 0)] for t in b["batching"]])
+                        + f"\n\nN = 32 over one stream: **{x(b['aggregate_n32_over_n1'])}**; paged / contiguous K/V "
+                          f"{x(kv[1])} at N = 1, {x(kv[8])} at N = 8.")
+        if "step" in s and s["step"].get("status") == "ok":
+            st = s["step"]
+            body.append(f"One decode step of one sequence ({st['context']}-token context): {f(st['wall_ms'])} ms of "
+                        f"wall time, of which the GPU is busy {f(st['gpu_ms'], 2)} ms over {st['kernels']} kernel launches.")
+        if "kernels" in s and s["kernels"].get("status") == "ok":
+            k = s["kernels"]
+            cells = [f"M = {m}: dense {f(t['dense'], 2)}, int4 where exact {f(t['int4_where_exact'], 2)} ms"
+                     for m, t in sorted(k["per_token_linears_ms"].items(), key=lambda kv: int(kv[0]))]
+            body.append(f"All linear layers of a step, {k['dtype']} (cuBLAS on dense weights against torch's "
+                        f"`_weight_int4pack_mm`): {'; '.join(cells)}.")
+        if "routing" in s and s["routing"].get("status") == "ok":
+            body.append(f"Routing over the machine's CPU and the GPU: {workers(s['routing'])}.\n\n"
+                        f"{routing_table(s['routing'])}")
+    cmds = "\n".join(f"* {r.link}: `{gpu_argv(r)}`" for r in found)
+    text = TEXT["gpu"] + f"\n\n{cmds}\n"
+    return f"## GPU: {', '.join(sorted(gpus))}\n\n{text}\n" + "\n".join(body) + f"\n\n{BOUNDS['gpu']}\n"
+
+
+def sec_reports() -> str:
+    found = [Report(p) for p in sorted(BENCH.rglob("*.json"))]
+    rows = []
+    for r in found:
+        m = r.machine
+        rows.append([r.link, r.cls if "sections" not in r.data else "GPU machine's host", m.get("cpu_model") or "—",
+                     m.get("cpu_family_model") or "—", isa_summary(m.get("isa") or []),
+                     m.get("quantized_kernels") or "—"])
+    return ("## The reports\n\n" + TEXT["reports"] + "\n\n" +
+            table(["report", "CPU class", "model name", "cpuid family/model", "ISA", "quantized kernels"], rows) + "\n")
+
+
+def headline() -> str:
+    """The README's table: tokentop against llama.cpp and llama-server on one CPU class."""
+    cls = HEADLINE_CPU
+    single = next(r for r in reports("single-*.json") if r.cls == cls)
+    server = next(r for r in reports("batching-llama-server-*.json") if r.cls == cls)
+    rows = []
+    for model, row in single_rows(single).items():
+        ref = row["llama_cpp"]
+        name = MODEL_SHORT[model]
+        rows += [[f"{name} prefill, 500-token prompt", f"{f(row['prefill_tok_s_median'], 0)} tok/s",
+                  f"{f(ref['prefill_tok_s_median'], 0)} tok/s", f"**{x(row['prefill_ratio'])}**"],
+                 [f"{name} decode, one stream", f"{f(row['decode_tok_s_median'])} tok/s",
+                  f"{f(ref['decode_tok_s_median'])} tok/s", f"**{x(row['decode_ratio'])}**"],
+                 [f"{name} peak RSS", f"{f(row['peak_rss_mb'], 0)} MB", f"{f(ref['peak_rss_mb'], 0)} MB",
+                  x(row["rss_ratio"])]]
+    eight = next(t for t in server["llama_server"]["table"] if t["n"] == 8)
+    rows.append(["0.5B, 8 concurrent requests over HTTP", f"{f(eight['tokentop_tok_s'])} tok/s",
+                 f"{f(eight['llama_server_tok_s'])} tok/s (`-np 8`)", f"**{x(eight['tokentop_over_llama_server'])}**"])
+    m = single.machine
+    return (f"{cls} (AMD EPYC, cpuid {m['cpu_family_model']}, {isa_summary(m['isa'])}), 2 cores, 2 threads; "
+            f"llama.cpp / llama-server measured side by side in the same run, same GGUF file:\n\n" +
+            table(["", "tokentop", "llama.cpp", "ratio"], rows))
+
+
+HEADLINE_CPU = "Zen 5"
+
+
+def render() -> str:
+    parts = [TEXT["intro"], "## Headline\n\n" + headline() + "\n", sec_single(), sec_batching(), sec_llama_server(),
+             sec_routing(), sec_prefix(), sec_spec(), sec_serve(), sec_dashboard(), sec_trace(), sec_gpu(),
+             TEXT["defaults"], sec_reports()]
+    return "\n".join(p.rstrip("\n") + "\n" for p in parts)
+
+
+# --- the hand-written text -------------------------------------------------------------------
+TEXT = {
+    "intro": """\
+# Benchmarks
+
+<!-- Generated by `python tools/bench_tables.py` from the reports in docs/bench/: edit the tool, not this page. -->
+
+Every figure on this page comes from a JSON report in `docs/bench/`, written by the command shown
+with it (`tokentop bench SCENARIO ... --out FILE`); the last section lists the reports and the CPU
+each one ran on. The CPU machines are 2 cores of shared AMD EPYC VMs (torch 2.13.0+cpu, 2 threads)
+of three classes: Zen 3 (cpuid family 25 model 1, AVX2 only), Zen 4 (25/17, AVX-512 without
+AVX-VNNI) and Zen 5 (26/2, AVX-512 with AVX-VNNI), none with AMX. Each benchmark keeps its latest
+report per class.
+
+How to read them: every comparison runs its sides interleaved in one run (ABAB or ABBA, fresh
+processes) and quotes the median of the pairs' ratios, because these machines' memory bandwidth
+swings up to 1.5× over minutes; absolute rates move ±10–20% from run to run. With 2 threads on 2
+cores, any other busy process makes the OpenMP threads wait for each other and decode collapses:
+the figures were taken on an otherwise idle machine. llama.cpp is llama-cpp-python 0.3.36 and its
+llama-server, built from source with the GGML flags of the machine's ISA, 2 threads, same GGUF
+file.
+""",
+    "single": """\
+Prefill tok/s of a 500-token prompt and decode tok/s of 128 greedy tokens, medians, and the peak
+RSS of the process, per model; with `--llama-cpp`, llama.cpp runs the same protocol in its own
+process, alternating with tokentop run by run, and the ratios are the medians of the pairs'
+ratios (tokentop / llama.cpp; for RSS, lower is better).""",
+    "batching": """\
+N concurrent requests (24-token prompts, 128 greedy tokens each, the 0.5B) in one engine, in
+process: the aggregate tok/s, N = 8 over one stream, the batched burst against the same requests
+one after another (where the run measured it), and paged against contiguous K/V (512-token
+context, ABBA). Each CPU's newest batching run, with or without `--llama-server`.""",
+    "llama_server": """\
+The same burst through both servers over HTTP, one client function for both: N concurrent
+non-streaming `/v1/completions` (prompts as token ids, temperature 0, `ignore_eos`, 128 tokens,
+checked from `usage`). tokentop: `tokentop serve`'s server with the worker in its own process,
+`--threads 2 --max-active 8`; llama.cpp: `llama-server -m MODEL.gguf -np 8 -c 8192 -t 2`.""",
+    "routing": """\
+A burst of 8 and 48 requests 50 ms apart (516-token prompts sharing 512 tokens, 128 output tokens,
+at most 4 active per worker) over unequal workers: `forced-fastest` sends everything to the
+fastest worker, `cost` routes each request by the workers' measured rates and queues. Default
+workers: a real CPU worker and a simulated GPU (`sim:gpu0`, a timed wait at mini-vllm-rs's
+published Metal rates).""",
+    "prefix": """\
+Prefix caching with the 0.5B (token budget 512 a step, chunked prefill, at most 8 running): a warm
+against a cold document; bursts of identical prompts and of questions on one shared document
+under the four sharing modes, their bursts interleaved run by run; a cyclic working set larger
+than the cache; and greedy output with the cache on and off.""",
+    "spec": """\
+Speculative decoding on the CPU, one request at a time: decode tok/s = (output − 1) / (e2e − TTFT),
+so a draft model's catch-up on the prompt counts against it; acceptance = accepted / drafted
+tokens, length = tokens per verify step. `draft` uses the 0.5B as the draft model, `mentored` its
+distribution within a total-variation budget D, `ngram` proposals from the context.""",
+    "serve": """\
+8 concurrent streams of 64 tokens (0.5B) through one engine, measured by the client: in process
+(`engine.submit`, async iteration) against `tokentop serve`'s HTTP API (streamed over loopback),
+runs alternating.""",
+    "dashboard": """\
+The same 8-request burst (64 tokens each) headless and with the dashboard open (rendering at
+200×60 in Textual's headless driver), runs alternating.""",
+    "trace": """\
+A 4-request burst with tracing off and on (same engine, interleaved), and the cost of a disabled
+trace scope times the scopes in a decode step, as a fraction of the step.""",
+    "gpu": """\
+`tools/gpu_check.py` on a lent GPU machine (docs/gpu_check.md): fidelity per activation dtype,
+bench single and batching, the decode step's launch profile, the kernel choice and routing over
+the machine's CPU and the GPU. The 1.5B file cannot travel in one piece, so only its fidelity and
+bench single ran.""",
+    "defaults": """\
+## Measurements behind defaults
+
+Figures that decided a default, measured with scripts that are not kept: no report backs them here.
+
+* **KV dtype.** `--kv-dtype auto` is fp32 on every device. Teacher-forced over the fidelity
+  prompts, fp16 K/V moves Gemma 3 270M off the reference at a step that is not a near-tie (top-2
+  gap 0.263 > 0.25), bf16 moves its logits by up to 2.3; on the Qwen models fp16 changes no argmax
+  against fp32 K/V (`tests/test_fidelity.py`). Neither is faster at ≤ 2,000 positions (the
+  conversion back to fp32 costs about what the halved reads save), and the CPU store is resident
+  only where written, so memory does not need it. `--kv-dtype fp16` doubles the positions that fit.
+* **2 MiB pages for the weights** (`engine/models/huge_pages.py`): the 1.5B decode step 1.022×
+  faster (median of 12 alternations against the same file cached in 4 KiB pages, Zen 5).
+* **One OpenMP team per core.** A decoder loaded on one thread and stepped on another, or two CPU
+  workers on the same cores, makes libgomp manage more threads than CPUs: the 1.5B step took 27.5
+  against 19.0 ms, and two 0.5B workers on 2 cores ran 92-95 tok/s together against 248-295 with
+  the cores split (Zen 5). Hence one thread drives a worker and CPU workers split the cores.""",
+    "reports": """\
+The CPU class comes from cpuid family/model where the report records it, else from the ISA
+(AVX-512 with AVX-VNNI: Zen 5, AVX-512 without: Zen 4, AVX2 only: Zen 3); the quantized kernels are
+the build that ran (`avx2 (dots: maddubs)` on CPUs without AVX-VNNI). CPU reports that record no
+kernel build ran an earlier engine, before the GGUF-native kernels (torch int4 planes): their
+absolute rates are not today's engine's; rerun them for current figures.""",
+}
+
+BOUNDS = {
+    "single": """\
+What bounds them: decode reads every weight once a step (0.5B ~0.39 GB, 1.5B ~1.0 GB) and is
+bound by memory bandwidth: on Zen 5 the 0.5B step reads at 32 GB/s against a 41-45 GB/s plain
+2-thread read, and the framework around the kernels is within the timings' spread
+(`framework_overhead_ms_per_step` in the reports). On Zen 3 the Q5_0 direct kernel is bound by its
+bit work instead (10 GB/s against 17 for Q8_0 and Q4_K). Prefill runs on the panel kernels and is
+compute-bound. The 0.5B's peak RSS above llama.cpp's is mostly the torch runtime (~145 MB at
+import) and the tokenizer (~85 MB); on the 1.5B llama.cpp's own buffers are the larger.""",
+    "batching": """\
+What bounds them: one stream is bound by memory, eight rows by the integer dot and the tile build
+of the 8-row calls (`python tools/kernel_bench.py`). The 8-row forward takes ~1.8× the 1-row one
+on Zen 5 and ~2.1× on Zen 4, which runs 512-bit operations in two halves. On Zen 3 (AVX2,
+`maddubs`) the 8-row linear layers take 2.5-2.7× the 1-row time: the `maddubs` dot runs at about
+half of `vpmaddubsw`'s rate, and even at the best rate these kernels reach at any call size the
+8-row layers would take 1.7-2.0×. The aggregate also carries the 8 prompts' prefill. Paging costs
+nothing measurable: the model step reads paged and contiguous K/V at the same speed, and the
+pair's spread (±3%) is the two engines' processes.""",
+    "llama_server": """\
+What bounds them: a tokentop step runs every active row through each linear layer in one call, so
+the weights are read once a step for all eight streams, and N = 8 is bound by the 8-row kernels
+(see batching); llama-server's aggregate grows far less from one stream to eight (its N8 / N1
+column). At N = 1 the gap is the single-stream decode ratio, less the HTTP path.""",
+    "routing": """\
+What bounds them: the CPU worker in this report (an earlier engine, see the last section) decodes
+~30× slower than the simulated GPU, so `cost` sends it work only when the GPU's queue is long and
+completion stays within a few per cent of `forced-fastest`. Over a real CPU and GPU: the GPU
+section.""",
+    "prefix": """\
+What bounds them: no request has its first token before one full prefill of its prompt, here the
+leader's two steps (512 + 20 tokens), and a follower also computes the tokens after the last full
+shared page (only full pages are keyed): so the best mean for identical prompts at N = 8 is about
+−80 to −81% against `independent`, which is where `after-prefill` measures. For the shared
+document every request needs the 800 document tokens computed once before its first token, which
+caps `after-prefill` at about −35% against `incremental`. At N ≤ 4, release at completion is worse
+than no cache: the followers wait through the leader's decode.""",
+    "spec": """\
+What bounds them: this report ran an earlier engine (torch int4 planes, see the last section),
+whose kernels cost ~1.9× one row from 5 rows on, so a k = 4 verify cost almost a second target
+step, and a 0.5B draft step cost ~0.45 of a 1.5B target step; n-gram proposals cost nothing to
+draft, so they win on code edits. `adaptive:cost` measures these costs and stays at or above target-only
+on every workload, the burst included. The mentored D = 0.5 / 0.75 code rows did exactly
+`draft k=8`'s work (greedy requests ignore the budget: same acceptance and length), so their low
+speed there is the machine's noise, not the method.""",
+    "serve": """\
+What bounds them: both clients drive the same engine, so throughput is the engine's; the HTTP path
+adds request parsing, SSE framing and loopback per streamed token.""",
+    "dashboard": """\
+What bounds them: the worker steps in its own process either way; the dashboard renders the
+engine's snapshots at its own refresh and never enters a step, so the difference is within
+run-to-run noise.""",
+    "trace": """\
+What bounds them: a disabled scope is one flag check (~0.3 µs with the context manager), ~200 of
+them a step; with tracing on each scope appends to its thread's own ring buffer, no lock taken, so
+on is within noise of off.""",
+    "gpu": """\
+What bounds them: one decode step is mostly host time (wall time against GPU time above): Python
+and kernel launches, so the kernel choice moves little. The engine keeps dense bf16 weights on
+CUDA: the int4 kernel saves ~0.5 ms of an 11 ms step at one row and loses from ~32 rows on. CUDA
+graphs (one captured decode step replayed) are the lever and are not built: the host-side
+attention planning and the lm_head refinement's copy to the host would have to move onto the device
+first. Routing: `cost` offloads to the CPU and that pays under load (48 requests); at 8 the CPU's
+slower decode made the offloaded requests the slowest.""",
+}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, epilog=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--check", action="store_true", help="only compare: exit 1 if the page is out of date")
+    args = ap.parse_args()
+    page = render()
+    if args.check:
+        if PAGE.read_text() != page:
+            print(f"{PAGE.relative_to(ROOT)} is out of date: run python tools/bench_tables.py", file=sys.stderr)
+            return 1
+        return 0
+    PAGE.write_text(page)
+    print(f"wrote {PAGE.relative_to(ROOT)} ({len(page.encode())} bytes)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <vector>
 
 using clk = std::chrono::steady_clock;
@@ -85,7 +86,12 @@ __attribute__((target("avx2"), noinline)) static double maddubs(long n) {
     return ns;
 }
 
-int main() {
+int main(int argc, char** argv) {
+    if (argc > 1) {   // --help (or anything else): what it times, no timing
+        std::printf("dpbusd_rate: ns per AVX2 dot instruction by operand form (vpdpbusd with a broadcast,\n"
+                    "shared or full-vector operand; maddubs+madd+add), and per cycle. No arguments.\n");
+        return std::strcmp(argv[1], "--help") == 0 ? 0 : 2;
+    }
     for (int i = 0; i < 64 * 64; ++i) mem[i] = int32_t(i * 2654435761u);
     const long n = 20000000;
     const char* names[] = {"1-cycle add", "vpdpbusd, broadcast operand", "vpdpbusd, broadcast shared by two",

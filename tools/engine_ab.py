@@ -1,29 +1,34 @@
-"""A/B of the whole engine between two checkouts of tokentop: bench batching's burst (N requests
-of 128 tokens at once, in process, paged K/V) at N = 1 and N = 8.
-
-Each round runs both checkouts in fresh processes (PYTHONPATH = that checkout, so its kernels
-are built and used), alternating the order round by round (ABBA), so a slow spell of a shared
-machine hits both sides; prints each round, the medians and the median of the rounds' ratios.
-  python tools/engine_ab.py /path/a,/path/b [rounds]
-(e.g. a `git worktree add /tmp/base HEAD~1` against this checkout).
-"""
+"""A/B of the whole engine between two checkouts: bench batching's burst at N = 1 and N = 8 (ABBA)."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
 import subprocess
 import sys
 
+USAGE = """\
+bench batching's burst: N requests of 128 tokens at once, in process, paged K/V. Each round runs
+both checkouts in fresh processes (PYTHONPATH = that checkout, so its kernels are built and
+used), alternating the order round by round (ABBA), so a slow spell of a shared machine hits
+both sides; prints each round, the medians and the median of the rounds' ratios.
+  git worktree add /tmp/base HEAD~1 && python tools/engine_ab.py /tmp/base,$PWD 8
+"""
+
+# The child runs in either checkout, so it takes the names of both layouts: a checkout from
+# before the engine's split has no with_worker and calls its burst helper _burst.
 CHILD = r'''
 import json
-from app.cli import build_parser
+import app.cli as cli
 from engine.bench import scenarios as sc
-args = build_parser().parse_args(["bench", "batching", "--threads", "2"])
+args = cli.build_parser().parse_args(["bench", "batching", "--threads", "2"])
+args = cli.with_worker(args) if hasattr(cli, "with_worker") else args
+burst = getattr(sc, "timed_burst", None) or getattr(sc, "_burst")
 engine = sc.start_engine([sc.base_worker(args, max_active=8, kv_cache="paged")])
-sc._burst(engine, 2, 8, True, "warm")
-sc._burst(engine, 1, 8, True, "warm")
-out = {n: n * 128 / sc._burst(engine, n, 128, True, f"r{n}") for n in (1, 8)}
+burst(engine, 2, 8, True, "warm")
+burst(engine, 1, 8, True, "warm")
+out = {n: n * 128 / burst(engine, n, 128, True, f"r{n}") for n in (1, 8)}
 sc.stop_engine(engine)
 print(json.dumps(out))
 '''
@@ -39,10 +44,15 @@ def run_side(path: str) -> dict:
 
 
 def main() -> None:
-    if len(sys.argv) < 2 or sys.argv[1].count(",") != 1:
-        sys.exit(__doc__)
-    a, b = sys.argv[1].split(",")
-    rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 6
+    ap = argparse.ArgumentParser(description=__doc__, epilog=USAGE,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trees", help="the two checkouts, comma-separated: /path/a,/path/b")
+    ap.add_argument("rounds", nargs="?", type=int, default=6, help="rounds (default 6)")
+    args = ap.parse_args()
+    if args.trees.count(",") != 1:
+        ap.error("give exactly two checkouts: /path/a,/path/b")
+    a, b = args.trees.split(",")
+    rounds = args.rounds
     res: dict[str, list[dict]] = {a: [], b: []}
     for r in range(rounds):
         for side in ((a, b) if r % 2 == 0 else (b, a)):

@@ -1,15 +1,16 @@
 // Why engine/kernels/vec_math.h and fused_ops.cpp write their generic-vector loops with 8-float
-// vectors: the same loop over 16-float vectors (GCC vector extensions, target_clones) against the
+// vectors: the same loops over 16-float vectors (GCC vector extensions, target_clones) against the
 // engine's 8-lane forms (vec_math.h, included here), in the clone this CPU runs. On AVX2, GCC
 // lowers a 16-float vector's compares, selects and int conversions through memory. One thread;
 // medians of 7 runs.
 //   g++ -O3 -std=c++17 -Wno-psabi tools/fused_vector_width.cpp -o /tmp/fvw && /tmp/fvw
 // Prints ms per call for: the exp-sum of a 151936-logit row (greedy_pick's second pass), the
-// greedy_pick row as it was (16 lanes, reduced every 64 logits) and as it is (vec_math.h's
-// greedy_row), and a 896-long dot product (rms_norm's sum of squares).
+// greedy_pick row in 16 lanes reduced every 64 logits and the engine's greedy_row (vec_math.h),
+// and a 896-long dot product (rms_norm's sum of squares).
 #include <chrono>
 #include <cstdio>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "../engine/kernels/vec_math.h"
@@ -43,8 +44,8 @@ TT_CLONES float exp_sum8(const float* x, int64_t n, float mx) {
     return hsum(v8(a + b));
 }
 
-// greedy_pick's row before this change: max and exp-sum per 64 logits, each block reduced at once
-TT_CLONES float greedy_row_before(const float* x, int64_t V, int64_t* id) {
+// greedy_pick's row in 16 lanes: max and exp-sum per 64 logits, each block reduced at once
+TT_CLONES float greedy_row16(const float* x, int64_t V, int64_t* id) {
     const float ninf = -std::numeric_limits<float>::infinity();
     float best = ninf;
     int64_t best_block = 0;
@@ -75,8 +76,8 @@ TT_CLONES float greedy_row_before(const float* x, int64_t V, int64_t* id) {
     return float(-std::log(sum));
 }
 
-// as it is now: the engine's greedy_row
-static float greedy_row_now(const float* x, int64_t V, int64_t* id) {
+// the engine's greedy_row
+static float greedy_row_engine(const float* x, int64_t V, int64_t* id) {
     float logprob;
     bool ok;
     greedy_row(x, V, id, &logprob, &ok);
@@ -103,23 +104,28 @@ static double median_ms(F f, int reps) {
     return t[3];
 }
 
-int main() {
+int main(int argc, char** argv) {
+    if (argc > 1) {   // --help (or anything else): what it times, no timing
+        printf("fused_vector_width: the fused ops' loops in 16-float vectors against vec_math.h's 8-float\n"
+               "forms, one thread, ms per call (exp-sum, greedy_pick's row, a 896-long dot). No arguments.\n");
+        return std::string(argv[1]) == "--help" ? 0 : 2;
+    }
     const int64_t V = 151936, D = 896;
     std::vector<float> x(V);
     std::mt19937 g(1);
     std::normal_distribution<float> nd(0.0f, 4.0f);
     for (float& v : x) v = nd(g);
     volatile float sink;
-    int64_t id_before = 0, id_now = 0;
-    const float lp_before = greedy_row_before(x.data(), V, &id_before), lp_now = greedy_row_now(x.data(), V, &id_now);
-    printf("greedy row: id %ld / %ld, logprob %.7f / %.7f (before / now)\n", long(id_before), long(id_now),
-           lp_before, lp_now);
+    int64_t id16 = 0, id_engine = 0;
+    const float lp16 = greedy_row16(x.data(), V, &id16), lp_engine = greedy_row_engine(x.data(), V, &id_engine);
+    printf("greedy row: id %ld / %ld, logprob %.7f / %.7f (16 lanes / engine)\n", long(id16), long(id_engine),
+           lp16, lp_engine);
     printf("exp-sum of %ld logits: 16 lanes %.4f ms, 8 lanes x2 %.4f ms\n", long(V),
            median_ms([&] { sink = exp_sum16(x.data(), V, 20.0f); }, 300),
            median_ms([&] { sink = exp_sum8(x.data(), V, 20.0f); }, 300));
     int64_t id;
-    printf("greedy row: before %.4f ms, now %.4f ms\n", median_ms([&] { sink = greedy_row_before(x.data(), V, &id); }, 300),
-           median_ms([&] { sink = greedy_row_now(x.data(), V, &id); }, 300));
+    printf("greedy row: 16 lanes %.4f ms, engine %.4f ms\n", median_ms([&] { sink = greedy_row16(x.data(), V, &id); }, 300),
+           median_ms([&] { sink = greedy_row_engine(x.data(), V, &id); }, 300));
     printf("dot of %ld: 16 lanes %.5f ms, 8 lanes x2 %.5f ms (same sums: %s)\n", long(D),
            median_ms([&] { sink = dot16(x.data(), x.data() + D, D); }, 20000),
            median_ms([&] { sink = dot8x2(x.data(), x.data() + D, D); }, 20000),

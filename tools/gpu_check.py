@@ -1,5 +1,30 @@
-"""One prepared check of the CUDA workers on a real GPU: fidelity, kernels, benchmarks, NVTX.
+"""One prepared check of the CUDA workers on a real GPU: fidelity, kernels, benchmarks, NVTX."""
+from __future__ import annotations
 
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+import tests.test_fidelity  # noqa: E402,F401 - its conftest caps torch at 2 threads (a shared CI box)
+
+torch.set_num_threads(os.cpu_count() or 1)
+
+USAGE = """\
     python3 tools/gpu_check.py --model /tmp/models/qwen0.5.gguf --out $OUT     # on a GPU machine
     python3 tools/gpu_check.py --tiny --out DIR       # tiny random GGUF models (no real model)
     python3 tools/gpu_check.py --dry-run --out DIR    # every step on the CPU (tiny model): the
@@ -28,30 +53,6 @@ longer fits):
 Writes OUT/gpu_check.json (everything), OUT/gpu_check.txt (the table), OUT/trace-*.json (the
 NVTX section's Chrome trace) and prints the table last.
 """
-from __future__ import annotations
-
-import argparse
-import hashlib
-import json
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
-import threading
-import time
-import traceback
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-
-import tests.test_fidelity  # noqa: E402,F401 - its conftest caps torch at 2 threads (a shared CI box)
-
-torch.set_num_threads(os.cpu_count() or 1)
 
 SECTIONS = ("env", "fidelity", "kernels", "step", "single", "batching", "nvtx", "routing", "two_gpus")
 # Rough seconds each section needs on an H200 with the 0.5B: a section starts only if it fits.
@@ -63,7 +64,8 @@ NEW_TOKENS = 32
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__, epilog=USAGE,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="GGUF path (default: the catalog's qwen2.5-coder-0.5b)")
     p.add_argument("--model-name", default="qwen2.5-coder-0.5b", help="its key in greedy_reference.json")
     p.add_argument("--device", default="cuda:0")

@@ -1,22 +1,23 @@
-"""A/B of the linear layers of one decode step between two checkouts of tokentop.
-
-Each round runs every checkout in a fresh process (PYTHONPATH = that checkout, so its kernels
-are built and used), alternating (ABBA), so a slow spell of a shared machine hits both sides; prints
-each round and the medians. Times are tools/kernel_bench.py's `time_set` (every linear layer
-once, back to back, the op's default kernel for the row count), in ms; "read" is a plain 2-thread memory read in GB/s
-taken right after, since this machine's bandwidth moves between levels for minutes at a time
-(compare rounds at the same level). Run under the CPU lock:
-  flock /tmp/tokentop-cpu.lock python tools/kernel_ab.py qwen2.5-coder-1.5b /path/a,/path/b 1,4 [rounds] [--op OP]
---op lm-head (or any QuantLinear.op) times only those layers.
-TOKENTOP_KERNEL_ISA passes through (e.g. avx2 to compare the AVX2 code).
-"""
+"""A/B of the linear layers of one decode step between two checkouts of tokentop (ABBA rounds)."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
 import subprocess
 import sys
+
+USAGE = """\
+Each round runs every checkout in a fresh process (PYTHONPATH = that checkout, so its kernels
+are built and used), alternating the order round by round (ABBA), so a slow spell of a shared
+machine hits both sides; prints each round, the medians and, for two checkouts, the median of
+the rounds' ratios. Times are tools/kernel_bench.py's time_set (every linear layer once, back
+to back, the op's default kernel for the row count), in ms; "read" is a plain 2-thread memory
+read in GB/s taken right after (compare rounds at the same bandwidth level).
+  python tools/kernel_ab.py qwen2.5-coder-1.5b /path/a,/path/b 1,4 6 --op lm-head
+TOKENTOP_KERNEL_ISA passes through (e.g. avx2 to time the AVX2 code on an AVX-512 CPU).
+"""
 
 CHILD = r'''
 import json, sys, torch
@@ -40,11 +41,15 @@ print(json.dumps({**times, "read": read_bandwidth(1 << 28, 3)}))
 
 
 def main() -> None:
-    op = sys.argv[sys.argv.index("--op") + 1] if "--op" in sys.argv else None
-    args = [a for i, a in enumerate(sys.argv) if a != "--op" and (i == 0 or sys.argv[i - 1] != "--op")]
-    model, trees = args[1], args[2].split(",")
-    rows = args[3] if len(args) > 3 else "1"
-    rounds = int(args[4]) if len(args) > 4 else 3
+    ap = argparse.ArgumentParser(description=__doc__, epilog=USAGE,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", help="catalog name or .gguf path")
+    ap.add_argument("trees", help="checkouts to compare, comma-separated: /path/a,/path/b")
+    ap.add_argument("rows", nargs="?", default="1", help="row counts, comma-separated (default 1)")
+    ap.add_argument("rounds", nargs="?", type=int, default=3, help="rounds (default 3)")
+    ap.add_argument("--op", default=None, help="only the layers of this QuantLinear.op, e.g. lm-head")
+    args = ap.parse_args()
+    model, trees, rows, rounds, op = args.model, args.trees.split(","), args.rows, args.rounds, args.op
     results: dict[str, list[dict]] = {t: [] for t in trees}
     for r in range(rounds):
         for tree in trees if r % 2 == 0 else trees[::-1]:   # ABBA: neither side always goes first

@@ -1,16 +1,7 @@
-"""Micro-benchmark of tokentop::qmatmul on a real model's linear layers (one decode step's set).
-
-For each row count M, every linear layer of the model runs once back to back, with the direct
-kernels (small_m=16), the unpacked tiles (small_m=0) and the panels (big_m=1; AVX-512 only,
-elsewhere the op's other kernels), 2 threads unless told;
-prints the median time of the set, the GGUF bytes it reads and the rate. Run under the CPU lock:
-  flock /tmp/tokentop-cpu.lock python tools/kernel_bench.py qwen2.5-coder-0.5b [threads]
-`--prefill` instead times many-row calls (prefill): the tiles against the panel kernel
-(big_m=1, AVX-512), per row count and, at 512 rows, per layer shape, in GMAC/s.
-"""
+"""Times tokentop::qmatmul's kernels on every linear layer of a real model's decode step."""
 from __future__ import annotations
 
-import sys
+import argparse
 import time
 from collections import defaultdict
 
@@ -23,6 +14,17 @@ from engine.models.decoder import Decoder
 from engine.models.gguf import load_gguf
 from engine.models.quant import LinearPolicy, QuantLinear
 from engine.stats import median
+
+USAGE = """\
+For each row count M, every linear layer of the model runs once back to back, with the direct
+kernels (small_m=16), the unpacked tiles (small_m=0) and the panels (big_m=1; AVX-512 only,
+elsewhere the op's other kernels); prints the median time of the set, the GGUF bytes it reads
+and the rate, then per GGUF type at M = 1. --prefill instead times many-row calls: the tiles
+against the panels per row count and, at 512 rows, per layer shape, in GMAC/s.
+Run on an otherwise idle machine:
+  python tools/kernel_bench.py qwen2.5-coder-0.5b 2
+tools/kernel_ab.py times the same set (time_set) across two checkouts.
+"""
 
 
 def time_set(layers: list[QuantLinear], m_rows: int, small_m: int, reps: int = 9, big_m: int = 0) -> float:
@@ -61,9 +63,14 @@ def prefill(layers: list[QuantLinear]) -> None:
 
 
 def main() -> None:
-    args = [a for a in sys.argv[1:] if a != "--prefill"]
-    model_name = args[0] if args else "qwen2.5-coder-0.5b"
-    torch.set_num_threads(int(args[1]) if len(args) > 1 else 2)
+    ap = argparse.ArgumentParser(description=__doc__, epilog=USAGE,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", nargs="?", default="qwen2.5-coder-0.5b", help="catalog name or .gguf path")
+    ap.add_argument("threads", nargs="?", type=int, default=2, help="torch threads (default 2)")
+    ap.add_argument("--prefill", action="store_true", help="many-row calls: tiles against panels")
+    args = ap.parse_args()
+    model_name = args.model
+    torch.set_num_threads(args.threads)
     model = Decoder.from_gguf(load_gguf(str(resolve_model(model_name))), LinearPolicy())
     layers = [m for m in model.modules() if isinstance(m, QuantLinear) and m.gguf is not None]
     nbytes = sum(m.gguf.nbytes for m in layers)
@@ -73,7 +80,7 @@ def main() -> None:
             by_type[t] += w.numel()
     print(f"{model_name}: {len(layers)} layers, {nbytes / 1e6:.0f} MB, isa {kernels.isa_name()}, "
           f"threads {torch.get_num_threads()}, bytes by type {dict(by_type)}")
-    if "--prefill" in sys.argv[1:]:
+    if args.prefill:
         return prefill([m for m in layers if m.op != "lm-head"])
 
     print(f"plain read of 1 GiB: {read_bandwidth():.1f} GB/s; default direct rows: {kernels.direct_rows()}")

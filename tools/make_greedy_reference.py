@@ -1,16 +1,4 @@
-"""Record greedy reference continuations of real GGUF models with Hugging Face transformers.
-
-Dev-time tool, not part of the product: it runs in a separate virtualenv that has
-transformers (e.g. REFVENV), loads the *same* GGUF file through transformers' own
-GGUF loader (dequantized to fp32, HF's independent model code) and writes, per prompt,
-the prompt token ids, the first N greedy token ids and the gap between the two best
-logits at each step (so a test can tell a real bug from a near-tie flipping).
-
-    PATH/TO/python tools/make_greedy_reference.py \
-        --model qwen2.5-coder-0.5b=/tmp/models/qwen0.5.gguf \
-        --model gemma3-270m=/tmp/models/gemma3-270m.gguf \
-        --model qwen2.5-coder-1.5b=/tmp/models/qwen1.5.gguf
-"""
+"""Record greedy reference continuations of real GGUF models with Hugging Face transformers."""
 from __future__ import annotations
 
 import argparse
@@ -21,8 +9,21 @@ import time
 from pathlib import Path
 
 import torch
-import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer
+
+# transformers is imported where it is used: it lives in a separate virtualenv (USAGE), and
+# --help works without it.
+USAGE = """\
+Dev-time tool, not part of the product: it runs in a separate virtualenv that has
+transformers (e.g. REFVENV), loads the *same* GGUF file through transformers' own
+GGUF loader (dequantized to fp32, HF's independent model code) and writes, per prompt,
+the prompt token ids, the first N greedy token ids and the gap between the two best
+logits at each step (so a test can tell a real bug from a near-tie flipping).
+
+    PATH/TO/python tools/make_greedy_reference.py \\
+        --model qwen2.5-coder-0.5b=/tmp/models/qwen0.5.gguf \\
+        --model gemma3-270m=/tmp/models/gemma3-270m.gguf \\
+        --model qwen2.5-coder-1.5b=/tmp/models/qwen1.5.gguf
+"""
 
 NEW_TOKENS = 32
 TOP_K_FIRST = 8  # top logits of the first prediction, for a numeric (not only argmax) check
@@ -83,6 +84,7 @@ def reference_for(path: Path, previous: dict | None) -> dict:
     """Records for every prompt; those already in `previous` for the same file are kept."""
     digest = sha256(path)
     kept = {p["name"]: p for p in previous["prompts"]} if previous and previous["sha256"] == digest else {}
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     d, f = str(path.parent), path.name
     tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
     model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32,
@@ -106,11 +108,12 @@ def reference_for(path: Path, previous: dict | None) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, epilog=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", action="append", required=True, metavar="NAME=PATH.gguf")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "tests/data/greedy_reference.json"))
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
+    import transformers
     torch.set_num_threads(args.threads)
 
     out_path = Path(args.out)

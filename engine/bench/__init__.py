@@ -93,8 +93,8 @@ def machine() -> dict:
 
 def read_bandwidth(nbytes: int = 1 << 30, reps: int = 5, threads: int | None = None) -> float:
     """GB/s of a plain read of nbytes (a float32 sum over `threads`, default torch's): the
-    memory ceiling a decode step's weight reads compare with. This machine's swings ~1.5x over
-    minutes (other tenants), so benchmarks take it next to each figure."""
+    memory ceiling a decode step's weight reads compare with. On a shared machine it can swing
+    over minutes (other tenants), so benchmarks take it next to each figure."""
     from engine.stats import median
     before = torch.get_num_threads()
     if threads:

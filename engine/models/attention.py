@@ -164,10 +164,9 @@ def attend(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, plan: 
         qs = q[s.rows]
         n = qs.shape[0]
         if n > 1 and softcap is None:
-            # A chunk goes to torch's fused CPU attention: 1.5-3x faster than bmm/softmax/bmm
-            # here for n >= 128 (0.5B shapes, one thread), equal at n = 16. Single queries
-            # stay on the bmm path below, which was faster for them. 4-D inputs: with 3-D
-            # ones torch falls back to its slow math path.
+            # A chunk goes to torch's fused CPU attention, faster than bmm/softmax/bmm from a
+            # few dozen queries on (equal at 16); single queries stay on the bmm path below,
+            # faster for them. 4-D inputs: with 3-D ones torch falls back to its slow math path.
             o = F.scaled_dot_product_attention(qs.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                                v.transpose(0, 1)[None], attn_mask=s.mask,
                                                is_causal=s.causal, scale=1.0, enable_gqa=True)
@@ -191,8 +190,8 @@ def attend(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, plan: 
     if d is not None:
         # Gather the B*L rows from the (contiguous) store, then run one bmm per KV head on
         # strided views: BLAS reads a head's keys in place (row stride KV*hd), so neither a
-        # kv-head-major copy (20% slower, 8 decodes over 500 tokens, one thread) nor matmul's
-        # own reordering copy is made. Never index a transposed view of the whole store:
+        # kv-head-major copy (slower than the strided reads) nor matmul's own reordering copy
+        # is made. Never index a transposed view of the whole store:
         # torch would first copy all of it.
         B, L = d.slots.shape
         qd = q[:B] if d.rows is None else q.index_select(0, d.rows)

@@ -9,7 +9,7 @@ a quarter of a decode step, wasted on prompt rows. The work between the linear l
 residual adds, rope and K/V writes, decode attention, the gated activation) is four C++ ops
 per layer (engine/models/fused.py), or the same in plain torch where they are not built. A
 step of decode rows only runs all layers in one C++ call (tokentop.DecodeLayers, the same ops
-in the same order: ~1 ms less Python per 1.5B step, the same bits).
+in the same order, so the same bits, without the Python between the layers).
 """
 from __future__ import annotations
 
@@ -185,7 +185,7 @@ class Decoder(nn.Module):
             else:
                 for block in self.blocks:
                     with tracer.scope("layer", i=block.layer):
-                        # forward, not __call__: no hooks are used, and dispatch costs ~5 us a layer
+                        # forward, not __call__: no hooks are used, and __call__'s dispatch costs per layer
                         x = block.forward(x, kv, write_slots, plans[block.sliding], *ropes[block.sliding], ops)
 
             if batch.logits_rows.numel() == 0:   # a prefill chunk that samples nothing
@@ -230,7 +230,7 @@ class Decoder(nn.Module):
         cand = top_candidates(logits, REFINED_CANDIDATES)
         g = self.lm_head.gguf
         if self.ops is FUSED and g is not None and len(g.types) == 1:
-            # the C++ op dequantizes each row as ggml does (numpy took ~1 ms for 8 rows' 256)
+            # the C++ op dequantizes each row as ggml does, without numpy's copies
             exact = torch.ops.tokentop.gguf_rows_dot(h.contiguous(), g.tensors[0], g.types[0], cand)
         else:
             rows = dequantize_rows(self.head_td, cand.reshape(-1).cpu()).to(h.device)
@@ -250,8 +250,8 @@ def _decode_only(plan: AttentionPlan) -> bool:
 
 
 def top_candidates(logits: torch.Tensor, k: int, chunk: int = 64) -> torch.Tensor:
-    """Indices [R, k] of each row's k largest values, the set topk gives (up to ties), ~10x
-    faster than topk over a 152k vocabulary (0.6 ms a step on the 0.5B).
+    """Indices [R, k] of each row's k largest values, the set topk gives (up to ties), at a
+    fraction of topk's cost over a 152k vocabulary.
 
     The k chunks with the largest maxima hold at least k values >= the k-th largest chunk
     maximum, so the k largest values all lie in those chunks: topk runs over k * chunk values.

@@ -1,8 +1,8 @@
 """Read a GGUF file: metadata -> ModelConfig, tensor infos -> zero-copy views of the block bytes.
 
 The header is parsed here rather than with gguf.GGUFReader: the reader builds a numpy view per
-array element and took 17-23 s to open the real models (151,936 / 262,144 vocabulary strings);
-this parser takes well under a second. The gguf package still supplies the type enums and the
+array element, which takes tens of seconds over the real models' 151,936 / 262,144 vocabulary
+strings; this parser takes well under a second. The gguf package still supplies the type enums and the
 block sizes, and the tensor bytes are one read-only-to-disk memmap of the file (copy-on-write,
 so torch.from_numpy gets a writable view without copying anything).
 """

@@ -10,8 +10,8 @@ which reads the mmap'd GGUF blocks themselves: no unpacked or dense copy of a we
 and a decode step reads each weight's stored bits once. Without a C++ compiler (or for
 float-typed tensors, or on CUDA) a layer holds a dense dequantized copy instead.
 
-Load-time work is numpy: on this 2-core machine torch's elementwise CPU ops were 5-50x slower
-than numpy's (uint8 shifts are not vectorized; OpenMP threads stall when the cores are busy).
+Load-time work is numpy: torch's elementwise CPU ops are many times slower at it (uint8 shifts
+are not vectorized; OpenMP threads stall when the cores are busy).
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ class LinearPolicy:
     # dense copy exists. See prefill_dense_threshold() for the per-machine choice.
     dense_threshold: int | None = None
     # dtype of the dense copy. None: on CPU with bf16 activations, preferred_dense_dtype()
-    # (fp32 where bf16 GEMM is emulated: 4 bytes per weight, but 3-6x faster); else the
+    # (fp32 where bf16 GEMM is emulated: 4 bytes per weight, but several times faster); else the
     # activation dtype.
     dense_dtype: torch.dtype | None = None
     deterministic: bool = False    # one kernel for every T, so a row never depends on its batch
@@ -80,8 +80,8 @@ def cpu_has_native_bf16() -> bool:
 
 @functools.cache
 def preferred_dense_dtype() -> torch.dtype:
-    """Measured on this project's machines: bf16 F.linear beats fp32 only with native bf16;
-    on an AVX2-only EPYC it was 3-6x slower than fp32 at 8-64 rows."""
+    """bf16 F.linear beats fp32 only where the CPU has native bf16; where bf16 GEMM is emulated
+    (AVX2 only) it is several times slower than fp32 at 8-64 rows."""
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
 
@@ -339,7 +339,7 @@ class QuantLinear(torch.nn.Module):
 
     def direct_call(self):
         """This layer as a plain function of 2-D x, without nn.Module dispatch and buffer
-        lookups (~4 us a call, 0.4 ms of a 0.5B decode step): the op call _forward makes when
+        lookups (a few µs a call, paid by every layer of every step): the op call _forward makes when
         the GGUF kernel is the only form. None when the layer has other forms."""
         g = self.gguf
         if g is None or self.dense is not None:
@@ -403,7 +403,7 @@ def make_linear(td: TensorData | Sequence[TensorData], *,
             for rows in _row_chunks(t.shape[0], k):
                 _fill(dense[row0 + rows.start:row0 + rows.stop], _dequantize_np(t, rows))
             row0 += t.shape[0]
-    # GEMM is not batch-invariant on every CPU (fp32 on AVX2, fp16 on AVX-512 were not);
+    # GEMM is not batch-invariant on every CPU (fp32 on AVX2, fp16 on AVX-512 are not);
     # one row per call is, whatever the dtype
     linear = QuantLinear(name, k, n, gguf, dense, bias_t, policy.dense_threshold, policy.deterministic)
     linear.sources = tds

@@ -1,8 +1,8 @@
 """Load-time self-check: every weight form in use computes what its GGUF bytes say.
 
-A packing layout that differs by CPU (torch's int4 layout packed 32-row blocks on AVX2 and
-64-row blocks on AVX-512) once turned a model into noise on one CPU while every test passed
-on another; the GGUF kernels pick their instruction set per CPU in the same way. So after the linear layers are built, one random row goes through one layer of
+A packing layout that differs by CPU (torch's int4 layout packs 32-row blocks on AVX2 and
+64-row blocks on AVX-512) can turn a model into noise on one CPU while every test passes on
+another; the GGUF kernels pick their instruction set per CPU in the same way. So after the linear layers are built, one random row goes through one layer of
 each (GGML types, weight form) pair in use, and is compared with x @ W^T computed in fp64
 from the exactly dequantized GGUF rows. A mismatch refuses the model instead of generating
 garbage.

@@ -104,7 +104,7 @@ class Tokenizer:
         self._special_re: re.Pattern | None = None
         # One backend serves both readings of control tokens (special, or plain text): its
         # encode_special_tokens switch is set under this lock for each encode. A second copy
-        # of the backend for plain text cost ~110 MB of resident memory with a 152k vocabulary.
+        # of the backend for plain text would hold ~110 MB more with a 152k vocabulary.
         self._encode_lock = threading.Lock()
 
     # ---- construction -------------------------------------------------------------------
