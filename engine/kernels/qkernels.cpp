@@ -41,7 +41,7 @@ const int32_t* panel_starts(int32_t offset, int64_t grp, const int32_t* is16, in
 
 namespace isa_scalar {
 #define TT_LEVEL 0
-#include "qkernels_impl.inc"
+#include "quant_avx2_direct.inc"
 #undef TT_LEVEL
 }  // namespace isa_scalar
 
@@ -51,8 +51,8 @@ namespace isa_scalar {
 namespace isa_avx2 {
 #define TT_LEVEL 1
 #define TT_AVXVNNI 0
-#include "qkernels_impl.inc"
-#include "qkernels_panels_avx2.inc"
+#include "quant_avx2_direct.inc"
+#include "quant_avx2_panels.inc"
 #undef TT_AVXVNNI
 #undef TT_LEVEL
 }  // namespace isa_avx2
@@ -66,8 +66,8 @@ namespace isa_avx2 {
 namespace isa_avx2vnni {
 #define TT_LEVEL 1
 #define TT_AVXVNNI 1
-#include "qkernels_impl.inc"
-#include "qkernels_panels_avx2.inc"
+#include "quant_avx2_direct.inc"
+#include "quant_avx2_panels.inc"
 #undef TT_AVXVNNI
 #undef TT_LEVEL
 }  // namespace isa_avx2vnni
@@ -78,9 +78,9 @@ namespace isa_avx2vnni {
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
 namespace isa_avx512 {
 #define TT_LEVEL 2
-#include "qkernels_impl.inc"
-#include "qkernels_direct512.inc"
-#include "qkernels_prefill.inc"
+#include "quant_avx2_direct.inc"
+#include "quant_avx512_direct.inc"
+#include "quant_avx512_panels.inc"
 #undef TT_LEVEL
 }  // namespace isa_avx512
 #pragma GCC pop_options
