@@ -41,7 +41,8 @@ const int32_t* panel_starts(int32_t offset, int64_t grp, const int32_t* is16, in
 
 namespace isa_scalar {
 #define TT_LEVEL 0
-#include "quant_avx2_direct.inc"
+#include "quant_unpack.inc"
+#include "quant_generic.inc"
 #undef TT_LEVEL
 }  // namespace isa_scalar
 
@@ -51,6 +52,8 @@ namespace isa_scalar {
 namespace isa_avx2 {
 #define TT_LEVEL 1
 #define TT_AVXVNNI 0
+#include "quant_unpack.inc"
+#include "quant_avx2_rows.inc"
 #include "quant_avx2_direct.inc"
 #include "quant_avx2_panels.inc"
 #undef TT_AVXVNNI
@@ -66,6 +69,8 @@ namespace isa_avx2 {
 namespace isa_avx2vnni {
 #define TT_LEVEL 1
 #define TT_AVXVNNI 1
+#include "quant_unpack.inc"
+#include "quant_avx2_rows.inc"
 #include "quant_avx2_direct.inc"
 #include "quant_avx2_panels.inc"
 #undef TT_AVXVNNI
@@ -78,7 +83,8 @@ namespace isa_avx2vnni {
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
 namespace isa_avx512 {
 #define TT_LEVEL 2
-#include "quant_avx2_direct.inc"
+#include "quant_unpack.inc"
+#include "quant_avx512_tiles.inc"
 #include "quant_avx512_direct.inc"
 #include "quant_avx512_panels.inc"
 #undef TT_LEVEL
