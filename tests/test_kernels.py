@@ -410,7 +410,7 @@ def test_real_tensors_of_the_bundled_model(real_model_path):
 
 def test_every_kernel_file_keys_the_build(tmp_path, monkeypatch):
     """An edit to any source or included file gives a new build key, so a stale build of an
-    edited kernel is never loaded from the cache (a fixed list of files can miss an include)."""
+    edited kernel is never loaded from the cache (the AVX2 panels' file once was left out)."""
     import re
     import shutil
     src = kernels._DIR

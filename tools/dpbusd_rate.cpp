@@ -1,5 +1,5 @@
 // How fast this CPU issues the AVX2 panel dot's integer instructions, by operand form
-// (qkernels_panels_avx2.inc). Eight independent accumulators, 32-bit loads from L1:
+// (engine/kernels/quant_avx2_panels.inc). Eight independent accumulators, 32-bit loads from L1:
 //   g++ -O2 -o /tmp/dpbusd_rate tools/dpbusd_rate.cpp && /tmp/dpbusd_rate
 // Prints ns per instruction (median of 5) and, from a chain of 1-cycle adds, the clock.
 // Needs AVX-VNNI for the vpdpbusd lines (Intel Alder Lake and later, AMD Zen 5).

@@ -33,16 +33,17 @@ super-block's int32 sum, converted exactly) and one minimum or one / two Q6_K of
 second bound, larger where a 256-group holds an outlier (up to 8x a 32-group's); llama.cpp
 quantizes the same way for these types.
 
-Three kernels: calls of up to direct_rows() rows (decode, small batches; 4 on AVX-512 and
-AVX2) take the direct kernels (qkernels_impl.inc for AVX2, qkernels_direct512.inc for AVX-512),
-which go from GGUF block to register with no unpacked copy, each weight vector dotted against
-every row of the call; calls of 5 rows or more (PANEL_MIN_ROWS: batches, prefill) take the
-panel kernel (qkernels_prefill.inc on AVX-512, qkernels_panels_avx2.inc on AVX2, the same bits):
+Three kinds of kernel, by the call's row count (which file serves which call size and ISA: the
+table atop qkernels.cpp): calls of up to direct_rows() rows (decode, small batches; 4 on AVX-512
+and AVX2) take the direct kernels, which go from GGUF block to register with no unpacked copy,
+each weight vector dotted against every row of the call; calls of 5 rows or more
+(PANEL_MIN_ROWS: batches, prefill) take the panel kernel (AVX-512 and AVX2, the same bits):
 32 (AVX2: 16) output rows built from the blocks over all of K, every activation row run
 through them with the accumulators in registers, code offsets subtracted inside the integer
 dots, scales applied per 32 (per 16 for Q6_K: at most K/16 fp32 additions, within the bound
-above). The portable path unpacks 16-row tiles for larger calls. The kernels' fp32 sums differ
-in the last bits, so deterministic mode passes small_m=0: the tiles serve every row count.
+above). The row kernels (portable, AVX2) and the AVX-512 tiles unpack weight rows first: the
+portable path's kernel for every call and, since the kernels' fp32 sums differ in the last
+bits, every ISA's for every row count in deterministic mode (small_m=0).
 """
 from __future__ import annotations
 
@@ -273,7 +274,7 @@ def direct_rows(isa: str | None = None) -> int:
 
 def batch_rows() -> int:
     """The fewest rows for which a call takes the kernel of batches and prefill by default (the
-    panels on AVX-512, the unpacked tiles elsewhere)."""
+    panels on AVX-512 and AVX2, the portable row kernel elsewhere)."""
     return int(torch.ops.tokentop.batch_rows())
 
 

@@ -1,11 +1,12 @@
 // tokentop.DecodeLayers: every decoder layer of a decode step in one call from Python.
 //
 // Block.forward (engine/models/decoder.py) makes ten op calls a layer: a 1.5B decode step made
-// ~300 calls from Python, ~1.5 ms of a ~27 ms step between the kernels (profiler). This class
-// holds each layer's weights as the ops take them and runs the same sequence of the same ops
-// (ops.h: the functions the ops register, so the bits are the same) without going back to
-// Python. It serves steps where every row is a decode row attended by the fused op; the
-// decoder takes the per-layer path for the rest (prefill, tracing, dense weight forms).
+// ~300 calls from Python, time spent between the kernels (docs/benchmarks.md, 'One call per
+// decode step, one weight row at a time'). This class holds each layer's weights as the ops take
+// them and runs the same sequence of the same ops (ops.h: the functions the ops register, so the
+// bits are the same) without going back to Python. It serves steps where every row is a decode
+// row attended by the fused op; the decoder takes the per-layer path for the rest (prefill,
+// tracing, dense weight forms).
 #include <torch/custom_class.h>
 #include <torch/library.h>
 

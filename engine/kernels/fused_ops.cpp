@@ -1,6 +1,7 @@
 // The per-layer work around the quantized matmuls, one C++ op per stretch of elementwise code:
-// a decode step of the 0.5B ran ~40 small torch ops per layer (~3 ms of its 16 ms in dispatch
-// and temporaries). Reference semantics: engine/models/fused.py (the torch fallback).
+// as ~40 small torch ops per layer, a decode step spent much of its time in dispatch and
+// temporaries (docs/benchmarks.md, 'Framework overhead: fused per-layer ops').
+// Reference semantics: engine/models/fused.py (the torch fallback).
 //   add_rms_norm     x += delta (optional), return rms_norm(x) * w
 //   act_mul          act(gate) * up for a [T, 2F] gate|up row (silu or gelu-tanh)
 //   rope_store_kv    optional QK-norm, rotary on q and k, q scaled, K/V written to their slots
@@ -44,7 +45,8 @@ inline float bits_to_float(uint32_t b) {
 }
 
 // 16-bit K/V reads, exact and branch-free so that the attention loops vectorize (c10's
-// conversions do not: with them a 16-bit store made decode ~2x slower than fp32 at 500 positions).
+// conversions do not, and made decode over a 16-bit store far slower than over fp32:
+// docs/benchmarks.md, 'KV dtype').
 template <>
 inline float to_f<c10::BFloat16>(c10::BFloat16 v) { return bits_to_float(uint32_t(v.x) << 16); }
 
@@ -125,8 +127,8 @@ TT_CLONES void add_rms_norm_row(float* x, const float* d, const float* w, float 
 
 // silu(g) * u and gelu_tanh(g) * u, 8 values at a time in explicit vectors, then the tail: left
 // to the auto-vectorizer, the silu loop got a second division and three blends per vector and
-// ran ~3x slower on Zen 3 (4864 values: 17 us against 5.8). Each value goes through the same
-// operations either way, so the bits are the same.
+// ran several times slower on AVX2 (docs/benchmarks.md, 'the ops around the matmuls in 16-float
+// vectors'). Each value goes through the same operations either way, so the bits are the same.
 TT_CLONES void silu_mul_row(const float* g, const float* u, float* out, int64_t n) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
@@ -358,7 +360,8 @@ TT_CLONES void attend_group(const float* q, const S* k, const S* v, int64_t row_
 // --- the blocked decode attention --------------------------------------------------------
 // Vectors of W floats: W = 16 in the AVX-512 build of the kernel, 8 (one ymm register) in the
 // AVX2 one. GCC splits a 16-float vector into two ymm registers on AVX2, and the AVX-512 block
-// sizes then spilled to memory: 5x slower than the plain loops there (measured).
+// sizes then spilled to memory, slower than the plain loops there (docs/benchmarks.md, 'Main
+// after the blocked decode attention').
 template <int W> struct Vec;
 template <> struct Vec<16> {
     typedef v16 F;
@@ -405,12 +408,11 @@ TT_INLINE void prefetch_row(const S* row, int64_t n) {
 
 // attend_group for a head size HD and group size G known at compile time, W-float vectors and
 // REGS vector registers. The one-row-at-a-time loops above were bound by the latency of each
-// 128-long dot product and its reduction (~260 cycles a key for 6 heads, ~40 us a layer at 560
-// keys on Zen 5): here KB keys are dotted with all G heads at once (KB * G independent vector
-// sums in registers), and values are summed CB W-wide slices at a time with the G heads' sums
-// in registers instead of read and written back in memory per key. Each score and output is
-// summed in the same order as there (results agree to an ulp or so); each row on its own, so
-// still batch-invariant to the bit.
+// 128-long dot product and its reduction: here KB keys are dotted with all G heads at once
+// (KB * G independent vector sums in registers), and values are summed CB W-wide slices at a
+// time with the G heads' sums in registers instead of read and written back in memory per key.
+// Each score and output is summed in the same order as there (results agree to an ulp or so);
+// each row on its own, so still batch-invariant to the bit.
 template <typename S, int HD, int G, int W, int REGS>
 TT_INLINE void attend_blocked(const float* q, const S* k, const S* v, int64_t row_stride, const int64_t* slots,
                            int64_t L, float softcap, float* scores, float* out) {
@@ -600,8 +602,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> greedy_pick(const at::Tensor& log
     int64_t* ip = ids.data_ptr<int64_t>();
     float* lpp = lp.data_ptr<float>();
     bool* okp = ok.data_ptr<bool>();
-    // rows spread over the threads (a 152k-vocabulary row: 0.18 ms on Zen 3); each row is computed
-    // alone, so its result does not depend on the batch or the split
+    // rows spread over the threads; each row is computed alone, so its result does not depend on
+    // the batch or the split
     for_rows(R, 1, [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r) greedy_row(x + r * V, V, ip + r, lpp + r, okp + r);
     });

@@ -1,10 +1,10 @@
 // tokentop::gguf_rows_dot: exact fp32 dot products of activation rows with a few rows of a GGUF
 // matrix, each row dequantized as ggml does (the decoder's _refine of the top logit candidates).
 //
-// In numpy, dequantizing the 32 candidate rows of each of 8 sequences took ~1 ms of a 17 ms
-// 0.5B decode step (eight passes over 229k values, one thread); here each (row, candidate) is one
-// task: dequantize the row's blocks into a buffer, then one dot product with 16 partial sums in a
-// fixed order, so a result does not depend on the batch.
+// In numpy, dequantizing the 32 candidate rows of each sequence took a visible share of a decode
+// step, on one thread (docs/benchmarks.md, 'One call per decode step, one weight row at a time');
+// here each (row, candidate) is one task: dequantize the row's blocks into a buffer, then one dot
+// product with 16 partial sums in a fixed order, so a result does not depend on the batch.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

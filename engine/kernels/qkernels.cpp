@@ -1,5 +1,19 @@
-// The kernels of qkernels.h, compiled once per instruction set in one translation unit
-// (`#pragma GCC target`), so one build serves every x86 CPU and the ISA is picked at run time.
+// The kernels of qkernels.h for every x86 CPU in one translation unit: each instruction set's
+// files are compiled in a namespace of their own under `#pragma GCC target`, and the ISA is
+// picked at run time (best_isa, capped by TOKENTOP_KERNEL_ISA).
+//
+// Which file serves a call of M activation rows (qmatmul_op.cpp picks; its defaults):
+//                       M <= 4 (direct_max_rows)   M >= 5 (PANEL_MIN_ROWS)   deterministic mode
+//   portable (scalar)   quant_generic.inc          quant_generic.inc         quant_generic.inc
+//   AVX2 + FMA + F16C   quant_avx2_direct.inc      quant_avx2_panels.inc     quant_avx2_rows.inc
+//   AVX-512 + VNNI      quant_avx512_direct.inc    quant_avx512_panels.inc   quant_avx512_tiles.inc
+// Deterministic mode (small_m = 0) takes the last column at every M, so that a row's bits do not
+// depend on its batch; a forced small_m / big_m moves the thresholds (tests, benchmarks). On AVX2
+// where the CPU has AVX-VNNI (unless TOKENTOP_AVX_VNNI=0), the direct kernels and panels run from
+// a second build of their files with vpdpbusd dots (isa_avx2vnni, the same bits); without it,
+// Q8_0 calls of 7-8 rows take the row lanes of quant_avx2_panels.inc. quant_unpack.inc, a weight
+// row's GGUF blocks to the unpacked form that the row and tile kernels read, is built into every
+// ISA's namespace.
 #include "qkernels.h"
 
 #include <cmath>
@@ -15,7 +29,7 @@
 #define TT_X86 0
 #endif
 
-// The AVX-VNNI build of the AVX2 panels needs a compiler that knows the instruction set
+// The AVX-VNNI build of the AVX2 kernels needs a compiler that knows the instruction set
 // (GCC 11, clang 12); older ones build the rest and use maddubs.
 #if TT_X86 && ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
 #define TT_AVXVNNI_BUILD 1
@@ -41,7 +55,8 @@ const int32_t* panel_starts(int32_t offset, int64_t grp, const int32_t* is16, in
 
 namespace isa_scalar {
 #define TT_LEVEL 0
-#include "qkernels_impl.inc"
+#include "quant_unpack.inc"
+#include "quant_generic.inc"
 #undef TT_LEVEL
 }  // namespace isa_scalar
 
@@ -51,23 +66,27 @@ namespace isa_scalar {
 namespace isa_avx2 {
 #define TT_LEVEL 1
 #define TT_AVXVNNI 0
-#include "qkernels_impl.inc"
-#include "qkernels_panels_avx2.inc"
+#include "quant_unpack.inc"
+#include "quant_avx2_rows.inc"
+#include "quant_avx2_direct.inc"
+#include "quant_avx2_panels.inc"
 #undef TT_AVXVNNI
 #undef TT_LEVEL
 }  // namespace isa_avx2
 #pragma GCC pop_options
 
-// The AVX2 kernels again with AVX-VNNI's vpdpbusd for the integer dots: the panels
-// (qkernels_panels_avx2.inc) and the direct kernels (qkernels_impl.inc's dot4)
+// The AVX2 kernels again with AVX-VNNI's vpdpbusd for the integer dots: the direct kernels
+// (quant_avx2_direct.inc's dot4) and the panels (quant_avx2_panels.inc)
 #if TT_AVXVNNI_BUILD
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avxvnni")
 namespace isa_avx2vnni {
 #define TT_LEVEL 1
 #define TT_AVXVNNI 1
-#include "qkernels_impl.inc"
-#include "qkernels_panels_avx2.inc"
+#include "quant_unpack.inc"
+#include "quant_avx2_rows.inc"
+#include "quant_avx2_direct.inc"
+#include "quant_avx2_panels.inc"
 #undef TT_AVXVNNI
 #undef TT_LEVEL
 }  // namespace isa_avx2vnni
@@ -78,9 +97,10 @@ namespace isa_avx2vnni {
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
 namespace isa_avx512 {
 #define TT_LEVEL 2
-#include "qkernels_impl.inc"
-#include "qkernels_direct512.inc"
-#include "qkernels_prefill.inc"
+#include "quant_unpack.inc"
+#include "quant_avx512_tiles.inc"
+#include "quant_avx512_direct.inc"
+#include "quant_avx512_panels.inc"
 #undef TT_LEVEL
 }  // namespace isa_avx512
 #pragma GCC pop_options
@@ -170,11 +190,9 @@ bool has_direct(int isa) { return TT_X86 && isa >= ISA_AVX2; }
 
 int64_t direct_max_rows(int isa) {
     if (!has_direct(isa)) return 0;
-    // 2 threads, Zen 5, all linear layers of a step: AVX-512's direct kernels beat the panels
-    // (qmatmul_op.cpp's PANEL_MIN_ROWS) up to 4 rows (0.5B at 4 rows 12.6 vs 12.9 ms, 5 rows
-    // 16.8 vs 13.1). AVX2 (forced on Zen 5): about even at 3-4 rows (0.5B 4 rows 20.5 vs 19.7 ms,
-    // 1.5B 49.3 vs 47.5), the panels ahead from 5 (0.5B 30.2 vs 22.8, 8 rows 42.0 vs 28.6; 1.5B
-    // 8 rows 99.9 vs 75.3). Both against the tiles, which the panels replaced for batches.
+    // on all linear layers of a step the direct kernels beat the panels (qmatmul_op.cpp's
+    // PANEL_MIN_ROWS) up to 4 rows, on AVX-512 and AVX2 alike (docs/benchmarks.md, 'Panels built
+    // straight from the GGUF blocks', 'AVX2 panel kernel')
     return 4;
 }
 

@@ -1,4 +1,5 @@
 // Quantized matmul kernels over raw GGUF blocks: plain C++, no torch headers (fast to compile).
+// Which kernel file serves which call size and ISA: the table atop qkernels.cpp.
 #pragma once
 #include <cstdint>
 
@@ -28,8 +29,8 @@ void matmul_rows(int isa, int type, const uint8_t* w, int64_t K, int64_t n0, int
 // Whether `isa` has the direct kernels (AVX2 and AVX-512; the portable path keeps unpacking).
 bool has_direct(int isa);
 
-// Calls of at most this many rows take the direct kernels by default on `isa` (measured
-// break-even against the tiles, tools/kernel_bench.py); 0 where it has none.
+// Calls of at most this many rows take the direct kernels by default on `isa` (their measured
+// break-even against the panels, tools/kernel_bench.py); 0 where it has none.
 int64_t direct_max_rows(int isa);
 
 // The same product as matmul_rows, block to register with no unpacked copy: for a few rows M
@@ -62,13 +63,13 @@ void matmul_direct(int isa, int type, const uint8_t* w, int64_t K, int64_t n0, i
 
 // Batches and prefill (5 activation rows or more): whether `isa` has the panel kernel (AVX-512,
 // AVX2), and the kernel. It unpacks a panel of output rows over all of K once and runs every
-// activation row through it with the accumulators in registers (qkernels_prefill.inc,
-// qkernels_panels_avx2.inc: the same bits). Not bitwise equal to matmul_rows (code offsets are
+// activation row through it with the accumulators in registers (quant_avx512_panels.inc,
+// quant_avx2_panels.inc: the same bits). Not bitwise equal to matmul_rows (code offsets are
 // subtracted in the integers, K-quant scales applied per 32).
 bool has_panels(int isa);
 bool use_avx_vnni();                     // the AVX2 panels and direct kernels take AVX-VNNI's vpdpbusd (cpuid, TOKENTOP_AVX_VNNI)
 int64_t panel_rows(int isa);             // output rows per panel: the unit threads take
-// Q8_0 calls of lane_min_rows(isa) to 8 rows take the AVX2 row-lane kernel (qkernels_panels_avx2.inc;
+// Q8_0 calls of lane_min_rows(isa) to 8 rows take the AVX2 row-lane kernel (quant_avx2_panels.inc;
 // the panels' bits) instead of the panels' tiles; 0 where none does (other ISAs, AVX-VNNI)
 int64_t lane_min_rows(int isa);
 // quantize_rows' a (the same values) and, per activation row, d32 the scale of each 32-group

@@ -45,9 +45,10 @@ at::Tensor finish(at::Tensor& y, const std::optional<at::Tensor>& bias, at::Scal
 }
 
 // A prefill output over glibc's largest mmap threshold (32 MiB, e.g. the 1.5B model's gate|up
-// at 500 rows) was a fresh mapping every call: its first touch cost ~9000 page faults, 13 ms of
-// a 34 ms call (measured). Such outputs reuse a pooled buffer once the caller has let go of it
-// (the pool holds the only reference to its storage); smaller ones come from malloc's heap.
+// at 500 rows) is a fresh mapping every call, whose first touch page-faults through all of it
+// (docs/benchmarks.md, 'Prefill: the AVX-512 panel kernel'). Such outputs reuse a pooled buffer
+// once the caller has let go of it (the pool holds the only reference to its storage); smaller
+// ones come from malloc's heap.
 constexpr size_t POOL_MIN_BYTES = size_t(32) << 20;
 constexpr size_t POOL_SIZE = 2;
 
@@ -70,22 +71,17 @@ at::Tensor pooled_output(int64_t M, int64_t N, const at::TensorOptions& opts) {
 }
 
 // Calls with at least this many rows take the panel kernel where the ISA has it (AVX-512,
-// AVX2); fewer rows take the direct kernels (tt::direct_max_rows is 4 on both; AVX2's figures
-// are beside it in qkernels.cpp). All linear layers of a
-// step, Zen 5, 2 threads, direct / panels in ms (tools/kernel_bench.py, with the panels built
-// straight from the GGUF blocks and the direct kernels' per-256 K-quant activations): 0.5B
-// 4 rows 12.6 / 12.9, 5 rows 16.8 / 13.1, 8 rows 23.4 / 16.1; 1.5B 4 rows 31.9 / 33.8, 5 rows
-// 40.5 / 33.1, 8 rows 56.0 / 44.5 (docs/benchmarks.md). With the direct kernels reading one row
-// at a time (machine in its slow memory spell): 0.5B 4 rows 12.1 / 12.8, 5 rows 20.4 / 13.3,
-// 8 rows 22.5 / 15.6; 1.5B 4 rows 29.3 / 34.8, 5 rows 45.9 / 34.0, 8 rows 55.7 / 43.9: the
-// switch stays at 5. The tiles are slower than both at every row count here and serve only
-// deterministic mode (and the portable path).
+// AVX2); fewer rows take the direct kernels (tt::direct_max_rows, 4 on both): on all linear
+// layers of a step the panels win from 5 rows (tools/kernel_bench.py; docs/benchmarks.md,
+// 'Panels built straight from the GGUF blocks', 'AVX2 panel kernel'). The tiles are slower than
+// both at every row count and serve only deterministic mode (and the portable path). The files
+// behind each choice: the table atop qkernels.cpp.
 constexpr int64_t PANEL_MIN_ROWS = 5;
 
-// small_m: -1 the default, tt::direct_max_rows (calls of more rows amortize the unpacked
-// tiles over several activation rows); 0 never use the direct kernels (deterministic mode: then
-// one kernel serves every row count, so a row's bits do not depend on its batch); k > 0: the
-// direct kernels for calls of at most k rows (tests).
+// small_m: -1 the default, tt::direct_max_rows (calls of more rows amortize the panels' or
+// tiles' unpacking over several activation rows); 0 never use the direct kernels (deterministic
+// mode: then one kernel serves every row count, so a row's bits do not depend on its batch);
+// k > 0: the direct kernels for calls of at most k rows (tests).
 // big_m: -1 the panel kernel from PANEL_MIN_ROWS rows (or above a forced small_m), except with
 // small_m=0 (deterministic mode keeps the tiles for every row count); 0 never; k > 0: from k
 // rows (tests, benchmarks).
@@ -98,7 +94,7 @@ at::Tensor qmatmul(const at::Tensor& x_in, at::TensorList weights, at::IntArrayR
     TORCH_CHECK(weights.size() == types.size() && types.size() == rows.size() && !weights.empty(),
                 "qmatmul: weights, types and rows must have the same length");
     // bf16/fp16 activations are converted here and y returned in their dtype: one op call per
-    // linear layer instead of three (a decode step makes ~100 calls of ~50 us each)
+    // linear layer instead of three (a decode step makes ~100 short calls)
     const at::Tensor x = x_in.to(at::kFloat).contiguous();
     const int64_t M = x.size(0), K = x.size(1);
     TORCH_CHECK(K % 32 == 0, "qmatmul: K must be a multiple of 32");
@@ -127,7 +123,8 @@ at::Tensor qmatmul(const at::Tensor& x_in, at::TensorList weights, at::IntArrayR
 
     if (panels) {
         // the calling thread's buffers, grown as needed and never cleared: allocating and
-        // zeroing them took ~1 us of each decode call (0.5B down at 8 rows: 47 KB)
+        // zeroing them showed in every short decode call (docs/benchmarks.md, 'two tiles per
+        // broadcast with AVX-VNNI')
         // (plain pointers for the lambdas: a thread_local named there is the running thread's)
         thread_local std::vector<int8_t> a_buf;
         thread_local std::vector<float> d32_buf, as32_buf;
@@ -217,7 +214,8 @@ int64_t env_isa_op() { return env_isa(); }
 // rows up to which the default ISA's (or `isa`'s) calls take the direct kernels (0: it has none)
 int64_t direct_rows_op(int64_t isa) { return tt::direct_max_rows(isa < 0 ? env_isa() : int(isa)); }
 // the fewest rows for which the default ISA's calls take the kernel of batches and prefill
-// (the panels on AVX-512, the tiles elsewhere): what the load-time self-check runs it with
+// (the panels on AVX-512 and AVX2, the portable row kernel elsewhere): what the load-time
+// self-check runs it with
 int64_t batch_rows_op() {
     const int use = env_isa();
     const int64_t after_direct = tt::direct_max_rows(use) + 1;

@@ -20,7 +20,7 @@
 #endif
 
 // for helpers, inlined into each ISA's build of their caller (the blocked decode attention's,
-// called out of line, ran as baseline x86-64 code with vectors through memory: 13x slower)
+// called out of line, ran as baseline x86-64 code with vectors through memory)
 #define TT_INLINE inline __attribute__((always_inline))
 
 namespace {
@@ -58,9 +58,10 @@ TT_INLINE float exp_approx(float x) {
 }
 
 // exp_approx on 8 lanes: the same operations per lane, so the same bits. 8, not 16: GCC lowers a
-// 16-float vector's compares, selects and int conversions on AVX2 through memory, and greedy
-// pick's exp-sum ran ~4x slower in 16 lanes than in two 8-lane halves there
-// (tools/fused_vector_width.cpp).
+// 16-float vector's compares, selects and int conversions on AVX2 through memory, so greedy
+// pick's exp-sum runs slower in 16 lanes than in two 8-lane halves there
+// (tools/fused_vector_width.cpp; docs/benchmarks.md, 'the ops around the matmuls in 16-float
+// vectors').
 typedef int32_t vi8 __attribute__((vector_size(32), aligned(4)));
 
 TT_INLINE v8 exp_approx8(v8 x) {
@@ -81,7 +82,7 @@ TT_INLINE float hsum(v16 a) {
 }
 
 // Dot product of two fp32 rows: the sums of one 16-lane accumulator, kept as two 8-lane halves
-// (a 16-float vector ran 8x slower on AVX2, tools/fused_vector_width.cpp), reduced by halving
+// (a 16-float vector goes through memory on AVX2, tools/fused_vector_width.cpp), reduced by halving
 // shuffles, then the tail in order
 TT_INLINE float dot_f32(const float* a, const float* b, int64_t n) {
     v8 lo = {}, hi = {};
@@ -127,9 +128,10 @@ TT_INLINE float max_of(const float* x, int64_t b0, int64_t b1) {
 // Max and exp-sum of one row of logits, in chunks of CHUNK values: pass 1 reduces the lanes' max
 // once per chunk and notes the first chunk that holds the row's max, where the first index of
 // the max is then searched; pass 2 sums exp(x - max) in 16 lanes across a chunk and adds each
-// chunk's sum to a double. (Reduced every 64 values in 16-lane vectors, as before, a 152k row
-// took 0.59 ms on Zen 3: 2.4 ms of every 8-row decode step; docs/benchmarks.md.) A NaN logit
-// makes the exp-sum NaN (exp_approx and the additions carry it), so the row is flagged from it.
+// chunk's sum to a double. (Reduced every 64 values in 16-lane vectors, the row took a visible
+// share of an 8-row decode step on AVX2: docs/benchmarks.md, 'the ops around the matmuls in
+// 16-float vectors'.) A NaN logit makes the exp-sum NaN (exp_approx and the additions carry it),
+// so the row is flagged from it.
 TT_CLONES void greedy_row(const float* x, int64_t V, int64_t* id, float* logprob, bool* ok) {
     constexpr int64_t CHUNK = 1024;   // 64 values a lane a chunk
     float best = -std::numeric_limits<float>::infinity();

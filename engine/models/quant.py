@@ -10,8 +10,8 @@ which reads the mmap'd GGUF blocks themselves: no unpacked or dense copy of a we
 and a decode step reads each weight's stored bits once. Without a C++ compiler (or for
 float-typed tensors, or on CUDA) a layer holds a dense dequantized copy instead.
 
-Load-time work is numpy: torch's elementwise CPU ops are many times slower at it (uint8 shifts
-are not vectorized; OpenMP threads stall when the cores are busy).
+Load-time work is numpy: torch's elementwise CPU ops are far slower at it (their uint8 shifts
+are not vectorized, and their OpenMP threads stall when the cores are busy).
 """
 from __future__ import annotations
 
@@ -53,8 +53,8 @@ class LinearPolicy:
     # dense copy exists. See prefill_dense_threshold() for the per-machine choice.
     dense_threshold: int | None = None
     # dtype of the dense copy. None: on CPU with bf16 activations, preferred_dense_dtype()
-    # (fp32 where bf16 GEMM is emulated: 4 bytes per weight, but several times faster); else the
-    # activation dtype.
+    # (fp32 where bf16 GEMM is emulated: 4 bytes per weight, but several times faster); else
+    # the activation dtype.
     dense_dtype: torch.dtype | None = None
     deterministic: bool = False    # one kernel for every T, so a row never depends on its batch
     device: str = "cpu"
@@ -80,8 +80,8 @@ def cpu_has_native_bf16() -> bool:
 
 @functools.cache
 def preferred_dense_dtype() -> torch.dtype:
-    """bf16 F.linear beats fp32 only where the CPU has native bf16; where bf16 GEMM is emulated
-    (AVX2 only) it is several times slower than fp32 at 8-64 rows."""
+    """bf16 F.linear beats fp32 only with native bf16; where bf16 is emulated (no AVX512_BF16
+    or AMX) it runs several times slower than fp32 at batch and prefill sizes."""
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
 
@@ -291,15 +291,15 @@ class QuantLinear(torch.nn.Module):
     def kernel_forms(self) -> dict[str, int]:
         """Each weight form a call can use, with a row count that selects it. "gguf" is the
         GGUF kernel as one decode row runs it (the direct kernel where the ISA has one),
-        "gguf-tiles" the kernel of larger calls when it differs (unpacked row tiles, or the panels
-        on AVX-512), "gguf-lanes" AVX2's Q8_0 kernel of 7-8 rows."""
+        "gguf-tiles" the kernel of larger calls when it differs (the panels, on AVX-512 and
+        AVX2), "gguf-lanes" AVX2's Q8_0 kernel of 7-8 rows."""
         forms = {}
         if self.gguf is not None and self.kernel_for(1) == "gguf":
             forms["gguf"] = 1
             batch = 0 if self.small_m == 0 or not kernels.direct_rows() else kernels.batch_rows()
             if batch and self.kernel_for(batch) == "gguf":
                 forms["gguf-tiles"] = batch
-            # Q8_0 at 7-8 rows on AVX2: the row-lane kernel (engine/kernels/qkernels_panels_avx2.inc)
+            # Q8_0 at 7-8 rows on AVX2: the row-lane kernel (engine/kernels/quant_avx2_panels.inc)
             lanes = kernels.lane_rows() if batch and T.Q8_0 in self.gguf.types else 0
             if lanes and self.kernel_for(8) == "gguf":
                 forms["gguf-lanes"] = 8
@@ -339,7 +339,7 @@ class QuantLinear(torch.nn.Module):
 
     def direct_call(self):
         """This layer as a plain function of 2-D x, without nn.Module dispatch and buffer
-        lookups (a few µs a call, paid by every layer of every step): the op call _forward makes when
+        lookups (a decode step makes a hundred such calls): the op call _forward makes when
         the GGUF kernel is the only form. None when the layer has other forms."""
         g = self.gguf
         if g is None or self.dense is not None:
