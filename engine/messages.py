@@ -85,6 +85,8 @@ class WorkerInfo:
     spec_modes: tuple[str, ...] = ("off",)   # speculative decoding modes it can serve
     draft_model: str = ""          # its draft model, when it has one
     kernels: str = ""              # which weight forms its linear layers use, when it says
+    kernels_building: bool = False  # on the torch fallback while its kernels build (first use)
+    kernels_since: float = 0.0     # wall time it switched from that fallback to the kernels
     note: str = ""
     summary: str = ""              # the ready line for the log, when the default one does not fit
 
@@ -208,6 +210,15 @@ class Reroute:
     worker: int
     request_id: str
     reason: str
+
+
+@dataclass(frozen=True)
+class KernelsSwitched:
+    """A worker that started on the torch fallback while its kernels built now runs them
+    (error: why it stays on the fallback)."""
+    worker: int
+    kernels: str                   # its linear layers' forms now (WorkerInfo.kernels)
+    error: str = ""
 
 
 @dataclass(frozen=True)

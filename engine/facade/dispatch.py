@@ -11,6 +11,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from engine import messages as msg
@@ -125,6 +126,8 @@ class Dispatcher:
             self.engine.log("error", f"worker {event.worker} ({w.cfg.device}) down: {event.message}")
         elif isinstance(event, msg.Reroute):
             self._reroute(event)
+        elif isinstance(event, msg.KernelsSwitched):
+            self._on_kernels(event)
         elif isinstance(event, msg.ProfileUpdate):
             with self.engine.lock:
                 self.engine.workers[event.worker].profile = (event.prefill_tps, event.decode_tps)
@@ -221,6 +224,19 @@ class Dispatcher:
                 rec.state = RequestState.of_worker(v.state)
                 if rec.state != RequestState.QUEUED and rec.prefill_at is None:
                     rec.prefill_at = time.monotonic()
+
+    def _on_kernels(self, event: msg.KernelsSwitched) -> None:
+        with self.engine.lock:
+            w = self.engine.workers[event.worker]
+            if w.info is not None:
+                w.info = replace(w.info, kernels=event.kernels, kernels_building=False,
+                                 kernels_since=0.0 if event.error else time.time())
+        if event.error:
+            self.engine.log("warning", f"worker {event.worker} ({w.cfg.device}) stays on torch matmuls: "
+                            f"{event.error}")
+        else:
+            self.engine.log("info", f"worker {event.worker} ({w.cfg.device}) switched to the quantized "
+                            f"kernels: {event.kernels}")
 
     def _on_dead(self, event: msg.WorkerDead) -> None:
         with self.engine.lock:

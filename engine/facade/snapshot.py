@@ -114,6 +114,9 @@ class WorkerView:
     kv_usage: float | None = None    # remote workers: KV usage scraped from its /metrics, if any
     note: str = ""                   # e.g. how prompt lengths are counted for a remote
     respawns: int = 0                # times its process was started again after dying
+    kernels: str = ""                # its linear layers' forms (e.g. gguf-avx512, dense-bfloat16)
+    kernels_building: bool = False   # on the torch fallback while its kernels build
+    kernels_since: float = 0.0       # wall time it switched from that fallback to the kernels
 
 
 @dataclass(frozen=True)

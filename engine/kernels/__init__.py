@@ -54,6 +54,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -169,15 +170,68 @@ def _missing_tools() -> str | None:
     return None
 
 
+def _library() -> tuple[str, Path, Path]:
+    name = f"tokentop_qk_{_build_key()}"
+    build_dir = cache_dir() / name
+    return name, build_dir, build_dir / f"{name}.so"
+
+
+def _disabled() -> bool:
+    return os.environ.get("TOKENTOP_KERNELS", "").lower() in ("0", "off", "torch")
+
+
+def build_pending() -> bool:
+    """Whether load() would have to compile first: the library of these sources, this torch
+    and this CPU is not in the cache, and a compiler is there to build it."""
+    if is_loaded() or _disabled() or _library()[2].exists():
+        return False
+    return _missing_tools() is None
+
+
+def start_background_build() -> threading.Thread:
+    """Compile the library in a thread (the compiler itself in a niced child process) and
+    leave it unloaded: until background_build_done(), load() and available() answer False at
+    once, so a worker builds its model on the torch fallback and serves; it switches to the
+    kernels between steps once the build is done (engine/worker/loop.py)."""
+    _state["deferred"] = True
+
+    def build() -> None:
+        name, build_dir, lib = _library()
+        try:
+            _compile(name, build_dir)
+        except Exception as exc:   # noqa: BLE001 - reported when the worker asks, not here
+            _state["build_error"] = str(exc)
+
+    thread = threading.Thread(target=build, name="tokentop-kernel-build", daemon=True)
+    _state["build_thread"] = thread
+    thread.start()
+    return thread
+
+
+def background_build_done() -> bool:
+    thread = _state.get("build_thread")
+    return thread is not None and not thread.is_alive()
+
+
+def finish_background_build() -> bool:
+    """Load what the background build made (or record why it failed); as load()."""
+    _state["deferred"] = False
+    _state["build_thread"] = None
+    error = _state.pop("build_error", None)
+    if error is not None:
+        return _fail(error)
+    return load()
+
+
 def load() -> bool:
     """Build (first time) and load the op; False, with the reason logged once, if it cannot."""
     if _state["available"] is not None:
         return _state["available"]
-    if os.environ.get("TOKENTOP_KERNELS", "").lower() in ("0", "off", "torch"):
+    if _state.get("deferred"):   # building in the background: the torch fallback until it is done
+        return False
+    if _disabled():
         return _fail("disabled by TOKENTOP_KERNELS")
-    name = f"tokentop_qk_{_build_key()}"
-    build_dir = cache_dir() / name
-    lib = build_dir / f"{name}.so"
+    name, build_dir, lib = _library()
     if not lib.exists():
         missing = _missing_tools()
         if missing:
@@ -203,7 +257,15 @@ def _fail(reason: str) -> bool:
     return False
 
 
+_fakes_registered = False
+
+
 def _register_fake() -> None:
+    global _fakes_registered
+    if _fakes_registered:   # the library loaded again in this process (a test resets _state)
+        return
+    _fakes_registered = True
+
     @torch.library.register_fake("tokentop::qmatmul")
     def _(x, weights, types, rows, bias=None, isa=-1, small_m=-1, big_m=-1):
         return x.new_empty(x.shape[0], sum(rows))
@@ -244,8 +306,15 @@ def is_loaded() -> bool:
     return _state["available"] is not None
 
 
+def building() -> bool:
+    """A background build is under way (start_background_build) and not yet loaded."""
+    return bool(_state.get("deferred"))
+
+
 def describe() -> str:
     """One line for `tokentop models` and the start-up log."""
+    if building():
+        return "quantized kernels: building in the background; dense torch matmuls until then"
     if not load():
         return f"quantized kernels: unavailable ({_state['reason']}); dense torch matmuls"
     larger = "unpacked panels" if isa_name() in ("avx512", "avx2") else "unpacked tiles"

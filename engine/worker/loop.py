@@ -41,9 +41,21 @@ class Worker:
         self.cfg = cfg
         self.emit = emit
         emit(msg.WorkerLoading(index, f"loading {cfg.model} on {cfg.device}"))
-        if not cfg.simulated and cfg.device == "cpu" and not kernels.is_loaded():
-            emit(msg.WorkerLoading(index, "building the quantized kernels (first use only, ~1 min)"))
-            kernels.load()
+        # First use: the kernels compile in the background while the worker serves on the torch
+        # fallback, and it switches to them between steps (_switch_kernels_when_built)
+        self.kernels_pending = False
+        if not cfg.simulated and cfg.device == "cpu":
+            if kernels.building():            # another worker of this process started it
+                self.kernels_pending = True
+            elif kernels.build_pending():
+                emit(msg.WorkerLoading(index, "quantized kernels building in the background (first use "
+                                              "only); serving on torch matmuls meanwhile"))
+                kernels.start_background_build()
+                self.kernels_pending = True
+            elif not kernels.is_loaded():
+                kernels.load()
+        self.model_path = model_path
+        self._recalibrate = False
         self.runner: Runner = SimRunner(cfg, model_path) if cfg.simulated else ModelRunner(cfg, model_path)
         self.tokenizer = self.runner.tokenizer
         self.max_context = min(cfg.max_context or DEFAULT_MAX_CONTEXT, self.runner.model_context)
@@ -103,6 +115,7 @@ class Worker:
             "profile_source": profile.get("source", "none"),
             "spec_modes": self.spec.modes if self.spec else ("off",),
             "draft_model": cfg.draft_model if self.spec and self.spec.draft else "",
+            "kernels_building": self.kernels_pending,
         })))
 
     # --- loop -------------------------------------------------------------------------
@@ -113,10 +126,38 @@ class Worker:
                 break
             if not self.scheduler.idle:
                 self.step()
+            if self.kernels_pending:
+                self._switch_kernels_when_built()
+            if self._recalibrate and self.scheduler.idle:
+                self._recalibrate_profile()
             self._maybe_send_stats()
         # the facade fails what is still open itself once its workers are gone
         self._end([(seq, "abort", "the engine shut down") for seq in self.seqs.values()], emit=False)
         self._maybe_send_stats(force=True)
+
+    def _switch_kernels_when_built(self) -> None:
+        """Between two steps: once the background build is done, load it and rebuild the model
+        on it; if either fails, say why and keep serving on the fallback."""
+        if not (kernels.is_loaded() or kernels.background_build_done()):
+            return
+        self.kernels_pending = False
+        ok = kernels.available() if kernels.is_loaded() else kernels.finish_background_build()
+        if not ok:
+            self.emit(msg.KernelsSwitched(self.index, self.runner.info.get("kernels", ""),
+                                          kernels.status()["reason"] or "the build failed"))
+            return
+        try:
+            label = self.runner.switch_to_kernels()
+        except Exception as exc:   # a kernel that fails its self-check: the fallback stays
+            self.emit(msg.KernelsSwitched(self.index, self.runner.info.get("kernels", ""), describe_error(exc)))
+            return
+        self.emit(msg.KernelsSwitched(self.index, label))
+        self._recalibrate = self.cfg.calibrate   # the router's rates were the fallback's
+
+    def _recalibrate_profile(self) -> None:
+        self._recalibrate = False
+        profile = worker_profile(self.runner, self.blocks, self.cfg, self.model_path)
+        self.emit(msg.ProfileUpdate(self.index, profile["prefill_tps"], profile["decode_tps"]))
 
     def _drain_commands(self, commands, block: bool) -> None:
         timeout = STATS_INTERVAL if block else 0

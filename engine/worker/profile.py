@@ -96,8 +96,10 @@ def worker_profile(runner, blocks, cfg, model_path: str) -> dict:
     if cfg.simulated:
         return {"prefill_tps": cfg.sim_prefill_tps, "decode_tps": cfg.sim_decode_tps, "source": "declared"}
     import torch
-    key = profile_key(model_path, cfg.device, runner.info.get("dtype", "?"),
-                      cfg.threads or torch.get_num_threads())
+    # the kernel forms key it too: rates measured on the torch fallback (while the kernels
+    # build on first use) are not the kernels' rates
+    forms = runner.info.get("dtype", "?") + "/" + runner.info.get("kernels", "")
+    key = profile_key(model_path, cfg.device, forms, cfg.threads or torch.get_num_threads())
     if not cfg.recalibrate:
         cached = load_profiles().get(key)
         if cached:

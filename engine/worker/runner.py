@@ -45,6 +45,7 @@ class ModelRunner(Runner):
         self.device = torch.device(cfg.device)
         dtype = pick_activation_dtype(cfg.device, cfg.activation_dtype)
         gf = load_gguf(model_path)
+        self.model_path = model_path
         self.config = gf.config
         self.tokenizer = Tokenizer.from_gguf(model_path, gf.metadata)
         self.policy = LinearPolicy(activation_dtype=dtype,
@@ -69,6 +70,18 @@ class ModelRunner(Runner):
                      "kv_dtype": str(self.kv_dtype).replace("torch.", ""),
                      "simulated": False, "layers": gf.config.n_layers,
                      "kernels": _kernel_label(self.model)}
+
+    def switch_to_kernels(self) -> str:
+        """The model again, on the GGUF kernels a background build has just loaded, checked like
+        the first; it replaces the torch-fallback model between two steps. The KV store and every
+        sequence stay as they are: both models read and write the same K/V layout. A draft
+        model keeps the form it was built with. Returns the new kernel label."""
+        with get_tracer().scope("switch to kernels", model=self.cfg.model):
+            model = Decoder.from_gguf(load_gguf(self.model_path), self.policy)
+            check_linears(model)
+        self.model = model
+        self.info["kernels"] = _kernel_label(model)
+        return self.info["kernels"]
 
     def allocate_kv(self, num_slots: int) -> None:
         self.kv = self.model.new_kv_store(num_slots, dtype=self.kv_dtype)
