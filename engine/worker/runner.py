@@ -1,6 +1,8 @@
 """The model runner of a real worker: turns a scheduler plan into one forward pass + sampling."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from engine import kernels
@@ -39,6 +41,23 @@ def _kernel_label(model) -> str:
                     for f in forms)
 
 
+@contextlib.contextmanager
+def _one_thread_while_dequantizing(device: str):
+    """Without the kernels (first use, while they build; no compiler) every linear layer is
+    dequantized into a dense copy: torch's copies into it run on one thread, since OpenMP
+    threads that share busy cores (the kernel build's compiler) wait for each other and took
+    twice as long as one thread alone."""
+    if device != "cpu" or kernels.available():
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 class ModelRunner(Runner):
     def __init__(self, cfg: WorkerConfig, model_path: str):
         self.cfg = cfg
@@ -50,7 +69,8 @@ class ModelRunner(Runner):
         self.tokenizer = Tokenizer.from_gguf(model_path, gf.metadata)
         self.policy = LinearPolicy(activation_dtype=dtype,
                                    deterministic=cfg.deterministic, device=cfg.device)
-        self.model = Decoder.from_gguf(gf, self.policy)
+        with _one_thread_while_dequantizing(cfg.device):
+            self.model = Decoder.from_gguf(gf, self.policy)
         with get_tracer().scope("selfcheck", model=cfg.model):
             check_linears(self.model)   # refuses a layout this CPU computes wrongly
         self.draft = None   # speculative decoding's draft model, on this worker (engine/speculative/draft.py)
