@@ -20,8 +20,8 @@ from engine.config import (KV_DTYPES, KV_MODES, PREFIX_CACHE, ROUTER_POLICIES, S
                            EngineConfig, SamplingParams)
 from engine.facade.devices import parse_devices
 from engine.config import parse_size
-from app.flags import worker_from_flags
-from engine.errors import ConfigError, TokentopError, describe_error
+from app.flags import as_flags, describe_error, worker_from_flags
+from engine.errors import ConfigError, TokentopError
 from engine.trace import check_trace_dir
 
 EXIT_USAGE = 2
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().print_help()
         return EXIT_USAGE
     except TokentopError as exc:
-        print(f"tokentop: error: {exc}", file=sys.stderr)
+        print(f"tokentop: error: {describe_error(exc)}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
@@ -273,7 +273,7 @@ def cmd_generate(args) -> int:
         kw = {"messages": [{"role": "user", "content": prompt}]} if args.chat else {"prompt": prompt}
         handle = engine.submit(params=params, **kw)
         if handle.notice:
-            print(f"tokentop: note: {handle.notice}", file=sys.stderr)
+            print(f"tokentop: note: {as_flags(handle.notice)}", file=sys.stderr)
         if not args.json:
             for delta in handle:
                 sys.stdout.write(delta.text)
@@ -296,7 +296,7 @@ def print_startup_warnings(engine) -> None:
     """What the engine's start-up warned of, on stderr (the dashboard shows its log instead)."""
     for line in engine.snapshot().log:
         if line.level == "warning":
-            print(f"tokentop: warning: {line.text}", file=sys.stderr)
+            print(f"tokentop: warning: {as_flags(line.text)}", file=sys.stderr)
 
 
 def result_json(engine, result, model: str) -> dict:

@@ -203,3 +203,40 @@ def test_more_threads_than_cores_is_warned_of(model, capsys):
     assert f"tokentop: warning: worker 0 (cpu): --threads {cores + 1} is more than the {cores} cores" in err, err
     assert main(["generate", "hello", "--model", model, "--threads", "1", "--max-tokens", "2"]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+# --- engine messages name fields; the command line shows flags (app/flags.py) -------------
+
+@pytest.mark.parametrize("message, line", [
+    ("raise `max_context`", "raise --max-context"),
+    ("`kv_cache_memory=256MiB` or less", "--kv-cache-memory 256MiB or less"),
+    ("`kv_cache_memory=1 KiB` is less", "--kv-cache-memory 1 KiB is less"),
+    ("`device=sim:gpu0:prefill=1,decode=2`: bad", "--device sim:gpu0:prefill=1,decode=2: bad"),
+    ("`ngram_min`/`ngram_max` need", "--ngram-min/--ngram-max need"),
+    ("see `tokentop serve` or `nvtx`", "see `tokentop serve` or `nvtx`"),   # no field: left as is
+    ("max_tokens must be > 0", "max_tokens must be > 0"),
+])
+def test_engine_messages_read_as_flags_on_the_command_line(message, line):
+    from app.flags import as_flags
+
+    assert as_flags(message) == line
+    assert as_flags(line) == line   # idempotent: a message rendered twice reads the same
+
+
+def test_every_mapped_field_is_a_setting_and_every_flag_a_real_flag():
+    import argparse
+    from dataclasses import fields
+
+    from app.cli import build_dashboard_parser, build_parser
+    from app.flags import FIELD_FLAGS
+    from engine.config import EngineConfig, WorkerConfig
+    from engine.serve.app import ServeConfig
+
+    settings = {f.name for cls in (WorkerConfig, EngineConfig, ServeConfig) for f in fields(cls)}
+    assert set(FIELD_FLAGS) <= settings, set(FIELD_FLAGS) - settings
+    parsers = [build_dashboard_parser()] + [
+        sub for action in build_parser()._actions if isinstance(action, argparse._SubParsersAction)
+        for sub in action.choices.values()]
+    flags = {flag for p in parsers for action in p._actions for flag in action.option_strings}
+    assert set(FIELD_FLAGS.values()) <= flags, set(FIELD_FLAGS.values()) - flags
+
