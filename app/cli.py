@@ -68,6 +68,17 @@ def _sizes(text: str) -> str:
     return text
 
 
+def _bind_address(text: str) -> str:
+    """--serve [HOST:]PORT: checked when read, so a bad one names the flag."""
+    from engine.serve.server import parse_bind
+
+    try:
+        parse_bind(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def _names(text: str) -> str:
     if not [n for n in text.split(",") if n.strip()]:
         raise argparse.ArgumentTypeError("name at least one model, e.g. qwen2.5-coder-0.5b,qwen2.5-coder-1.5b")
@@ -186,7 +197,7 @@ def build_dashboard_parser() -> OneLineParser:
     p.add_argument("--burst-file", metavar="FILE", default=None,
                    help="fire this burst file (JSONL, see sample_prompts/README.md) once the "
                         "workers have started: each line once, with its own sampling settings")
-    p.add_argument("--serve", default=None, metavar="[HOST:]PORT",
+    p.add_argument("--serve", default=None, metavar="[HOST:]PORT", type=_bind_address,
                    help="also serve the OpenAI-compatible API here; its requests show in the panels")
     add_serve_flags(p)
     return p

@@ -93,7 +93,7 @@ def test_the_kv_pool_caps_the_context(tiny_model_path):
 def test_kv_dtype_is_checked_where_the_config_is_built():
     from engine.config import WorkerConfig
     from engine.errors import ConfigError
-    with pytest.raises(ConfigError, match=r"--kv-dtype must be one of auto, fp32, bf16, fp16, got 'fp8'"):
+    with pytest.raises(ConfigError, match=r"`kv_dtype` must be one of auto, fp32, bf16, fp16, got 'fp8'"):
         WorkerConfig(kv_dtype="fp8").validate()
 
 
@@ -240,3 +240,24 @@ def test_every_mapped_field_is_a_setting_and_every_flag_a_real_flag():
     flags = {flag for p in parsers for action in p._actions for flag in action.option_strings}
     assert set(FIELD_FLAGS.values()) <= flags, set(FIELD_FLAGS.values()) - flags
 
+
+def test_an_engine_error_is_printed_with_flags_end_to_end(no_weights, capsys):
+    """The engine says `page_size`; `tokentop generate` says --page-size."""
+    from engine.config import WorkerConfig
+    from engine.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^`page_size` must be a power of two, got 3$"):
+        WorkerConfig(page_size=3).validate()
+    assert main(["generate", "hello", "--device", SIM, "--page-size", "3"]) == 2
+    assert capsys.readouterr().err == "tokentop: error: --page-size must be a power of two, got 3\n"
+
+
+@pytest.mark.parametrize("value, fragment", [
+    ("abc", "argument --serve: cannot read 'abc' as [HOST:]PORT: write e.g. 8000 or 0.0.0.0:8000"),
+    ("0.0.0.0:70000", "argument --serve: '0.0.0.0:70000': the port must be 0..65535"),
+])
+def test_a_bad_serve_address_names_the_flag(capsys, value, fragment):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--device", SIM, "--serve", value])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and fragment in err, err
