@@ -20,8 +20,8 @@ from engine.config import (KV_DTYPES, KV_MODES, PREFIX_CACHE, ROUTER_POLICIES, S
                            EngineConfig, SamplingParams)
 from engine.facade.devices import parse_devices
 from engine.config import parse_size
-from app.flags import worker_from_flags
-from engine.errors import ConfigError, TokentopError, describe_error
+from app.flags import as_flags, describe_error, worker_from_flags
+from engine.errors import ConfigError, TokentopError
 from engine.trace import check_trace_dir
 
 EXIT_USAGE = 2
@@ -65,6 +65,17 @@ def _sizes(text: str) -> str:
     parts = [p.strip() for p in text.split(",")]
     if not all(p.isdigit() and int(p) >= 1 for p in parts):
         raise argparse.ArgumentTypeError(f"{text!r}: write positive request counts separated by commas, e.g. 1,2,4,8")
+    return text
+
+
+def _bind_address(text: str) -> str:
+    """--serve [HOST:]PORT: checked when read, so a bad one names the flag."""
+    from engine.serve.server import parse_bind
+
+    try:
+        parse_bind(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return text
 
 
@@ -186,7 +197,7 @@ def build_dashboard_parser() -> OneLineParser:
     p.add_argument("--burst-file", metavar="FILE", default=None,
                    help="fire this burst file (JSONL, see sample_prompts/README.md) once the "
                         "workers have started: each line once, with its own sampling settings")
-    p.add_argument("--serve", default=None, metavar="[HOST:]PORT",
+    p.add_argument("--serve", default=None, metavar="[HOST:]PORT", type=_bind_address,
                    help="also serve the OpenAI-compatible API here; its requests show in the panels")
     add_serve_flags(p)
     return p
@@ -219,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().print_help()
         return EXIT_USAGE
     except TokentopError as exc:
-        print(f"tokentop: error: {exc}", file=sys.stderr)
+        print(f"tokentop: error: {describe_error(exc)}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
@@ -273,7 +284,7 @@ def cmd_generate(args) -> int:
         kw = {"messages": [{"role": "user", "content": prompt}]} if args.chat else {"prompt": prompt}
         handle = engine.submit(params=params, **kw)
         if handle.notice:
-            print(f"tokentop: note: {handle.notice}", file=sys.stderr)
+            print(f"tokentop: note: {as_flags(handle.notice)}", file=sys.stderr)
         if not args.json:
             for delta in handle:
                 sys.stdout.write(delta.text)
@@ -296,7 +307,7 @@ def print_startup_warnings(engine) -> None:
     """What the engine's start-up warned of, on stderr (the dashboard shows its log instead)."""
     for line in engine.snapshot().log:
         if line.level == "warning":
-            print(f"tokentop: warning: {line.text}", file=sys.stderr)
+            print(f"tokentop: warning: {as_flags(line.text)}", file=sys.stderr)
 
 
 def result_json(engine, result, model: str) -> dict:

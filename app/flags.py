@@ -1,8 +1,49 @@
-"""The engine flags every command shares, as the WorkerConfig each --device starts from."""
+"""Flags and the engine's fields, both ways: the engine flags every command shares as the
+WorkerConfig each --device starts from, and the engine's messages, which name settings by
+field (`max_context`, `kv_cache_memory=256MiB`: engine/errors.py), with those fields as flags."""
 from __future__ import annotations
 
+import re
+
+from engine import errors
 from engine.config import WorkerConfig, parse_size
 from engine.errors import ConfigError
+
+# Every setting field the command line sets, with the flag that sets it.
+FIELD_FLAGS = {
+    # WorkerConfig: the engine flags, which every --device starts from
+    "device": "--device", "model": "--model", "threads": "--threads", "max_active": "--max-active",
+    "max_batched_tokens": "--max-batched-tokens", "max_context": "--max-context", "page_size": "--page-size",
+    "kv_cache_memory": "--kv-cache-memory", "kv_cache": "--kv-cache", "kv_dtype": "--kv-dtype",
+    "policy": "--policy", "deterministic": "--deterministic", "activation_dtype": "--activation-dtype",
+    "recalibrate": "--recalibrate", "speculate": "--speculate", "draft_model": "--draft-model",
+    "spec_k": "--spec-k", "spec_tv_budget": "--spec-tv-budget", "ngram_min": "--ngram-min",
+    "ngram_max": "--ngram-max", "prefix_cache": "--prefix-cache", "single_flight": "--single-flight",
+    # EngineConfig: its workers are the --device specs
+    "workers": "--device", "router_policy": "--router-policy", "trace_dir": "--trace-dir",
+    "routing_log": "--routing-log", "worker_mode": "--worker-mode",
+    # ServeConfig: the server flags
+    "host": "--host", "port": "--port", "api_key": "--api-key", "max_queue": "--max-queue",
+    "max_body": "--max-body",
+}
+FIELD_IN_MESSAGE = re.compile(r"`([a-z][a-z0-9_]*)(?:=([^`]*))?`")
+
+
+def as_flags(text: str) -> str:
+    """An engine message as the command line says it: `max_context` -> --max-context,
+    `kv_cache_memory=256MiB` -> --kv-cache-memory 256MiB. Backticked text that is no field
+    (a command, a file name) stays as it is."""
+    def flag(m: re.Match) -> str:
+        name, value = m.groups()
+        if name not in FIELD_FLAGS:
+            return m.group()
+        return FIELD_FLAGS[name] if value is None else f"{FIELD_FLAGS[name]} {value}"
+    return FIELD_IN_MESSAGE.sub(flag, text)
+
+
+def describe_error(exc: BaseException) -> str:
+    """engine.errors.describe_error, with the settings it names as flags."""
+    return as_flags(errors.describe_error(exc))
 
 
 def worker_from_flags(flags) -> WorkerConfig:

@@ -28,6 +28,7 @@ from app.burst_runner import BurstRun, BurstSpec
 from app.bursts import default_prompts_dir, list_burst_files, load_burst
 from app.cli import (EXIT_USAGE, build_dashboard_parser, check_dashboard_server_flags, engine_config_from,
                      serve_config_from)
+from app.flags import describe_error   # engine messages with their settings as flags
 from app.screens.burst import BurstDialog, DEFAULTS
 from app.screens.detail import RequestDetail
 from app.screens.help import HelpScreen
@@ -44,7 +45,7 @@ from app.widgets.spec import SpecPanel
 from app.widgets.streams import StreamsPanel
 from engine.config import ROUTER_POLICIES, SCHED_POLICIES, EngineConfig, SamplingParams
 from engine.facade.engine import Engine
-from engine.errors import TokentopError, describe_error
+from engine.errors import TokentopError
 from engine.facade.snapshot import EngineSnapshot
 from themes import KV_DEFAULTS, STYLESHEET, THEMES
 
@@ -104,7 +105,7 @@ def run_dashboard(argv: list[str]) -> int:
         app = TokentopApp(replace(config, worker_log=str(log)), startup_burst=burst)
         http = _start_http(app, args) if args.serve else None
     except (TokentopError, OSError) as exc:
-        print(f"tokentop: error: {exc}", file=sys.stderr)
+        print(f"tokentop: error: {describe_error(exc)}", file=sys.stderr)
         return EXIT_USAGE
     try:
         app.run()

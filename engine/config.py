@@ -76,14 +76,14 @@ SINGLE_FLIGHT = ("off", "after-prefill", "at-completion")
 
 def check_scheduler_policy(policy: str) -> str:
     if policy not in SCHED_POLICIES:
-        raise ConfigError(f"unknown scheduler policy {policy!r}: use --policy "
+        raise ConfigError(f"unknown scheduler policy {policy!r}: set `policy` to "
                           f"{' or '.join(SCHED_POLICIES)}")
     return policy
 
 
 def check_router_policy(policy: str) -> str:
     if policy not in ROUTER_POLICIES:
-        raise ConfigError(f"unknown router policy {policy!r}: use --router-policy "
+        raise ConfigError(f"unknown router policy {policy!r}: set `router_policy` to "
                           f"{', '.join(ROUTER_POLICIES[:-1])} or {ROUTER_POLICIES[-1]}")
     return policy
 
@@ -134,43 +134,43 @@ class WorkerConfig:
 
     def validate(self) -> "WorkerConfig":
         if self.threads < 0:
-            raise ConfigError(f"--threads must be 0 (all cores) or a positive count, got {self.threads}")
+            raise ConfigError(f"`threads` must be 0 (all cores) or a positive count, got {self.threads}")
         if self.max_context == 1 or self.max_context < 0:
-            raise ConfigError(f"--max-context must be at least 2 tokens (a prompt token and an output "
-                              f"token), got {self.max_context}; e.g. --max-context 4096")
+            raise ConfigError(f"`max_context` must be at least 2 tokens (a prompt token and an output "
+                              f"token), got {self.max_context}; e.g. `max_context=4096`")
         if self.max_active < 1:
-            raise ConfigError(f"--max-active must be >= 1, got {self.max_active}")
+            raise ConfigError(f"`max_active` must be >= 1, got {self.max_active}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
-            raise ConfigError(f"--page-size must be a power of two, got {self.page_size}")
+            raise ConfigError(f"`page_size` must be a power of two, got {self.page_size}")
         if self.max_batched_tokens < 1:
-            raise ConfigError(f"--max-batched-tokens must be >= 1, got {self.max_batched_tokens}")
+            raise ConfigError(f"`max_batched_tokens` must be >= 1, got {self.max_batched_tokens}")
         if self.kv_cache not in KV_MODES:
-            raise ConfigError(f"--kv-cache must be one of {', '.join(KV_MODES)}, got {self.kv_cache!r}")
+            raise ConfigError(f"`kv_cache` must be one of {', '.join(KV_MODES)}, got {self.kv_cache!r}")
         if self.kv_dtype not in KV_DTYPES:
-            raise ConfigError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
+            raise ConfigError(f"`kv_dtype` must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         check_scheduler_policy(self.policy)
         if self.prefix_cache not in PREFIX_CACHE:
-            raise ConfigError(f"--prefix-cache must be on or off, got {self.prefix_cache!r}")
+            raise ConfigError(f"`prefix_cache` must be on or off, got {self.prefix_cache!r}")
         if self.single_flight not in SINGLE_FLIGHT:
-            raise ConfigError(f"--single-flight must be one of {', '.join(SINGLE_FLIGHT)}, "
+            raise ConfigError(f"`single_flight` must be one of {', '.join(SINGLE_FLIGHT)}, "
                               f"got {self.single_flight!r}")
         if self.kv_cache_memory <= 0:
-            raise ConfigError("--kv-cache-memory must be positive, e.g. 256MiB")
+            raise ConfigError("`kv_cache_memory` must be positive, e.g. `kv_cache_memory=256MiB`")
         # what the model needs per page is checked once its header is read (facade.limits.check_model_limits)
         if self.speculate not in SPEC_MODES:
-            raise ConfigError(f"--speculate must be one of {', '.join(SPEC_MODES)}, got {self.speculate!r}")
+            raise ConfigError(f"`speculate` must be one of {', '.join(SPEC_MODES)}, got {self.speculate!r}")
         if self.speculate == "draft" and not self.draft_model:
-            raise ConfigError("--speculate draft needs --draft-model NAME|PATH "
-                              "(e.g. --model qwen2.5-coder-1.5b --draft-model qwen2.5-coder-0.5b)")
+            raise ConfigError("`speculate=draft` needs `draft_model=NAME|PATH` "
+                              "(e.g. `model=qwen2.5-coder-1.5b` `draft_model=qwen2.5-coder-0.5b`)")
         if self.draft_model and self.kv_cache == "contiguous":
-            raise ConfigError("--draft-model needs --kv-cache paged (the draft's pages come from the pool)")
+            raise ConfigError("`draft_model` needs `kv_cache=paged` (the draft's pages come from the pool)")
         if self.spec_k not in SPEC_K_POLICIES and not (self.spec_k.isdigit() and 0 <= int(self.spec_k) <= 16):
-            raise ConfigError(f"--spec-k must be a number 0-16 or one of {', '.join(SPEC_K_POLICIES)}, "
+            raise ConfigError(f"`spec_k` must be a number 0-16 or one of {', '.join(SPEC_K_POLICIES)}, "
                               f"got {self.spec_k!r}")
         if not 0.0 <= self.spec_tv_budget <= 1.0:
-            raise ConfigError(f"--spec-tv-budget must be in [0, 1] (0 = lossless), got {self.spec_tv_budget}")
+            raise ConfigError(f"`spec_tv_budget` must be in [0, 1] (0 = lossless), got {self.spec_tv_budget}")
         if not 1 <= self.ngram_min <= self.ngram_max:
-            raise ConfigError(f"--ngram-min/--ngram-max need 1 <= min <= max, got {self.ngram_min}/{self.ngram_max}")
+            raise ConfigError(f"`ngram_min`/`ngram_max` need 1 <= min <= max, got {self.ngram_min}/{self.ngram_max}")
         return self
 
 

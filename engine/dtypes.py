@@ -19,11 +19,11 @@ def check_activation_dtype(device: str, requested: str) -> str:
     if requested == "auto":
         return next(d for d in ("bf16", "fp32") if d not in refused or d == "fp32")
     if requested not in ("bf16", "fp16", "fp32"):
-        raise ConfigError(f"--activation-dtype must be auto, bf16, fp16 or fp32, got {requested!r}")
+        raise ConfigError(f"`activation_dtype` must be auto, bf16, fp16 or fp32, got {requested!r}")
     if requested in refused:
         ok = [d for d in ("bf16", "fp32") if d not in refused]
-        raise ConfigError(f"--activation-dtype {requested} is refused on {kind}: {refused[requested]}; "
-                          f"use --activation-dtype {ok[0]} (or auto)")
+        raise ConfigError(f"`activation_dtype={requested}` is refused on {kind}: {refused[requested]}; "
+                          f"use `activation_dtype={ok[0]}` (or auto)")
     return requested
 
 
@@ -35,7 +35,7 @@ DEFAULT_KV_DTYPE: dict[str, str] = {}
 def resolve_kv_dtype(device: str, requested: str) -> str:
     """'fp32', 'bf16' or 'fp16': what a worker on `device` stores K and V in."""
     if requested not in KV_DTYPES:
-        raise ConfigError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {requested!r}")
+        raise ConfigError(f"`kv_dtype` must be one of {', '.join(KV_DTYPES)}, got {requested!r}")
     if requested != "auto":
         return requested
     return DEFAULT_KV_DTYPE.get(device.split(":", 1)[0], "fp32")

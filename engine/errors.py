@@ -1,4 +1,12 @@
-"""Errors that carry a message meant for the user: what went wrong and what to do."""
+"""Errors that carry a message meant for the user: what went wrong and what to do.
+
+The engine is a library, so its messages (errors and log lines) name a setting by its config
+field (EngineConfig, WorkerConfig, ServeConfig), in backticks, so that a front end can show it
+its own way: `max_context` alone, or `kv_cache_memory=256MiB` with a value (everything up to
+the closing backtick). Nothing else in a message is backticked. The command line shows them as
+flags, --max-context and --kv-cache-memory 256MiB (app/flags.py). A request's own fields
+(max_tokens, temperature) are the caller's names and stay plain.
+"""
 
 
 class TokentopError(Exception):
@@ -14,7 +22,7 @@ class ModelError(TokentopError):
 
 
 class ConfigError(TokentopError):
-    """A flag or engine setting is invalid."""
+    """An engine setting is invalid."""
 
 
 class WorkerDied(TokentopError):

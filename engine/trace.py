@@ -421,7 +421,7 @@ def _make_nvtx_backend(nvtx: bool | NvtxBackend) -> NvtxBackend | None:
         return NvtxPackageBackend()
     except ImportError:
         import warnings
-        warnings.warn("NVTX ranges requested but the `nvtx` package is not installed "
+        warnings.warn("NVTX ranges requested but the nvtx package is not installed "
                       "(pip install nvtx); tracing continues without NVTX.", stacklevel=3)
         return None
 
@@ -453,9 +453,9 @@ def set_tracer(tracer: Tracer | None) -> Tracer:
 
 # -- writing and checking ----------------------------------------------------------------------
 
-def check_trace_dir(path_or_dir: str | os.PathLike, flag: str = "--trace-dir") -> str:
+def check_trace_dir(path_or_dir: str | os.PathLike) -> str:
     """At start-up, before any work: the absolute path, once its folder exists and a file can be
-    created in it; else a ConfigError naming the flag (not a traceback after the work is done)."""
+    created in it; else a ConfigError naming the setting (not a traceback after the work is done)."""
     from engine.errors import ConfigError
 
     path = os.path.abspath(os.fspath(path_or_dir))
@@ -465,7 +465,7 @@ def check_trace_dir(path_or_dir: str | os.PathLike, flag: str = "--trace-dir") -
         with tempfile.TemporaryFile(dir=folder):
             pass
     except OSError as exc:
-        raise ConfigError(f"{flag} {path}: cannot write a trace there ({exc.strerror or exc}); "
+        raise ConfigError(f"`trace_dir={path}`: cannot write a trace there ({exc.strerror or exc}); "
                           "give a folder you can write to") from None
     return path
 

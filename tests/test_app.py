@@ -672,6 +672,17 @@ def test_snapshot_dead_worker_small(frozen_app, snap_compare):
     assert snap_compare(frozen_app, terminal_size=(80, 24), run_before=show)
 
 
+async def test_the_event_log_shows_engine_settings_as_flags(frozen_app):
+    """The engine's lines name settings by field (`kv_cache_memory`); the dashboard, run from
+    the command line, names the flags."""
+    line = LogLine(time.time(), "error", "r1: raise `kv_cache_memory` or lower max_tokens")
+    async with frozen_app.run_test(size=SIZE) as pilot:
+        frozen_app.show_snapshot(replace(fixture_snapshot(), log=(line,)))
+        await pilot.pause()
+        shown = " ".join(strip.text.strip() for strip in frozen_app._log.lines)   # wrapped lines
+    assert "r1: raise --kv-cache-memory or lower max_tokens" in shown, shown
+
+
 def test_snapshot_burst_dialog(frozen_app, snap_compare):
     assert snap_compare(frozen_app, terminal_size=SIZE, press=["b"])
 

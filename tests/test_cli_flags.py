@@ -93,7 +93,7 @@ def test_the_kv_pool_caps_the_context(tiny_model_path):
 def test_kv_dtype_is_checked_where_the_config_is_built():
     from engine.config import WorkerConfig
     from engine.errors import ConfigError
-    with pytest.raises(ConfigError, match=r"--kv-dtype must be one of auto, fp32, bf16, fp16, got 'fp8'"):
+    with pytest.raises(ConfigError, match=r"`kv_dtype` must be one of auto, fp32, bf16, fp16, got 'fp8'"):
         WorkerConfig(kv_dtype="fp8").validate()
 
 
@@ -204,3 +204,61 @@ def test_more_threads_than_cores_is_warned_of(model, capsys):
     assert f"tokentop: warning: worker 0 (cpu): --threads {cores + 1} is more than the {cores} cores" in err, err
     assert main(["generate", "hello", "--model", model, "--threads", "1", "--max-tokens", "2"]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+# --- engine messages name fields; the command line shows flags (app/flags.py) -------------
+
+@pytest.mark.parametrize("message, line", [
+    ("raise `max_context`", "raise --max-context"),
+    ("`kv_cache_memory=256MiB` or less", "--kv-cache-memory 256MiB or less"),
+    ("`kv_cache_memory=1 KiB` is less", "--kv-cache-memory 1 KiB is less"),
+    ("`device=sim:gpu0:prefill=1,decode=2`: bad", "--device sim:gpu0:prefill=1,decode=2: bad"),
+    ("`ngram_min`/`ngram_max` need", "--ngram-min/--ngram-max need"),
+    ("see `tokentop serve` or `nvtx`", "see `tokentop serve` or `nvtx`"),   # no field: left as is
+    ("max_tokens must be > 0", "max_tokens must be > 0"),
+])
+def test_engine_messages_read_as_flags_on_the_command_line(message, line):
+    from app.flags import as_flags
+
+    assert as_flags(message) == line
+    assert as_flags(line) == line   # idempotent: a message rendered twice reads the same
+
+
+def test_every_mapped_field_is_a_setting_and_every_flag_a_real_flag():
+    import argparse
+    from dataclasses import fields
+
+    from app.cli import build_dashboard_parser, build_parser
+    from app.flags import FIELD_FLAGS
+    from engine.config import EngineConfig, WorkerConfig
+    from engine.serve.app import ServeConfig
+
+    settings = {f.name for cls in (WorkerConfig, EngineConfig, ServeConfig) for f in fields(cls)}
+    assert set(FIELD_FLAGS) <= settings, set(FIELD_FLAGS) - settings
+    parsers = [build_dashboard_parser()] + [
+        sub for action in build_parser()._actions if isinstance(action, argparse._SubParsersAction)
+        for sub in action.choices.values()]
+    flags = {flag for p in parsers for action in p._actions for flag in action.option_strings}
+    assert set(FIELD_FLAGS.values()) <= flags, set(FIELD_FLAGS.values()) - flags
+
+
+def test_an_engine_error_is_printed_with_flags_end_to_end(no_weights, capsys):
+    """The engine says `page_size`; `tokentop generate` says --page-size."""
+    from engine.config import WorkerConfig
+    from engine.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^`page_size` must be a power of two, got 3$"):
+        WorkerConfig(page_size=3).validate()
+    assert main(["generate", "hello", "--device", SIM, "--page-size", "3"]) == 2
+    assert capsys.readouterr().err == "tokentop: error: --page-size must be a power of two, got 3\n"
+
+
+@pytest.mark.parametrize("value, fragment", [
+    ("abc", "argument --serve: cannot read 'abc' as [HOST:]PORT: write e.g. 8000 or 0.0.0.0:8000"),
+    ("0.0.0.0:70000", "argument --serve: '0.0.0.0:70000': the port must be 0..65535"),
+])
+def test_a_bad_serve_address_names_the_flag(capsys, value, fragment):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--device", SIM, "--serve", value])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and fragment in err, err

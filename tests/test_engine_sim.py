@@ -159,7 +159,7 @@ def test_policies_switch_at_run_time(model):
                    "every worker to report the spf policy")
         with pytest.raises(ConfigError):
             engine.set_scheduler_policy("lifo")
-        with pytest.raises(ConfigError, match="--router-policy round-robin, least-loaded, cost or cache-aware"):
+        with pytest.raises(ConfigError, match="set `router_policy` to round-robin, least-loaded, cost or cache-aware"):
             engine.set_router_policy("random")
         assert engine.snapshot().router_policy == "least-loaded"   # a refused policy changes nothing
 
@@ -248,7 +248,7 @@ def test_chat_content_and_prompts_cannot_inject_special_tokens(model):
 
 
 @pytest.mark.parametrize("memory, said", [("256KiB", "contiguous K/V holds 2 sequences of 256 tokens at once "
-                                                    "(--max-active 4): lower --max-context or raise"),
+                                                    "(`max_active=4`): lower `max_context` or raise"),
                                           ("1MiB", None)])
 def test_contiguous_kv_says_when_it_caps_the_sequences_at_once(model, memory, said):
     """Contiguous K/V reserves a whole context per sequence, so the pool, not --max-active, can
@@ -282,6 +282,6 @@ def test_cpu_workers_share_the_cores_or_are_warned_of(tiny_model_path):
         warned = [line.text for line in engine.snapshot().log if line.level == "warning"]
         assert warned == [f"worker 0 (cpu): 2 CPU workers run {2 * cores} threads in all on the {cores} cores "
                           f"this process may use; threads that wait for each other slow CPU decode many times "
-                          f"over: give them --threads {max(1, cores // 2)}"], warned
+                          f"over: give them `threads={max(1, cores // 2)}`"], warned
     finally:
         engine.shutdown()

@@ -38,7 +38,7 @@ def test_cuda_code_paths_import_without_a_gpu():
 def test_unfaithful_dtype_is_refused_with_the_reason(monkeypatch):
     monkeypatch.setattr(dtypes, "UNFAITHFUL_ACTIVATION_DTYPES",
                         {"cpu": {"fp16": "greedy output left the fp32 reference on X"}})
-    with pytest.raises(ConfigError, match=r"fp16 is refused on cpu: greedy output left .* use --activation-dtype bf16"):
+    with pytest.raises(ConfigError, match=r"`activation_dtype=fp16` is refused on cpu: greedy output left .* use `activation_dtype=bf16`"):
         parse_devices(["cpu"], WorkerConfig(activation_dtype="fp16"))
     from engine.worker.runner import pick_activation_dtype
     with pytest.raises(ConfigError, match="refused"):
@@ -54,7 +54,7 @@ def test_auto_never_picks_a_refused_dtype(monkeypatch):
     monkeypatch.setattr(dtypes, "UNFAITHFUL_ACTIVATION_DTYPES", {"cuda": {"bf16": "why"}})
     assert check_activation_dtype("cuda:1", "auto") == "fp32"
     assert check_activation_dtype("cpu", "auto") == "bf16"
-    with pytest.raises(ConfigError, match="use --activation-dtype fp32"):
+    with pytest.raises(ConfigError, match="use `activation_dtype=fp32`"):
         check_activation_dtype("cuda:0", "bf16")
     with pytest.raises(ConfigError, match="auto, bf16, fp16 or fp32"):
         check_activation_dtype("cpu", "int8")

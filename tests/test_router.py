@@ -55,8 +55,8 @@ def test_no_live_worker_is_an_error():
         Router("cost").choose("r", 10, 10, loads((1, 1), alive=False))
 
 
-def test_an_unknown_policy_is_a_config_error_naming_the_flag():
-    with pytest.raises(ConfigError, match="--router-policy"):
+def test_an_unknown_policy_is_a_config_error_naming_the_setting():
+    with pytest.raises(ConfigError, match="`router_policy`"):
         Router("random")
     router = Router("cost")
     with pytest.raises(ConfigError):

@@ -148,7 +148,7 @@ def test_every_error_is_openai_shaped_and_queues_nothing(sim_server):
     r = httpx.post(url, json=["hi"])
     assert r.status_code == 400 and "JSON object" in r.json()["error"]["message"]
     r = httpx.post(url, json={"prompt": "x" * (5 * 2**20)})
-    assert r.status_code == 413 and "--max-body" in r.json()["error"]["message"]
+    assert r.status_code == 413 and "(`max_body`)" in r.json()["error"]["message"]
     r = httpx.get(http.url + "/v1/nothing")
     assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
     after = metrics(http.url)
@@ -317,12 +317,12 @@ def test_whole_response_client_timeout_aborts_the_request(real_model_path):
 def test_429_past_the_queue_limit_and_bearer_key(real_model_path):
     slow = ["sim:slow:prefill=1000,decode=20"]
     with in_process_server(real_model_path, slow, max_active=1, max_queue=1, api_key="s3cret") as (engine, http):
-        with pytest.raises(openai.AuthenticationError, match="--api-key"):
+        with pytest.raises(openai.AuthenticationError, match=r"\(`api_key`\)"):
             client(http, api_key="wrong").completions.create(model="qwen2.5-coder-0.5b", prompt="hi")
         c = client(http, api_key="s3cret")
         running = c.completions.create(model="qwen2.5-coder-0.5b", prompt="a", max_tokens=40, stream=True)
         waiting = c.completions.create(model="qwen2.5-coder-0.5b", prompt="b", max_tokens=40, stream=True)
-        with pytest.raises(openai.RateLimitError, match="--max-queue 1") as e:
+        with pytest.raises(openai.RateLimitError, match=r"\(`max_queue=1`\)") as e:
             c.completions.create(model="qwen2.5-coder-0.5b", prompt="c", max_tokens=4)
         assert e.value.status_code == 429
         running.close()

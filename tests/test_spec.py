@@ -269,7 +269,7 @@ def test_a_draft_request_without_a_draft_model_is_refused_clearly(tiny_model_pat
     model = tiny_model_path("qwen2")
     with start(model) as engine:
         r = engine.generate("x", params=SamplingParams(max_tokens=2, speculate="draft"))
-        assert r.finish_reason == "error" and "--draft-model" in r.error
+        assert r.finish_reason == "error" and "`draft_model`" in r.error
         assert engine.generate("x", params=SamplingParams(max_tokens=2, speculate="ngram")).token_ids
 
 

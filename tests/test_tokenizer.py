@@ -305,7 +305,7 @@ def test_sandbox_refuses_malicious_or_failing_templates(template, message):
 
 
 def test_no_template_is_a_clear_error():
-    with pytest.raises(InvalidRequest, match="tiny-gpt2 has no chat template; drop --chat"):
+    with pytest.raises(InvalidRequest, match="tiny-gpt2 has no chat template; send a plain prompt instead of chat messages"):
         with_template(None).apply_chat_template([{"role": "user", "content": "hi"}])
 
 
@@ -388,7 +388,7 @@ def test_real_chatml_rendering_matches_reference(qwen):
 @pytest.mark.realmodel
 def test_real_gemma_base_has_no_chat_template(gemma):
     assert not REFERENCE["models"]["gemma-3-270m"]["has_chat_template"]
-    with pytest.raises(InvalidRequest, match="Gemma 3 270m has no chat template; drop --chat"):
+    with pytest.raises(InvalidRequest, match="Gemma 3 270m has no chat template; send a plain prompt"):
         gemma.apply_chat_template([{"role": "user", "content": "hi"}])
 
 

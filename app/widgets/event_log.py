@@ -9,6 +9,7 @@ from collections import deque
 from rich.text import Text
 from textual.widgets import RichLog
 
+from app.flags import as_flags
 from engine.facade.snapshot import LogLine
 
 LEVEL_COLOUR = {"error": "error", "warning": "warning", "info": "primary"}
@@ -40,7 +41,7 @@ class EventLog(RichLog):
         colour = self.app.theme_variables[LEVEL_COLOUR.get(line.level, "foreground")]
         return Text.assemble((format_clock(line.time) + " ", "dim"),
                              (f"{LEVEL_LABEL.get(line.level, line.level.upper()):<5} ", f"bold {colour}"),
-                             line.text)
+                             as_flags(line.text))
 
     def show_lines(self, lines: tuple[LogLine, ...]) -> None:
         """Append the lines after the last one already shown (the engine keeps a bounded deque)."""

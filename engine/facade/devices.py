@@ -40,7 +40,7 @@ def parse_devices(specs: list[str], base: WorkerConfig) -> tuple[WorkerConfig, .
             out.append(parse_remote(spec, base, sum(w.remote for w in out)))
         else:
             raise ConfigError(f"unknown device {spec!r}; use cpu, cuda, cuda:N or "
-                              "sim:NAME[:prefill=R,decode=R] (e.g. --device sim:gpu0) or remote:URL[,name=NAME]")
+                              "sim:NAME[:prefill=R,decode=R] (e.g. `device=sim:gpu0`) or remote:URL[,name=NAME]")
     for w in out:
         if not w.simulated and not w.remote:   # a remote's dtype is its own business
             check_activation_dtype(w.device, w.activation_dtype)
@@ -71,11 +71,11 @@ def too_many_threads(index: int, workers: list) -> str:
     if not cpu or index != cpu[0] or total <= cores:
         return ""
     if len(cpu) == 1:
-        return (f"--threads {total} is more than the {cores} cores this process may use; threads that wait "
-                f"for each other slow CPU decode many times over: use --threads {cores} or 0 (all)")
+        return (f"`threads={total}` is more than the {cores} cores this process may use; threads that wait "
+                f"for each other slow CPU decode many times over: use `threads={cores}` or 0 (all)")
     return (f"{len(cpu)} CPU workers run {total} threads in all on the {cores} cores this process may use; "
-            f"threads that wait for each other slow CPU decode many times over: give them --threads "
-            f"{max(1, cores // len(cpu))}")
+            f"threads that wait for each other slow CPU decode many times over: give them `threads="
+            f"{max(1, cores // len(cpu))}`")
 
 
 def _claim_cuda(spec: str, claimed: set[int]) -> int:
@@ -83,22 +83,22 @@ def _claim_cuda(spec: str, claimed: set[int]) -> int:
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count == 0:
-        raise ConfigError(f"--device {spec}: no CUDA GPU is visible to this torch build "
-                          f"({torch.__version__}); use --device cpu, or --device sim:gpu0 to simulate one")
+        raise ConfigError(f"`device={spec}`: no CUDA GPU is visible to this torch build "
+                          f"({torch.__version__}); use `device=cpu`, or `device=sim:gpu0` to simulate one")
     if spec == "cuda":
         free = [i for i in range(count) if i not in claimed]
         if not free:
-            raise ConfigError(f"--device cuda: all {count} GPU(s) are already claimed by earlier --device flags")
+            raise ConfigError(f"`device=cuda`: all {count} GPU(s) are already claimed by earlier `device` specs")
         index = free[0]
     else:
         try:
             index = int(spec.split(":", 1)[1])
         except ValueError:
-            raise ConfigError(f"--device {spec}: write cuda:N with N a GPU index, e.g. cuda:0") from None
+            raise ConfigError(f"`device={spec}`: write cuda:N with N a GPU index, e.g. cuda:0") from None
         if not 0 <= index < count:
-            raise ConfigError(f"--device {spec}: only GPUs 0..{count - 1} exist")
+            raise ConfigError(f"`device={spec}`: only GPUs 0..{count - 1} exist")
         if index in claimed:
-            raise ConfigError(f"--device {spec}: GPU {index} is already used by another worker")
+            raise ConfigError(f"`device={spec}`: GPU {index} is already used by another worker")
     claimed.add(index)
     return index
 
@@ -107,27 +107,27 @@ def _parse_sim(spec: str, base: WorkerConfig) -> WorkerConfig:
     parts = spec.split(":", 2)
     name = parts[1] if len(parts) > 1 else ""
     if not name:
-        raise ConfigError("--device sim: needs a name, e.g. sim:gpu0 or sim:fast:prefill=2000,decode=300")
+        raise ConfigError("`device=sim:` needs a name, e.g. sim:gpu0 or sim:fast:prefill=2000,decode=300")
     rates: dict[str, float] = {}
     if len(parts) == 3 and parts[2]:
         for item in parts[2].split(","):
             key, _, value = item.partition("=")
             if key not in ("prefill", "decode", "jitter"):
-                raise ConfigError(f"--device {spec}: unknown field {key!r}; use prefill=, decode=, jitter=")
+                raise ConfigError(f"`device={spec}`: unknown field {key!r}; use prefill=, decode=, jitter=")
             try:
                 rates[key] = float(value)
             except ValueError:
-                raise ConfigError(f"--device {spec}: {key} must be a number, got {value!r}") from None
+                raise ConfigError(f"`device={spec}`: {key} must be a number, got {value!r}") from None
     preset = next((v for k, v in SIM_PRESETS.items() if name.startswith(k)), None)
     if "prefill" not in rates and "decode" not in rates and preset:
         rates["prefill"], rates["decode"] = preset
     missing = [k for k in ("prefill", "decode") if rates.get(k, 0) <= 0]
     if missing:
-        raise ConfigError(f"--device {spec}: missing or non-positive {' and '.join(missing)} rate; "
+        raise ConfigError(f"`device={spec}`: missing or non-positive {' and '.join(missing)} rate; "
                           f"write e.g. sim:{name}:prefill=2551,decode=293 (tokens/s)")
     jitter = rates.get("jitter", 0.0)
     if not 0 <= jitter < 1:
-        raise ConfigError(f"--device {spec}: jitter must be in [0, 1), got {jitter}")
+        raise ConfigError(f"`device={spec}`: jitter must be in [0, 1), got {jitter}")
     return replace(base, device=f"sim:{name}", name=f"sim:{name}", sim_prefill_tps=rates["prefill"],
                    sim_decode_tps=rates["decode"], sim_jitter=jitter)
 

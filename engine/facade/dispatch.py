@@ -34,7 +34,7 @@ def contiguous_room(info) -> str:
     if room >= info.max_active:
         return ""
     return (f"; contiguous K/V holds {room} sequence{'s' if room != 1 else ''} of {info.max_context} tokens at "
-            f"once (--max-active {info.max_active}): lower --max-context or raise --kv-cache-memory for more")
+            f"once (`max_active={info.max_active}`): lower `max_context` or raise `kv_cache_memory` for more")
 
 
 class Dispatcher:
@@ -112,7 +112,7 @@ class Dispatcher:
                 if w.profile == (0.0, 0.0):   # unless set_worker_profile came first
                     w.profile = (event.info.profile_prefill_tps, event.info.profile_decode_tps)
             info = event.info
-            capped = " (all its KV pool holds: raise --kv-cache-memory for more)" \
+            capped = " (all its KV pool holds: raise `kv_cache_memory` for more)" \
                 if info.context_capped_by_kv else ""
             capped += contiguous_room(info)
             kernels = f"; linear layers: {info.kernels}" if info.kernels else ""

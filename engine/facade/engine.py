@@ -47,16 +47,16 @@ def _open_routing_log(path: str):
     try:
         return open(path, "a")
     except OSError as exc:
-        raise ConfigError(f"--routing-log {path}: cannot append to it ({exc.strerror or exc}); "
+        raise ConfigError(f"`routing_log={path}`: cannot append to it ({exc.strerror or exc}); "
                           "give a file in a folder you can write to") from None
 
 
 class Engine:
     def __init__(self, config: EngineConfig, *, progress: Callable[[str, int, int], None] | None = None):
         if not config.workers:
-            raise ConfigError("at least one --device is needed")
+            raise ConfigError("at least one worker is needed (`workers`)")
         if config.worker_mode not in ("process", "thread"):
-            raise ConfigError(f"--worker-mode must be process or thread, got {config.worker_mode!r}")
+            raise ConfigError(f"`worker_mode` must be process or thread, got {config.worker_mode!r}")
         self.config = config
         self.router = Router(config.router_policy)
         self._progress = progress
@@ -177,7 +177,7 @@ class Engine:
             max_ctx = max(w.info.max_context for w in live)
             if len(ids) + 1 > max_ctx:
                 raise InvalidRequest(f"prompt has {len(ids)} tokens but the context is {max_ctx} tokens; "
-                                     "shorten the prompt or raise --max-context")
+                                     "shorten the prompt or raise `max_context`")
             if worker is not None and worker not in [w.index for w in live]:
                 raise InvalidRequest(f"worker {worker} is not ready")
             rid = f"r{next(self._ids)}"
@@ -186,7 +186,7 @@ class Engine:
             if params.max_tokens > room:
                 # clamp, and say so once: the record, the router and the table see the real limit
                 notice = (f"max_tokens {params.max_tokens} lowered to {room}: the {len(ids)}-token prompt "
-                          f"leaves {room} of the {max_ctx}-token context (--max-context, --kv-cache-memory)")
+                          f"leaves {room} of the {max_ctx}-token context (`max_context`, `kv_cache_memory`)")
                 self.event_log.repeated(("max_tokens lowered",), "warning", f"{rid}: {notice}{{times}}")
                 params = replace(params, max_tokens=room)
             rec = RequestRecord(rid, ids, params, now, burst=burst, notice=notice,

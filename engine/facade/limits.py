@@ -26,18 +26,18 @@ def check_model_limits(workers, model_paths: dict[str, str]) -> None:
             headers[w.model] = load_gguf(model_paths[w.model]).config
         c = headers[w.model]
         if w.max_context > c.context_length:
-            raise ConfigError(f"--max-context {w.max_context} is more than {w.model} was trained for "
-                              f"({c.context_length} tokens); use --max-context {c.context_length} or less")
+            raise ConfigError(f"`max_context={w.max_context}` is more than {w.model} was trained for "
+                              f"({c.context_length} tokens); use `max_context={c.context_length}` or less")
         page = kv_bytes_per_slot(c, w.device, w.kv_dtype) * w.page_size
         pages = w.kv_cache_memory // page
         if pages < 1:
-            raise ConfigError(f"--kv-cache-memory {format_size(w.kv_cache_memory)} is less than one KV page "
+            raise ConfigError(f"`kv_cache_memory={format_size(w.kv_cache_memory)}` is less than one KV page "
                               f"of {w.model} ({w.page_size} tokens need {format_size(page)}); "
-                              "use e.g. --kv-cache-memory 256MiB")
+                              "use e.g. `kv_cache_memory=256MiB`")
         if pages > MAX_KV_PAGES:
-            raise ConfigError(f"--kv-cache-memory {format_size(w.kv_cache_memory)} would be {pages:,} KV pages "
+            raise ConfigError(f"`kv_cache_memory={format_size(w.kv_cache_memory)}` would be {pages:,} KV pages "
                               f"of {w.model}; a worker manages at most {MAX_KV_PAGES:,} "
-                              f"({format_size(MAX_KV_PAGES * page)}); use e.g. --kv-cache-memory 256MiB")
+                              f"({format_size(MAX_KV_PAGES * page)}); use e.g. `kv_cache_memory=256MiB`")
 
 
 # Resident memory of a CPU worker per byte of GGUF file, measured with `tokentop bench single`
@@ -71,5 +71,5 @@ def check_memory(workers, model_paths: dict[str, str], available: int | None = N
     if need > available:
         n = sum(w.device == "cpu" for w in workers)
         raise ConfigError(f"{n} CPU worker(s) need about {need / 2**30:.1f} GiB (model copies + KV cache) "
-                          f"but only {available / 2**30:.1f} GiB is available; use fewer --device cpu "
-                          "workers or a smaller --kv-cache-memory")
+                          f"but only {available / 2**30:.1f} GiB is available; use fewer `device=cpu` "
+                          "workers or a smaller `kv_cache_memory`")

@@ -30,7 +30,7 @@ MODES = ("off", "after-prefill", "at-completion")
 class FlightCoordinator:
     def __init__(self, mode: str = "after-prefill"):
         if mode not in MODES:
-            raise ValueError(f"--single-flight must be one of {', '.join(MODES)}, got {mode!r}")
+            raise ValueError(f"`single_flight` must be one of {', '.join(MODES)}, got {mode!r}")
         self.mode = mode
         self._inflight: dict[bytes, str] = {}       # page key -> running leader computing it
         self._flights: dict[str, list[bytes]] = {}  # leader -> the keys it registered

@@ -210,8 +210,8 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
         """Render `messages` with the model's own chat template, in a sandbox (the template is untrusted)."""
         if self.chat_template is None:
-            raise InvalidRequest(f"model {self.model_name} has no chat template; drop --chat or send a plain "
-                                 "prompt (it is a base model: it continues text), or pick an instruct model.")
+            raise InvalidRequest(f"model {self.model_name} has no chat template; send a plain prompt "
+                                 "instead of chat messages (it is a base model: it continues text), or pick an instruct model.")
         validate_messages(messages)
         try:
             if self._compiled_template is None:

@@ -71,13 +71,13 @@ def parse_remote(spec: str, base: WorkerConfig, count: int) -> WorkerConfig:
     url, *fields = body.split(",")
     url = url.rstrip("/")
     if not url.startswith(("http://", "https://")):
-        raise ConfigError(f"--device {spec}: write remote:http://HOST:PORT[,name=NAME], "
-                          "e.g. --device remote:http://127.0.0.1:8001")
+        raise ConfigError(f"`device={spec}`: write remote:http://HOST:PORT[,name=NAME], "
+                          "e.g. `device=remote:http://127.0.0.1:8001`")
     name = f"remote{count or ''}"
     for item in fields:
         key, _, value = item.partition("=")
         if key != "name" or not value:
-            raise ConfigError(f"--device {spec}: unknown field {item!r}; the only field is name=NAME")
+            raise ConfigError(f"`device={spec}`: unknown field {item!r}; the only field is name=NAME")
         name = value
     return replace(base, device=f"remote:{url}", name=name, calibrate=False)
 

@@ -192,8 +192,8 @@ class OpenAIServer:
             p = replace(p, params=replace(p.params, max_tokens=mt))
         waiting = max(0, self.engine.outstanding() - capacity)    # this one would wait behind them
         if self.engine.outstanding() >= capacity and waiting + 1 > self.config.max_queue:
-            raise P.ApiError(429, f"{waiting} requests are already waiting for a free slot (--max-queue "
-                                  f"{self.config.max_queue}); retry later", type="rate_limit_error",
+            raise P.ApiError(429, f"{waiting} requests are already waiting for a free slot (`max_queue="
+                                  f"{self.config.max_queue}`); retry later", type="rate_limit_error",
                              code="queue_full")
         try:
             handle = self.engine.submit(prompt_ids=ids, messages=p.messages, params=p.params, prompt_lengths=lens)
@@ -275,7 +275,7 @@ class OpenAIServer:
         given = request.headers.get("authorization", "")
         if not (given.startswith("Bearer ") and hmac.compare_digest(given[7:].strip(), key)):
             raise P.ApiError(401, "missing or wrong API key: send the header Authorization: Bearer <key> "
-                                  "with the key given to --api-key", type="authentication_error",
+                                  "with the key the server was started with (`api_key`)", type="authentication_error",
                              code="invalid_api_key")
 
     async def _read_json(self, request: Request):
@@ -283,12 +283,12 @@ class OpenAIServer:
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > limit:
             raise P.ApiError(413, f"the request body is {int(declared)} bytes; the limit is {limit} "
-                                  "(--max-body); send a shorter prompt", code="body_too_large")
+                                  "(`max_body`); send a shorter prompt", code="body_too_large")
         body = bytearray()
         async for chunk in request.stream():
             body += chunk
             if len(body) > limit:
-                raise P.ApiError(413, f"the request body is over the limit of {limit} bytes (--max-body); "
+                raise P.ApiError(413, f"the request body is over the limit of {limit} bytes (`max_body`); "
                                       "send a shorter prompt", code="body_too_large")
         if not body:
             raise P.ApiError(400, "the request body is empty; send a JSON object")

@@ -22,9 +22,9 @@ def parse_bind(text: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
     try:
         number = int(port)
     except ValueError:
-        raise ConfigError(f"--serve {text!r}: write [HOST:]PORT, e.g. --serve 8000 or --serve 0.0.0.0:8000") from None
+        raise ConfigError(f"cannot read {text!r} as [HOST:]PORT: write e.g. 8000 or 0.0.0.0:8000") from None
     if not 0 <= number < 65536:
-        raise ConfigError(f"--serve {text!r}: the port must be 0..65535")
+        raise ConfigError(f"{text!r}: the port must be 0..65535")
     return (host.strip("[]") or default_host), number
 
 
@@ -37,7 +37,7 @@ def bind(host: str, port: int) -> socket.socket:
     except (OSError, OverflowError) as exc:   # OverflowError: a port outside 0..65535
         sock.close()
         raise ConfigError(f"cannot listen on {host}:{port}: {getattr(exc, 'strerror', None) or exc}; "
-                          "pick another --port or stop what uses it") from None
+                          "pick another `port` or stop what uses it") from None
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock

@@ -61,7 +61,7 @@ class SpecController:
     def start(self, seq: Sequence) -> None:
         mode = seq.params.speculate or self.cfg.speculate
         if mode == "draft" and self.draft is None:
-            raise InvalidRequest("speculate=draft needs a worker started with --draft-model; "
+            raise InvalidRequest("speculate=draft needs a worker started with a draft model (`draft_model`); "
                                  "use speculate=ngram or off")
         p = seq.params
         tv = self.cfg.spec_tv_budget if p.spec_tv_budget is None else p.spec_tv_budget

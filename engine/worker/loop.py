@@ -61,8 +61,8 @@ class Worker:
         self.max_context = min(cfg.max_context or DEFAULT_MAX_CONTEXT, self.runner.model_context)
         num_pages = cfg.kv_cache_memory // (self.runner.bytes_per_slot * cfg.page_size)
         if num_pages < 1:   # also refused at start-up, from the model's header
-            raise ConfigError(f"--kv-cache-memory {cfg.kv_cache_memory} bytes is less than one KV page; "
-                              "use e.g. --kv-cache-memory 256MiB")
+            raise ConfigError(f"`kv_cache_memory={cfg.kv_cache_memory}` bytes is less than one KV page; "
+                              "use e.g. `kv_cache_memory=256MiB`")
         region_pages = -(-self.max_context // cfg.page_size)
         capped_by_kv = False
         if cfg.kv_cache == "contiguous":
@@ -192,11 +192,11 @@ class Worker:
             if len(seq.prompt_ids) + 1 > self.max_context:
                 raise TokentopError(
                     f"prompt has {len(seq.prompt_ids)} tokens but this worker's context is "
-                    f"{self.max_context}; shorten the prompt or raise --max-context")
+                    f"{self.max_context}; shorten the prompt or raise `max_context`")
             if pages_needed > self.pool.num_pages:
                 raise TokentopError(
                     f"prompt needs {pages_needed} KV pages but the worker has {self.pool.num_pages}; "
-                    "raise --kv-cache-memory")
+                    "raise `kv_cache_memory`")
             self.runner.start_sequence(seq)
             if self.spec is not None:
                 self.spec.start(seq)
@@ -312,7 +312,7 @@ class Worker:
         seq = self.scheduler.waiting[0]
         pages = f"{self.pool.num_pages} page{'s' if self.pool.num_pages != 1 else ''}"
         self._end([(seq, "error", f"the request needs more KV pages than this worker has ({pages} of "
-                    f"{self.cfg.page_size} tokens); raise --kv-cache-memory or lower max_tokens")])
+                    f"{self.cfg.page_size} tokens); raise `kv_cache_memory` or lower max_tokens")])
 
     # --- stats ------------------------------------------------------------------------
     def _account(self, now: float, prefill: int, decode: int, total: int) -> None:

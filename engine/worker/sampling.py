@@ -51,7 +51,7 @@ class SamplingError(TokentopError):
         super().__init__(
             f"Sampling failed for the request in batch row {row}: the model's scores were {detail}. "
             "This request was stopped; the others in the batch continue. It points to a numerical "
-            "fault in the model run: retry, or use --activation-dtype fp32 or another device.")
+            "fault in the model run: retry, or use `activation_dtype=fp32` or another device.")
 
 
 class RequestSampler:

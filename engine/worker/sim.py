@@ -30,7 +30,7 @@ class SimRunner(Runner):
     def __init__(self, cfg: WorkerConfig, model_path: str):
         if cfg.sim_prefill_tps <= 0 or cfg.sim_decode_tps <= 0:
             raise ConfigError(f"simulated worker {cfg.device!r} needs both rates, e.g. "
-                              "--device sim:gpu0:prefill=2551,decode=293")
+                              "`device=sim:gpu0:prefill=2551,decode=293`")
         self.cfg = cfg
         gf = load_gguf(model_path)          # metadata only (mmap): tokenizer and KV geometry
         self.tokenizer = Tokenizer.from_gguf(model_path, gf.metadata)
