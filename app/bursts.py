@@ -7,11 +7,16 @@ reported with the file and line it is on. The format is documented in sample_pro
 from __future__ import annotations
 
 import json
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from engine.config import SamplingParams
 from engine.errors import InvalidRequest
+from engine.models.catalog import file_kind
+
+MAX_BURST_FILE_BYTES = 16 * 2**20   # ~16 million characters of prompts: far beyond any burst
 
 ROLES = ("system", "user", "assistant")
 
@@ -50,10 +55,10 @@ class BurstItem:
 def load_burst(path: str | Path) -> list[BurstItem]:
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_text_file(path, MAX_BURST_FILE_BYTES)
     except FileNotFoundError:
         raise BurstFileError(f"Burst file not found: {path}") from None
-    except (OSError, UnicodeDecodeError) as e:
+    except (OSError, ValueError) as e:
         raise BurstFileError(f"Cannot read burst file {path}: {e}") from None
     items: list[BurstItem] = []
     seen_ids: dict[str, str] = {}
@@ -70,6 +75,22 @@ def load_burst(path: str | Path) -> list[BurstItem]:
         raise BurstFileError(f"{path} has no requests: write one JSON object per line, "
                              'e.g. {"prompt": "Hello", "max_tokens": 32}.')
     return items
+
+
+def read_text_file(path: str | Path, limit: int) -> str:
+    """The UTF-8 text of a regular file of at most `limit` bytes, for a file named on the
+    command line or typed in a dialog. Opened without blocking (a named pipe would wait for
+    a writer forever) and read no further than the limit (/dev/zero never ends). Raises
+    OSError, or ValueError with a message that completes "cannot read FILE: ..."."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise ValueError(f"it is not a regular file (it is {file_kind(mode)})")
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"it is larger than {limit / 2**20:g} MiB, the most tokentop reads from such a file")
+    return data.decode("utf-8")
 
 
 def list_burst_files(directory: str | Path) -> list[Path]:

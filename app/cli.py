@@ -25,6 +25,7 @@ from engine.errors import ConfigError, TokentopError
 from engine.trace import check_trace_dir
 
 EXIT_USAGE = 2
+MAX_PROMPT_FILE_BYTES = 8 * 2**20   # ~8 million characters: far beyond any model's context
 COMMANDS = ("generate", "bench", "models", "serve")   # anything else: the dashboard's flags
 
 
@@ -243,19 +244,29 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def read_prompt(args) -> str:
+    from app.bursts import read_text_file
+
     if args.prompt is not None and args.prompt_file:
         raise TokentopError("give the prompt as an argument or --prompt-file, not both")
     if args.prompt_file:
         try:
             if args.prompt_file == "-":
-                return sys.stdin.read()
-            with open(args.prompt_file, encoding="utf-8") as f:
-                return f.read()
-        except (OSError, UnicodeDecodeError) as exc:
+                return _read_stdin(MAX_PROMPT_FILE_BYTES)
+            return read_text_file(args.prompt_file, MAX_PROMPT_FILE_BYTES)
+        except (OSError, ValueError) as exc:
             raise TokentopError(f"cannot read --prompt-file {args.prompt_file}: {exc}") from None
     if args.prompt is None:
         raise TokentopError('no prompt: write tokentop generate "your prompt" or use --prompt-file')
     return args.prompt
+
+
+def _read_stdin(limit: int) -> str:
+    """stdin up to `limit` bytes (characters where it has no byte stream), as --prompt-file -."""
+    stream = getattr(sys.stdin, "buffer", None)
+    data = stream.read(limit + 1) if stream is not None else sys.stdin.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"it is larger than {limit / 2**20:g} MiB, the most tokentop reads as a prompt")
+    return data.decode("utf-8") if isinstance(data, bytes) else data
 
 
 def cmd_generate(args) -> int:

@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
-from app.bursts import BurstFileError, default_prompts_dir, list_burst_files, load_burst
+from app.bursts import MAX_BURST_FILE_BYTES, BurstFileError, default_prompts_dir, list_burst_files, load_burst
 from engine.config import SamplingParams
 from engine.errors import InvalidRequest
+from tests.fixtures.bounded import run_bounded
 
 SHIPPED = ("code_refactor.jsonl", "creative_scene.jsonl", "identical.jsonl", "mixed.jsonl",
            "shared_document.jsonl")
@@ -110,6 +112,38 @@ def test_duplicate_ids_empty_missing_and_undecodable_files(tmp_path):
     latin1.write_bytes('{"prompt": "café"}\n'.encode("latin-1"))
     with pytest.raises(BurstFileError, match="Cannot read burst file .*latin1.jsonl"):
         load_burst(latin1)
+
+
+def test_a_burst_file_that_never_ends_or_never_opens_is_refused(tmp_path):
+    """/dev/zero grew to 6 GB in 10 s and a named pipe blocked forever (the dashboard's dialog
+    reads a typed path the same way). Run in a child: without the fix the test fails, the
+    runner lives."""
+    fifo = tmp_path / "burst.jsonl"
+    os.mkfifo(fifo)
+    code = ("from app.bursts import BurstFileError, load_burst\n"
+            f"for path in ('/dev/zero', {str(fifo)!r}):\n"
+            "    try:\n"
+            "        load_burst(path)\n"
+            "    except BurstFileError as e:\n"
+            "        print(e)\n")
+    out = run_bounded(code, timeout_s=30, memory=2 << 30)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines() == [
+        "Cannot read burst file /dev/zero: it is not a regular file (it is a character device)",
+        f"Cannot read burst file {fifo}: it is not a regular file (it is a named pipe)"]
+
+
+def test_a_burst_file_above_the_size_limit_is_refused(tmp_path):
+    assert MAX_BURST_FILE_BYTES == 16 * 2**20
+    big = tmp_path / "big.jsonl"
+    with open(big, "wb") as f:
+        f.truncate(MAX_BURST_FILE_BYTES + 1)         # sparse: nothing is written
+    with pytest.raises(BurstFileError, match=r"Cannot read burst file .*big\.jsonl: it is larger than 16 MiB"):
+        load_burst(big)
+    with open(big, "wb") as f:
+        f.truncate(MAX_BURST_FILE_BYTES)             # at the limit: read (and refused for what it holds)
+    with pytest.raises(BurstFileError, match=r"big\.jsonl:1: not valid JSON"):
+        load_burst(big)
 
 
 def test_list_burst_files_sorted_jsonl_only(tmp_path):

@@ -212,6 +212,17 @@ def test_local_paths(tmp_path):
         resolve_model(str(tmp_path))
 
 
+def test_a_path_that_is_not_a_regular_file_says_so(tmp_path):
+    # /dev/zero was "Model file not found"
+    with pytest.raises(ModelError, match=r"^/dev/zero is not a regular file \(it is a character device\); pass "
+                                         r"the path of a \.gguf model file"):
+        resolve_model("/dev/zero")
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    with pytest.raises(ModelError, match=r"is not a regular file \(it is a named pipe\)"):
+        resolve_model(str(fifo))
+
+
 def test_unknown_name_lists_choices():
     with pytest.raises(ModelError) as err:
         resolve_model("llama-70b")

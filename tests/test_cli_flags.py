@@ -1,11 +1,14 @@
 """Engine flags are checked when the arguments are read (or, for the ones that depend on the
 model, as soon as its header is read): one line on stderr that names the flag and the fix,
 exit code 2, before any weights load or any request runs."""
+import io
 import json
+import os
 
 import pytest
 
-from app.cli import main
+from app.cli import MAX_PROMPT_FILE_BYTES, main
+from tests.fixtures.bounded import run_bounded
 
 SIM = "sim:gpu0:prefill=5000,decode=2000"
 
@@ -262,3 +265,30 @@ def test_a_bad_serve_address_names_the_flag(capsys, value, fragment):
         main(["--device", SIM, "--serve", value])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.count("\n") == 1 and fragment in err, err
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt-file"], ["--burst-file"]], ids=["prompt", "burst"])
+def test_a_file_flag_that_never_ends_or_never_opens_is_one_line(tmp_path, command):
+    """--prompt-file /dev/zero and --burst-file /dev/zero grew to 6 GB in 10 s; a named pipe
+    blocked forever. Run in a child: without the fix the test fails, the runner lives."""
+    fifo = tmp_path / "input"
+    os.mkfifo(fifo)
+    for path, kind in (("/dev/zero", "a character device"), (str(fifo), "a named pipe")):
+        code = f"import sys\nfrom app.cli import main\nsys.exit(main({[*command, path]!r}))\n"
+        out = run_bounded(code, timeout_s=60, memory=2 << 30)
+        assert out.returncode == 2 and out.stdout == "", out.stderr[-2000:]
+        assert out.stderr.count("\n") == 1 and f"{path}: it is not a regular file (it is {kind})" in out.stderr
+
+
+def test_a_prompt_above_the_size_limit_is_one_line(tmp_path, monkeypatch, capsys, no_weights):
+    assert MAX_PROMPT_FILE_BYTES == 8 * 2**20
+    big = tmp_path / "prompt.txt"
+    with open(big, "wb") as f:
+        f.truncate(MAX_PROMPT_FILE_BYTES + 1)
+    assert main(["generate", "--prompt-file", str(big)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"tokentop: error: cannot read --prompt-file {big}: it is larger than 8 MiB, the most " \
+                  f"tokentop reads from such a file\n"
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"x" * (MAX_PROMPT_FILE_BYTES + 1))))
+    assert main(["generate", "--prompt-file", "-"]) == 2
+    assert "cannot read --prompt-file -: it is larger than 8 MiB" in capsys.readouterr().err

@@ -2,13 +2,20 @@
 from __future__ import annotations
 
 import math
+import os
+import re
+from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType as T
 
 from engine.errors import ModelError
 from engine.models.gguf import SUPPORTED_ARCHS, load_gguf
+from tests.fixtures.gguf_fields import corrupted, header_fields
+from tests.fixtures.load_probe import LoadProbe, acceptable
+from tests.fixtures.tiny_gguf import tiny_vocab
 
 
 def reader_view(path):
@@ -92,7 +99,7 @@ def test_tensor_lookup(tiny_model_path):
 def test_missing_file_and_directory(tmp_path):
     with pytest.raises(ModelError, match="does not exist"):
         load_gguf(tmp_path / "nope.gguf")
-    with pytest.raises(ModelError, match="not a file"):
+    with pytest.raises(ModelError, match=r"is not a regular file \(it is a directory\)"):
         load_gguf(tmp_path)
 
 
@@ -170,3 +177,155 @@ def test_real_gemma_config(real_gemma_path):
     assert c.sliding_window == 512 and [i for i in range(18) if not c.is_sliding(i)] == [5, 11, 17]
     assert c.tied_embeddings and c.qk_norm and c.post_norms and c.vocab_size == 262144
     assert c.attn_scale == 1 / 16 and c.rope_local_base == 10000.0 and c.final_logit_softcap is None
+
+
+# ---- corrupt files: each field checked before it is used, the whole table before the first step
+
+@pytest.fixture(scope="module")
+def probe():
+    """Loads in a child with a deadline and bounded memory (a hang fails, it does not hang)."""
+    with LoadProbe() as p:
+        yield p
+
+
+@pytest.mark.parametrize("kind, owner, value, which", [
+    ("tensor_count", "", 2**64 - 1, 0),
+    ("kv_count", "", 2**64 - 1, 0),
+    ("key_length", "general.name", 2**64 - 1, 0),
+    ("string_length", "general.name", 2**63, 0),
+    ("string_length", "tokenizer.ggml.tokens", 2**40, 7),        # one vocabulary entry
+    ("array_length", "tokenizer.ggml.tokens", 2**32 - 1, 0),     # the vocabulary size
+    ("array_length", "tokenizer.ggml.token_type", 2**62, 0),
+    ("n_dims", "blk.1.ffn_up.weight", 2**32 - 1, 0),
+    ("dim", "token_embd.weight", 2**63, 1),
+    ("value", "qwen2.block_count", 2**32 - 1, 0),                 # grew to 6.2 GB in 30 s
+    ("value", "qwen2.attention.head_count", 2**32 - 1, 0),
+    ("value", "qwen2.attention.head_count_kv", 2**32 - 1, 0),
+])
+def test_a_huge_count_is_refused_before_anything_is_allocated(tiny_model_path, probe, kind, owner, value, which):
+    path = corrupted(tiny_model_path("qwen2"), kind, owner, value, which)
+    result = probe.load(path)
+    assert result["outcome"] == "refused", result
+    assert acceptable(result, path) is None, result
+    assert result["seconds"] < 1.0 and result["rss_growth"] < 64 << 20, result
+
+
+@pytest.mark.realmodel
+@pytest.mark.parametrize("kind, owner", [("n_dims", "blk.0.attn_q.weight"), ("value", "qwen2.block_count")])
+def test_a_huge_count_in_the_real_header_is_refused_at_once(real_model_path, tmp_path, probe, kind, owner):
+    """n_dims = 2^32-1 took 20 s and 3.9 GB, block_count = 2^32-1 never finished. The real
+    header and a hole of the real file's length (the loader reads no tensor bytes)."""
+    with open(real_model_path, "rb") as f:
+        head = f.read(16 << 20)
+    fields = header_fields(head)
+    path = tmp_path / "real-corrupt.gguf"
+    with open(path, "wb") as f:
+        f.write(fields.find(kind, owner).patch(head[:fields.end], 2**32 - 1))
+        f.truncate(real_model_path.stat().st_size)
+    result = probe.load(path)
+    assert result["outcome"] == "refused" and acceptable(result, path) is None, result
+    assert result["seconds"] < 2.0 and result["rss_growth"] < 256 << 20, result
+
+
+def test_a_lowered_block_count_is_refused_not_run(tiny_model_path):
+    """block_count 1 on a 2-layer file ran the first layer only, silently."""
+    path = corrupted(tiny_model_path("qwen2", n_layers=2), "value", "qwen2.block_count", 1)
+    with pytest.raises(ModelError, match=r"has tensor 'blk\.1\.attn_norm\.weight' and 11 more, which a 1-layer "
+                                         r"qwen2 model \(qwen2\.block_count = 1\) does not have"):
+        load_gguf(path)
+
+
+def test_a_raised_block_count_is_refused(tiny_model_path):
+    path = corrupted(tiny_model_path("qwen2", n_layers=2), "value", "qwen2.block_count", 3)
+    with pytest.raises(ModelError, match=r"has no tensor 'blk\.2\.attn_norm\.weight' and 11 more"):
+        load_gguf(path)
+
+
+def test_a_tensor_the_architecture_does_not_have_is_refused(tiny_model_path):
+    """An output-projection bias (a variant the decoder does not compute) was ignored."""
+    path = tiny_model_path("qwen2", extra={"blk.0.attn_output.bias": np.zeros(64, np.float32)})
+    with pytest.raises(ModelError, match=r"has tensor 'blk\.0\.attn_output\.bias', which a 2-layer qwen2 model "
+                                         r".* does not have: its metadata and its tensors disagree"):
+        load_gguf(path)
+
+
+def test_a_shape_error_in_a_later_layer_is_refused_at_load(tiny_model_path):
+    """Only blk.0's shapes were checked: blk.1.ffn_up stored as (64, 128) instead of
+    (128, 64), the same bytes, loaded and failed at the first step."""
+    path = tiny_model_path("qwen2", n_layers=2, hidden=64, ffn=128)
+    data = path.read_bytes()
+    fields = header_fields(data)
+    dims = [fields.find("dim", "blk.1.ffn_up.weight", i) for i in (0, 1)]
+    swapped = dims[1].patch(dims[0].patch(data, dims[1].read(data)), dims[0].read(data))
+    path.write_bytes(swapped)
+    with pytest.raises(ModelError, match=r"tensor 'blk\.1\.ffn_up\.weight' has shape \(64, 128\) but the "
+                                         r"metadata implies \(128, 64\)"):
+        load_gguf(path)
+
+
+@pytest.mark.parametrize("name, new_type", [("blk.0.attn_v.weight", T.Q4_0),     # Q8_0: fewer bytes
+                                            ("blk.1.ffn_gate.weight", T.F32),    # BF16: more bytes
+                                            ("blk.0.attn_norm.weight", T.F16)])  # F32: half the bytes
+def test_a_retyped_tensor_is_named_at_load(tiny_model_path, name, new_type):
+    """A wrong ggml type in the table was read as that type and blamed on "this CPU's
+    kernel" by the self-check; the tensor no longer fills its place in the file."""
+    path = corrupted(tiny_model_path("qwen2", n_layers=2), "type", name, int(new_type))
+    with pytest.raises(ModelError, match=rf"is corrupt: tensor '{name}' \({new_type.name}, shape .* takes .* "
+                                         rf"so the next tensor, .* should start at .*: the type or shape of"):
+        load_gguf(path)
+
+
+def test_an_unsupported_type_is_refused_at_load(tiny_model_path):
+    path = tiny_model_path("qwen2", types=T.F32)
+    path = corrupted(path, "type", "blk.0.attn_q.weight", int(T.I32))   # the same 4 bytes a value
+    with pytest.raises(ModelError, match=r"tensor 'blk\.0\.attn_q\.weight' is stored as I32, which tokentop "
+                                         r"cannot compute \(supported: F32, F16"):
+        load_gguf(path)
+
+
+@pytest.mark.parametrize("metadata, omit, fragment", [
+    # each was a bare exception (the type name and a Python message) or loaded silently
+    ({"qwen2.attention.head_count": 0}, (), "qwen2.attention.head_count is 0"),               # ZeroDivisionError
+    ({"qwen2.attention.key_length": 0}, (), "qwen2.attention.key_length is 0"),               # ZeroDivisionError
+    ({"qwen2.block_count": math.inf}, ["qwen2.block_count"], "qwen2.block_count is inf"),     # OverflowError
+    ({"qwen2.block_count": "two"}, ["qwen2.block_count"], "qwen2.block_count is 'two'"),     # ValueError
+    ({"qwen2.rope.freq_base": "fast"}, ["qwen2.rope.freq_base"], "rope.freq_base is 'fast'"),  # ValueError
+    ({"qwen2.attention.layer_norm_rms_epsilon": math.nan}, (), "layer_norm_rms_epsilon is nan"),
+    ({"qwen2.context_length": 0}, (), "qwen2.context_length is 0"),                          # hung at a step
+    ({"qwen2.rope.scaling.type": "linear", "qwen2.rope.scaling.factor": 0.0}, (), "rope.scaling.factor is 0.0"),
+    ({"qwen2.attention.scale": -1.0}, (), "qwen2.attention.scale is -1.0"),
+    ({"qwen2.attention.head_count": [4, 4, 4]}, ["qwen2.attention.head_count"], "or 2 of them (one a layer)"),
+    ({"qwen2.attention.head_count_kv": 3}, (), "head_count_kv is 3, but it must be a divisor of the head count"),
+    ({"qwen2.rope.dimension_count": 8}, (), "rope.dimension_count is 8, but it must be the head size 16"),
+    ({"tokenizer.ggml.tokens": tiny_vocab()[0][:-1]}, (), "the vocabulary (tokenizer.ggml.tokens) has 263 "
+                                                          "entries but token_embd.weight has 264 rows"),
+])
+def test_a_bad_metadata_value_is_one_line_naming_file_and_key(tiny_model_path, metadata, omit, fragment):
+    path = tiny_model_path("qwen2", n_layers=2, metadata=metadata, omit=omit)
+    with pytest.raises(ModelError) as err:
+        load_gguf(path)
+    message = str(err.value)
+    assert fragment in message and str(path) in message and "\n" not in message, message
+
+
+@pytest.mark.parametrize("metadata, fragment", [
+    ({"gemma3.attention.sliding_window_pattern": 0}, "sliding_window_pattern is 0"),   # ZeroDivisionError
+    ({"gemma3.attention.sliding_window_pattern": [True, False]}, "one true/false for each of the 6 layers"),
+    ({"gemma3.attention.sliding_window": 0}, "sliding_window is 0"),
+    ({"gemma3.final_logit_softcapping": 0.0}, "final_logit_softcapping is 0.0"),
+])
+def test_a_bad_gemma3_value_is_one_line(tiny_model_path, metadata, fragment):
+    path = tiny_model_path("gemma3", n_layers=6, metadata=metadata)
+    with pytest.raises(ModelError, match=re.escape(fragment)):
+        load_gguf(path)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/zero"), reason="needs /dev/zero")
+def test_a_model_path_that_is_not_a_regular_file(tmp_path):
+    with pytest.raises(ModelError, match=r"^/dev/zero is not a regular file \(it is a character device\)"):
+        load_gguf("/dev/zero")
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    with pytest.raises(ModelError, match=r"is not a regular file \(it is a named pipe\)"):
+        load_gguf(fifo)        # opened without blocking: no writer ever comes
+

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
@@ -14,6 +15,7 @@ from engine.models.decoder import Decoder
 from engine.models.gguf import load_gguf
 from engine.models.quant import LinearPolicy, make_linear
 from engine.models.selfcheck import TOLERANCE, check_linears
+from tests.fixtures.gguf_fields import corrupted
 from tests.test_quant import make_td
 
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason="quantized kernels could not be built")
@@ -48,6 +50,29 @@ def test_rejects_a_gguf_weight_read_in_the_wrong_order(qtype):
     w = layer.gguf.tensors[0].view(64, -1).clone()
     layer.gguf.tensors[0] = torch.cat([w[16:32], w[:16], w[32:]]).reshape(-1)
     with pytest.raises(ModelError, match=rf"blk\.0\.{qtype.name} \({qtype.name}, gguf kernel\).* on {re.escape(cpu_summary())}"):
+        check_linears(_stack(layer))
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_a_weight_retyped_to_a_type_of_its_size_is_blamed_on_the_file_not_the_cpu(tiny_model_path):
+    """Q4_K read as Q4_0 (both 144 bytes per 256 values) fills its place in the file, so only
+    its values show it: NaN scales. The self-check said the weight layout "does not match
+    this CPU's kernel"."""
+    path = tiny_model_path("qwen2", hidden=256, ffn=512, n_heads=4, head_dim=64)
+    assert load_gguf(path).tensor("blk.0.attn_output.weight").ggml_type == T.Q4_K
+    path = corrupted(path, "type", "blk.0.attn_output.weight", int(T.Q4_0))
+    model = Decoder.from_gguf(load_gguf(path), LinearPolicy())
+    with pytest.raises(ModelError, match=rf"^model file {re.escape(str(path))} is corrupt: tensor "
+                                         rf"'blk\.0\.attn_output\.weight' \(Q4_0\) decodes to NaN or infinite") as err:
+        check_linears(model)
+    assert "CPU" not in str(err.value)
+
+
+def test_weights_whose_outputs_overflow_fp32_are_blamed_on_the_file():
+    td = make_td(T.F32, rows=64, cols=256, name="blk.0.ffn_up.weight")
+    td.raw.view(np.float32)[:] = 3e38       # finite, but any sum of them is not
+    layer = make_linear(td, bias=None, policy=LinearPolicy(use_kernels=False))
+    with pytest.raises(ModelError, match=r"is corrupt: layer blk\.0\.ffn_up\.weight gives outputs fp32 cannot hold"):
         check_linears(_stack(layer))
 
 

@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import shutil
+import stat
 import sys
 import tempfile
 import time
@@ -133,11 +134,22 @@ def resolve_model(ref: str, *, progress: Progress | None = None) -> Path:
         return path
     if path.is_dir():
         raise ModelError(f"{ref} is a directory; pass the path of the .gguf file inside it.")
+    if path.exists():
+        raise ModelError(f"{ref} is not a regular file (it is {file_kind(path.stat().st_mode)}); "
+                         f"pass the path of a .gguf model file.")
     if _is_hub_ref(ref):
         return _hub_download(ref)
     if ref.endswith(".gguf") or os.sep in ref:
         raise ModelError(f"Model file not found: {path}. Check the path, or use {_forms()}.")
     raise ModelError(f"Unknown model {ref!r}. Use {_forms()}.")
+
+
+def file_kind(mode: int) -> str:
+    """What a path that is not a regular file is, for messages: 'a character device', ..."""
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a named pipe"),
+             (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
 
 
 def list_models() -> list[dict]:

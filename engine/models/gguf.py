@@ -1,49 +1,38 @@
-"""Read a GGUF file: metadata -> ModelConfig, tensor infos -> zero-copy views of the block bytes.
+"""Open a GGUF model: header -> ModelConfig, tensor infos -> zero-copy views of the block bytes.
 
-The header is parsed here rather than with gguf.GGUFReader: the reader builds a numpy view per
-array element, which takes tens of seconds over the real models' 151,936 / 262,144 vocabulary
-strings; this parser takes well under a second. The gguf package still supplies the type enums and the
-block sizes, and the tensor bytes are one read-only-to-disk memmap of the file (copy-on-write,
-so torch.from_numpy gets a writable view without copying anything).
+The header is read by engine/models/gguf_header.py. Here the whole tensor table is checked
+before anything is built from it: every tensor's type is one tokentop computes, its bytes lie
+in the file where llama.cpp's layout puts them (in table order, each padded to the alignment,
+so a wrong type or shape shows as a tensor that does not fill its slot), and its name and
+shape are the ones the architecture and the metadata call for, no more and no fewer. A file
+that passes runs; one that does not is a one-line ModelError naming the file and what in it
+is wrong. The tensor bytes are one read-only-to-disk memmap of the file (copy-on-write, so
+torch.from_numpy gets a writable view without copying anything).
 """
 from __future__ import annotations
 
 import math
-import struct
+import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from engine.errors import ModelError
+from engine.models.catalog import file_kind
+from engine.models.gguf_header import GGUF_MAGIC, TensorInfo, corrupt, read_header, shown
 
 SUPPORTED_ARCHS = ("qwen2", "llama", "gemma3")
-GGUF_MAGIC = b"GGUF"
-DEFAULT_ALIGNMENT = 32
+# The GGML types tokentop computes (engine/models/quant.py dequantizes each, the kernels take
+# the quantized ones): a tensor of another type is refused when the file is opened.
+SUPPORTED_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q5_0, T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K)
 
 # Gemma 3 facts GGUF does not store (llama.cpp hard-codes them the same way).
 GEMMA3_LOCAL_ROPE_BASE = 10000.0
 GEMMA3_SLIDING_PERIOD = 6      # layer i is global when (i + 1) % 6 == 0
-
-_SCALAR_FORMATS = {
-    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b",
-    GGUFValueType.UINT16: "<H", GGUFValueType.INT16: "<h",
-    GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
-    GGUFValueType.UINT64: "<Q", GGUFValueType.INT64: "<q",
-    GGUFValueType.FLOAT32: "<f", GGUFValueType.FLOAT64: "<d",
-    GGUFValueType.BOOL: "<?",
-}
-_ARRAY_DTYPES = {
-    GGUFValueType.UINT8: "<u1", GGUFValueType.INT8: "<i1",
-    GGUFValueType.UINT16: "<u2", GGUFValueType.INT16: "<i2",
-    GGUFValueType.UINT32: "<u4", GGUFValueType.INT32: "<i4",
-    GGUFValueType.UINT64: "<u8", GGUFValueType.INT64: "<i8",
-    GGUFValueType.FLOAT32: "<f4", GGUFValueType.FLOAT64: "<f8",
-    GGUFValueType.BOOL: "?",
-}
-
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -92,9 +81,10 @@ class TensorData:
     """One tensor's GGUF blocks. shape is in torch order: (out_features, in_features) for matrices."""
 
     name: str
-    ggml_type: GGMLQuantizationType
+    ggml_type: T
     shape: tuple[int, ...]
     raw: np.ndarray                # uint8 [*shape[:-1], bytes per row], a view of the file mapping
+    source: Path | None = None     # the file it was read from, for messages
 
     @property
     def nbytes(self) -> int:
@@ -130,203 +120,232 @@ class GGUFFile:
 
 def load_gguf(path: str | Path) -> GGUFFile:
     path = Path(path)
-    if not path.exists():
-        raise ModelError(f"model file {path} does not exist: check the path, or use a catalog "
-                         f"model name such as 'qwen2.5-coder-0.5b'")
-    if not path.is_file():
-        raise ModelError(f"{path} is not a file: pass the path of a .gguf model file")
-    size = path.stat().st_size
-    with path.open("rb") as f:
-        magic = f.read(4)
-    if magic != GGUF_MAGIC:
-        raise ModelError(f"{path} is not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r}): "
-                         f"pass a .gguf model file, e.g. one converted with llama.cpp")
-    data = np.memmap(path, mode="c")
+    with _open_model_file(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        magic = f.read(len(GGUF_MAGIC))
+        if magic != GGUF_MAGIC:
+            raise ModelError(f"{path} is not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r}): "
+                             f"pass a .gguf model file, e.g. one converted with llama.cpp")
+        data = np.memmap(f, mode="c", shape=(size,))
+    header = read_header(memoryview(data), path)
+    tensors = _tensor_views(path, data, header.tensors, header.data_start, header.alignment)
+    config = _model_config(path, header.metadata, tensors)
+    _check_tensor_table(path, config, tensors)
+    return GGUFFile(path, header.metadata, tensors, config, data)
+
+
+def _open_model_file(path: Path):
+    """The file, opened for reading if it is a regular file (never blocking on a FIFO)."""
     try:
-        metadata, infos, data_start = _parse_header(memoryview(data))
-    except (struct.error, IndexError, ValueError, UnicodeDecodeError) as e:
-        raise ModelError(f"{path} is truncated or corrupt (its header cannot be read: {e}); "
-                         f"re-download or re-assemble the model file") from None
-    tensors = _tensor_views(path, data, size, infos, data_start)
-    config = _model_config(path, metadata, tensors)
-    _check_tensors(path, config, tensors)
-    return GGUFFile(path, metadata, tensors, config, data)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise ModelError(f"model file {path} does not exist: check the path, or use a catalog "
+                         f"model name such as 'qwen2.5-coder-0.5b'") from None
+    except OSError as e:
+        raise ModelError(f"cannot open model file {path}: {e.strerror or e}") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise ModelError(f"{path} is not a regular file (it is {file_kind(mode)}): pass the path of "
+                         f"a .gguf model file")
+    return os.fdopen(fd, "rb")
 
 
-# --- header --------------------------------------------------------------------------------
+# --- tensor table: types, sizes, layout ----------------------------------------------------
 
-class _Cursor:
-    def __init__(self, buf: memoryview):
-        self.buf = buf
-        self.pos = 0
+def _tensor_views(path: Path, data: np.memmap, infos: list[TensorInfo], data_start: int,
+                  alignment: int) -> dict[str, TensorData]:
+    """One view per tensor, after checking that its bytes fill its slot of the data section.
 
-    def scalar(self, fmt: str) -> Any:
-        (v,) = struct.unpack_from(fmt, self.buf, self.pos)
-        self.pos += struct.calcsize(fmt)
-        return v
-
-    def string(self) -> str:
-        n = self.scalar("<Q")
-        end = self.pos + n
-        if end > len(self.buf):
-            raise ValueError("string runs past the end of the file")
-        s = bytes(self.buf[self.pos:end]).decode("utf-8", errors="surrogateescape")
-        self.pos = end
-        return s
-
-    def value(self, vtype: int) -> Any:
-        vtype = GGUFValueType(vtype)
-        if vtype == GGUFValueType.STRING:
-            return self.string()
-        if vtype == GGUFValueType.ARRAY:
-            etype = GGUFValueType(self.scalar("<I"))
-            n = self.scalar("<Q")
-            if etype == GGUFValueType.STRING:
-                return [self.string() for _ in range(n)]
-            if etype == GGUFValueType.ARRAY:
-                return [self.value(GGUFValueType.ARRAY) for _ in range(n)]
-            dtype = np.dtype(_ARRAY_DTYPES[etype])
-            arr = np.frombuffer(self.buf, dtype=dtype, count=n, offset=self.pos)
-            self.pos += n * dtype.itemsize
-            return arr.tolist()
-        return self.scalar(_SCALAR_FORMATS[vtype])
-
-
-@dataclass
-class _TensorInfo:
-    name: str
-    ne: tuple[int, ...]            # GGUF order: ne[0] is the contiguous (row) dimension
-    ggml_type: int
-    offset: int
-
-
-def _parse_header(buf: memoryview) -> tuple[dict[str, Any], list[_TensorInfo], int]:
-    cur = _Cursor(buf)
-    cur.pos = 4
-    version = cur.scalar("<I")
-    if version & 0xFFFF == 0:
-        raise ValueError("big-endian GGUF files are not supported")
-    if version not in (2, 3):
-        raise ValueError(f"GGUF version {version} is not supported (2 and 3 are)")
-    n_tensors = cur.scalar("<Q")
-    n_kv = cur.scalar("<Q")
-    metadata: dict[str, Any] = {}
-    for _ in range(n_kv):
-        key = cur.string()
-        metadata[key] = cur.value(cur.scalar("<I"))
-    infos = []
-    for _ in range(n_tensors):
-        name = cur.string()
-        n_dims = cur.scalar("<I")
-        ne = tuple(cur.scalar("<Q") for _ in range(n_dims))
-        infos.append(_TensorInfo(name, ne, cur.scalar("<I"), cur.scalar("<Q")))
-    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
-    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
-        raise ValueError(f"general.alignment {alignment!r} is not a power of two")
-    data_start = -(-cur.pos // alignment) * alignment
-    return metadata, infos, data_start
-
-
-def _tensor_views(path: Path, data: np.memmap, size: int, infos: list[_TensorInfo],
-                  data_start: int) -> dict[str, TensorData]:
+    llama.cpp lays the data out in table order, each tensor padded to the alignment, and
+    refuses any other layout; so a tensor whose type or shape is wrong in the table does not
+    fill the space up to the next tensor, and is named here instead of computing garbage.
+    """
+    size = data.shape[0]
     tensors = {}
-    for info in infos:
-        try:
-            qtype = GGMLQuantizationType(info.ggml_type)
-        except ValueError:
-            raise ModelError(f"{path}: tensor {info.name!r} has unknown GGML type {info.ggml_type}; "
-                             f"this file needs a newer reader than tokentop's") from None
+    for i, info in enumerate(infos):
+        name = shown(info.name)
+        qtype = _tensor_type(path, info)
         block, type_size = GGML_QUANT_SIZES[qtype]
+        if any(n < 1 for n in info.ne):
+            raise corrupt(path, f"tensor {name} has shape {info.ne[::-1]}, with a dimension of 0")
         shape = tuple(reversed(info.ne)) if info.ne else (1,)
         if shape[-1] % block:
-            raise ModelError(f"{path} is corrupt: tensor {info.name!r} has rows of {shape[-1]} "
-                             f"values, not a multiple of the {qtype.name} block size {block}")
+            raise corrupt(path, f"tensor {name} has rows of {shape[-1]} values, not a multiple of the "
+                                f"{qtype.name} block size {block}")
         row_bytes = shape[-1] // block * type_size
         n_bytes = math.prod(shape[:-1]) * row_bytes
+        if i == 0 and info.offset != 0:   # each later one is checked against the one before it
+            raise corrupt(path, f"tensor {name}, the first, starts at data offset {info.offset:,}, not 0")
         start = data_start + info.offset
         if start + n_bytes > size:
-            raise ModelError(f"{path} is truncated or corrupt: tensor {info.name!r} needs bytes up "
-                             f"to {start + n_bytes:,} but the file has {size:,}; re-download or "
-                             f"re-assemble the model file")
+            raise corrupt(path, f"tensor {name} needs bytes up to {start + n_bytes:,} but the file has "
+                                f"{size:,}", truncated=True)
+        end = -(-(info.offset + n_bytes) // alignment) * alignment
+        if i + 1 < len(infos) and infos[i + 1].offset != end:
+            nxt = infos[i + 1]
+            raise corrupt(path, f"tensor {name} ({qtype.name}, shape {shape}) takes {n_bytes:,} bytes from "
+                                f"data offset {info.offset:,}, so the next tensor, {shown(nxt.name)}, "
+                                f"should start at {end:,}, not {nxt.offset:,}: the type or shape of "
+                                f"{name}, or the offset of the next, is wrong")
         raw = data[start:start + n_bytes].reshape(*shape[:-1], row_bytes)
-        tensors[info.name] = TensorData(info.name, qtype, shape, raw)
+        tensors[info.name] = TensorData(info.name, qtype, shape, raw, path)
     return tensors
+
+
+def _tensor_type(path: Path, info: TensorInfo) -> T:
+    try:
+        qtype = T(info.ggml_type)
+    except ValueError:
+        raise ModelError(f"{path}: tensor {shown(info.name)} has unknown GGML type {info.ggml_type}: the "
+                         f"file is corrupt, or needs a newer reader than tokentop's") from None
+    if qtype not in SUPPORTED_TYPES:
+        raise ModelError(f"{path}: tensor {shown(info.name)} is stored as {qtype.name}, which tokentop "
+                         f"cannot compute (supported: {', '.join(t.name for t in SUPPORTED_TYPES)}); "
+                         f"use a GGUF quantized to one of those types")
+    return qtype
 
 
 # --- config --------------------------------------------------------------------------------
 
+_REQUIRED = object()
+# tensors of each layer that every architecture has (qkv biases, QK-norms and post norms vary)
+_LAYER_CORE = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
+               "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
+
+
+class _Metadata:
+    """Typed reads of one architecture's keys: a missing, mistyped or out-of-range value is a
+    ModelError naming the file and the key, before anything is built from it."""
+
+    def __init__(self, path: Path, md: dict[str, Any], arch: str):
+        self.path, self.md, self.arch = path, md, arch
+
+    def raw(self, key: str, default: Any = _REQUIRED) -> Any:
+        full = f"{self.arch}.{key}"
+        if full in self.md:
+            return self.md[full]
+        if default is _REQUIRED:
+            raise ModelError(f"{self.path}: required metadata key {full!r} is missing; the file is "
+                             f"incomplete or from an incompatible converter: re-convert it with a "
+                             f"recent llama.cpp convert_hf_to_gguf.py")
+        return default
+
+    def bad(self, key: str, value: Any, expected: str) -> ModelError:
+        return ModelError(f"{self.path}: metadata {self.arch}.{key} is {shown(value)}, but it must be "
+                          f"{expected}; the file is corrupt or from an incompatible converter")
+
+    def has(self, key: str) -> bool:
+        return f"{self.arch}.{key}" in self.md
+
+    def integer(self, key: str, default: Any = _REQUIRED) -> Any:
+        """A whole number >= 1 (`default` when the key is absent and a default is given)."""
+        if default is not _REQUIRED and not self.has(key):
+            return default
+        v = self.raw(key)
+        if type(v) is not int or v < 1:
+            raise self.bad(key, v, "a whole number of at least 1")
+        return v
+
+    def number(self, key: str, default: Any = _REQUIRED) -> Any:
+        """A finite number > 0, as a float."""
+        if default is not _REQUIRED and not self.has(key):
+            return default
+        v = self.raw(key)
+        if type(v) not in (int, float) or not (math.isfinite(v) and v > 0):
+            raise self.bad(key, v, "a finite number above 0")
+        return float(v)
+
+    def per_model(self, key: str, n_layers: int, default: Any = _REQUIRED) -> int:
+        """A whole number >= 1, written once or (by some converters) once per layer."""
+        if default is not _REQUIRED and not self.has(key):
+            return default
+        v = self.raw(key)
+        if isinstance(v, list):
+            if len(v) != n_layers or any(type(x) is not int or x < 1 for x in v):
+                raise self.bad(key, v, f"a whole number of at least 1, or {n_layers} of them (one a layer)")
+            if len(set(v)) != 1:
+                raise ModelError(f"{self.path}: {self.arch}.{key} differs between layers ({shown(v)}); "
+                                 f"models with per-layer head counts are not supported")
+            return v[0]
+        return self.integer(key)
+
+
 def _model_config(path: Path, md: dict[str, Any], tensors: dict[str, TensorData]) -> ModelConfig:
     arch = md.get("general.architecture")
     if arch not in SUPPORTED_ARCHS:
-        raise ModelError(f"{path}: architecture {arch!r} is not supported; supported architectures "
+        raise ModelError(f"{path}: architecture {shown(arch)} is not supported; supported architectures "
                          f"are {', '.join(SUPPORTED_ARCHS)}")
-
-    def req(key: str) -> Any:
-        full = f"{arch}.{key}"
-        if full not in md:
-            raise ModelError(f"{path}: required metadata key {full!r} is missing; the file is "
-                             f"incomplete or from an incompatible converter: re-convert it with a "
-                             f"recent llama.cpp convert_hf_to_gguf.py")
-        return md[full]
-
-    def opt(key: str, default: Any) -> Any:
-        return md.get(f"{arch}.{key}", default)
-
-    def one_per_model(key: str, value: Any) -> int:
-        if isinstance(value, list):    # some converters write one value per layer
-            if len(set(value)) != 1:
-                raise ModelError(f"{path}: {arch}.{key} differs between layers ({value}); "
-                                 f"models with per-layer head counts are not supported")
-            value = value[0]
-        return int(value)
-
+    m = _Metadata(path, md, arch)
     gemma = arch == "gemma3"
-    n_layers = int(req("block_count"))
-    hidden = int(req("embedding_length"))
-    n_heads = one_per_model("attention.head_count", req("attention.head_count"))
-    n_kv_heads = one_per_model("attention.head_count_kv", opt("attention.head_count_kv", n_heads))
-    head_dim = int(opt("attention.key_length", hidden // n_heads))
-    rope_base = float(opt("rope.freq_base", 10000.0))
+    n_layers = m.integer("block_count")
+    if n_layers * len(_LAYER_CORE) > len(tensors):   # checked before anything is made per layer
+        raise ModelError(f"{path}: metadata {arch}.block_count is {n_layers:,}, but the file holds "
+                         f"{len(tensors)} tensors, too few for that many layers ({len(_LAYER_CORE)} "
+                         f"or more each): the file is corrupt")
+    hidden = m.integer("embedding_length")
+    n_heads = m.per_model("attention.head_count", n_layers)
+    n_kv_heads = m.per_model("attention.head_count_kv", n_layers, n_heads)
+    if n_heads % n_kv_heads:
+        raise m.bad("attention.head_count_kv", n_kv_heads, f"a divisor of the head count ({n_heads})")
+    head_dim = m.integer("attention.key_length", None)
+    if head_dim is None:
+        if hidden % n_heads:
+            raise m.bad("attention.head_count", n_heads, f"a divisor of embedding_length ({hidden}) "
+                                                         f"when attention.key_length is absent")
+        head_dim = hidden // n_heads
+    if head_dim % 2:
+        raise ModelError(f"{path}: heads of {head_dim} dimensions ({arch}.attention.key_length or "
+                         f"embedding_length / head_count) cannot be rotated in pairs; the file is corrupt")
+    rope_dims = m.integer("rope.dimension_count", head_dim)
+    if rope_dims != head_dim:
+        raise m.bad("rope.dimension_count", rope_dims, f"the head size {head_dim} (rotary over part "
+                                                      f"of a head is not supported)")
+    rope_base = m.number("rope.freq_base", 10000.0)
 
-    scaling_type = opt("rope.scaling.type", None)
+    scaling_type = m.raw("rope.scaling.type", None)
+    if scaling_type is not None and not isinstance(scaling_type, str):
+        raise m.bad("rope.scaling.type", scaling_type, "a name such as 'linear'")
     rope_scaling = None
     if scaling_type not in (None, "none"):
-        rope_scaling = {"type": scaling_type, "factor": float(opt("rope.scaling.factor", 1.0))}
-        if f"{arch}.rope.scaling.original_context_length" in md:
-            rope_scaling["original_context_length"] = int(md[f"{arch}.rope.scaling.original_context_length"])
+        rope_scaling = {"type": scaling_type, "factor": m.number("rope.scaling.factor", 1.0)}
+        original = m.integer("rope.scaling.original_context_length", None)
+        if original is not None:
+            rope_scaling["original_context_length"] = original
 
-    sliding_window = opt("attention.sliding_window", None)
+    sliding_window = m.integer("attention.sliding_window", None)
     pattern: tuple[bool, ...] = ()
     if sliding_window is not None:
-        raw_pattern = opt("attention.sliding_window_pattern", GEMMA3_SLIDING_PERIOD if gemma else None)
+        key = "attention.sliding_window_pattern"
+        raw_pattern = m.raw(key, None)
         if isinstance(raw_pattern, list):
+            if len(raw_pattern) != n_layers or any(type(p) not in (bool, int) for p in raw_pattern):
+                raise m.bad(key, raw_pattern, f"a period, or one true/false for each of the {n_layers} layers")
             pattern = tuple(bool(p) for p in raw_pattern)
-        elif raw_pattern is not None:
-            pattern = tuple((i + 1) % int(raw_pattern) != 0 for i in range(n_layers))
+        elif raw_pattern is not None or gemma:
+            period = m.integer(key, GEMMA3_SLIDING_PERIOD)
+            pattern = tuple((i + 1) % period != 0 for i in range(n_layers))
         else:
             pattern = (True,) * n_layers
-        if len(pattern) != n_layers:
-            raise ModelError(f"{path}: {arch}.attention.sliding_window_pattern has {len(pattern)} "
-                             f"entries for {n_layers} layers; the file is corrupt")
 
     embd = tensors.get("token_embd.weight")
-    vocab_size = embd.shape[0] if embd is not None else len(md.get("tokenizer.ggml.tokens", ()))
+    name = md.get("general.name")
     return ModelConfig(
         arch=arch,
-        name=str(md.get("general.name", path.stem)),
+        name=name if isinstance(name, str) else path.stem,
         n_layers=n_layers,
         hidden=hidden,
         n_heads=n_heads,
         n_kv_heads=n_kv_heads,
         head_dim=head_dim,
-        ffn_dim=int(req("feed_forward_length")),
-        vocab_size=int(vocab_size),
-        context_length=int(req("context_length")),
+        ffn_dim=m.integer("feed_forward_length"),
+        vocab_size=embd.shape[0] if embd is not None else 0,   # no token_embd: refused by the table check
+        context_length=m.integer("context_length"),
         rope_base=rope_base,
         rope_local_base=GEMMA3_LOCAL_ROPE_BASE if gemma else rope_base,
         rope_scaling=rope_scaling,
         rope_interleaved=arch == "llama",
-        norm_eps=float(req("attention.layer_norm_rms_epsilon")),
+        norm_eps=m.number("attention.layer_norm_rms_epsilon"),
         # architecture facts, so that a file missing such a tensor fails at load time
         qkv_bias=arch == "qwen2" or "blk.0.attn_q.bias" in tensors,
         qk_norm=gemma or "blk.0.attn_q_norm.weight" in tensors,
@@ -334,60 +353,79 @@ def _model_config(path: Path, md: dict[str, Any], tensors: dict[str, TensorData]
         embed_scale=math.sqrt(hidden) if gemma else 1.0,
         post_norms=gemma or "blk.0.post_attention_norm.weight" in tensors,
         tied_embeddings="output.weight" not in tensors,
-        sliding_window=int(sliding_window) if sliding_window is not None else None,
+        sliding_window=sliding_window,
         sliding_window_pattern=pattern,
         # Gemma 3 uses query_pre_attn_scalar**-0.5, which equals head_dim**-0.5 for every size but
         # 27B; GGUF stores it only as attention.scale when it differs (llama.cpp does the same).
-        attn_scale=float(opt("attention.scale", head_dim ** -0.5)),
-        final_logit_softcap=_optional_float(opt("final_logit_softcapping", None)),
-        attn_logit_softcap=_optional_float(opt("attn_logit_softcapping", None)),
+        attn_scale=m.number("attention.scale", head_dim ** -0.5),
+        final_logit_softcap=m.number("final_logit_softcapping", None),
+        attn_logit_softcap=m.number("attn_logit_softcapping", None),
         metadata=md,
     )
 
 
-def _optional_float(v: Any) -> float | None:
-    return None if v is None else float(v)
+# --- the tensor table against the architecture ---------------------------------------------
+
+def expected_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the decoder reads, with its shape (torch order), in the order of the
+    names a message about missing tensors lists first."""
+    c = config
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    matrix = {"attn_q": (q, c.hidden), "attn_k": (kv, c.hidden), "attn_v": (kv, c.hidden),
+              "attn_output": (c.hidden, q), "ffn_gate": (c.ffn_dim, c.hidden),
+              "ffn_up": (c.ffn_dim, c.hidden), "ffn_down": (c.hidden, c.ffn_dim)}
+    per_layer = {f"{n}.weight": matrix.get(n, (c.hidden,)) for n in _LAYER_CORE}
+    if c.qk_norm:
+        per_layer |= {"attn_q_norm.weight": (c.head_dim,), "attn_k_norm.weight": (c.head_dim,)}
+    if c.post_norms:
+        per_layer |= {"post_attention_norm.weight": (c.hidden,), "post_ffw_norm.weight": (c.hidden,)}
+    if c.qkv_bias:
+        per_layer |= {"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)}
+    shapes = {"token_embd.weight": (c.vocab_size, c.hidden), "output_norm.weight": (c.hidden,)}
+    if not c.tied_embeddings:
+        shapes["output.weight"] = (c.vocab_size, c.hidden)
+    for i in range(c.n_layers):
+        shapes.update((f"blk.{i}.{n}", s) for n, s in per_layer.items())
+    return shapes
 
 
-def required_tensor_names(config: ModelConfig) -> list[str]:
-    """Tensors the decoder reads, so a broken file fails at load time, not mid-forward."""
-    names = ["token_embd.weight", "output_norm.weight"]
-    if not config.tied_embeddings:
-        names.append("output.weight")
-    per_layer = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
-                 "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"]
-    if config.qk_norm:
-        per_layer += ["attn_q_norm", "attn_k_norm"]
-    if config.post_norms:
-        per_layer += ["post_attention_norm", "post_ffw_norm"]
-    for i in range(config.n_layers):
-        names += [f"blk.{i}.{p}.weight" for p in per_layer]
-        if config.qkv_bias:
-            names += [f"blk.{i}.attn_{p}.bias" for p in "qkv"]
-    return names
+def _optional_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Tensors the decoder uses when present: llama 3's rope frequency factors."""
+    return {"rope_freqs.weight": (config.head_dim // 2,)}
 
 
-def _check_tensors(path: Path, config: ModelConfig, tensors: dict[str, TensorData]) -> None:
-    missing = [n for n in required_tensor_names(config) if n not in tensors]
+def _check_tensor_table(path: Path, config: ModelConfig, tensors: dict[str, TensorData]) -> None:
+    """Every tensor of the file is one the architecture has, with the shape the metadata calls
+    for, and none is missing: checked here, before the first step."""
+    c = config
+    expected = expected_tensors(c)
+    missing = [n for n in expected if n not in tensors]
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise ModelError(f"model file {path} has no tensor {missing[0]!r}{more} (needed by its "
-                         f"{config.arch} architecture): the file is incomplete or was converted for "
+                         f"{c.arch} architecture): the file is incomplete or was converted for "
                          f"another architecture; re-download it or pick another model")
-    c = config
-    expected = {
-        "token_embd.weight": (c.vocab_size, c.hidden),
-        "blk.0.attn_q.weight": (c.n_heads * c.head_dim, c.hidden),
-        "blk.0.attn_k.weight": (c.n_kv_heads * c.head_dim, c.hidden),
-        "blk.0.attn_v.weight": (c.n_kv_heads * c.head_dim, c.hidden),
-        "blk.0.attn_output.weight": (c.hidden, c.n_heads * c.head_dim),
-        "blk.0.ffn_gate.weight": (c.ffn_dim, c.hidden),
-        "blk.0.ffn_down.weight": (c.hidden, c.ffn_dim),
-    }
+    optional = _optional_tensors(c)
+    unexpected = [n for n in tensors if n not in expected and n not in optional]
+    if unexpected:
+        more = f" and {len(unexpected) - 1} more" if len(unexpected) > 1 else ""
+        raise ModelError(f"model file {path} has tensor {shown(unexpected[0])}{more}, which a "
+                         f"{c.n_layers}-layer {c.arch} model ({c.arch}.block_count = {c.n_layers}) does "
+                         f"not have: its metadata and its tensors disagree (a corrupt file, or a "
+                         f"variant tokentop does not run)")
+    expected |= {n: s for n, s in optional.items() if n in tensors}
     for name, shape in expected.items():
-        if c.n_layers == 0 and name.startswith("blk."):
-            continue
-        if tensors[name].shape != shape:
-            raise ModelError(f"{path} is inconsistent: tensor {name!r} has shape "
-                             f"{tensors[name].shape} but the metadata implies {shape}; the file is "
-                             f"corrupt or was converted with a broken tool")
+        td = tensors[name]
+        if td.shape != shape:
+            raise ModelError(f"{path} is inconsistent: tensor {name!r} has shape {td.shape} but the "
+                             f"metadata implies {shape}; the file is corrupt or was converted with a "
+                             f"broken tool")
+    tokens = c.metadata.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        return
+    if not isinstance(tokens, list) or not tokens or not isinstance(tokens[0], str):
+        raise ModelError(f"{path}: metadata tokenizer.ggml.tokens is {shown(tokens)}, not a list of "
+                         f"strings; the file is corrupt")
+    if len(tokens) != c.vocab_size:
+        raise ModelError(f"{path}: the vocabulary (tokenizer.ggml.tokens) has {len(tokens):,} entries "
+                         f"but token_embd.weight has {c.vocab_size:,} rows; the file is corrupt")

@@ -29,12 +29,10 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from engine import kernels
 from engine.cpuinfo import has_flag
 from engine.errors import ModelError
-from engine.models.gguf import TensorData
+from engine.models.gguf import SUPPORTED_TYPES, TensorData
 from engine.trace import get_tracer
 
-SUPPORTED_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q5_0, T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K)
-FLOAT_TYPES = (T.F32, T.F16, T.BF16)
-# Types the GGUF kernels read directly (every quantized type above).
+# Types the GGUF kernels read directly (every quantized type of SUPPORTED_TYPES).
 KERNEL_TYPES = (T.Q4_0, T.Q5_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
 # Dequantize about this many weights at a time: bounds peak memory, and temporaries of a
 # few MiB are recycled by malloc instead of being fresh (page-faulting) mappings every time.

@@ -5,7 +5,9 @@ A packing layout that differs by CPU (torch's int4 layout packs 32-row blocks on
 another; the GGUF kernels pick their instruction set per CPU in the same way. So after the linear layers are built, one random row goes through one layer of
 each (GGML types, weight form) pair in use, and is compared with x @ W^T computed in fp64
 from the exactly dequantized GGUF rows. A mismatch refuses the model instead of generating
-garbage.
+garbage. Rows that dequantize to NaN or infinity are the file's fault, not the kernel's (a
+tensor retyped to another type of the same size passes every check of the file's layout),
+and are reported as such.
 """
 from __future__ import annotations
 
@@ -68,6 +70,8 @@ def _reference(layer: QuantLinear, gen: torch.Generator) -> tuple[torch.Tensor, 
     ref = _reference_rows(layer, out_rows) @ x.double()
     if layer.bias is not None:
         ref += layer.bias.double().cpu()[out_rows]
+    if not torch.isfinite(ref.float()).all():   # finite weights, but a NaN bias or sums beyond fp32
+        raise _non_finite(layer.sources[0], f"layer {layer.name} gives outputs fp32 cannot hold")
     return x, out_rows, ref
 
 
@@ -86,6 +90,18 @@ def _reference_rows(layer: QuantLinear, out_rows: torch.Tensor) -> torch.Tensor:
         stop = start + td.shape[0]
         mine = out_rows[(out_rows >= start) & (out_rows < stop)] - start
         if mine.numel():
-            parts.append(dequantize_rows(td, mine).double())
+            rows = dequantize_rows(td, mine).double()
+            if not torch.isfinite(rows).all():
+                raise _non_finite(td, f"tensor {td.name!r} ({td.ggml_type.name}) decodes to NaN or "
+                                      f"infinite weights")
+            parts.append(rows)
         start = stop
     return torch.cat(parts)
+
+
+def _non_finite(td, what: str) -> ModelError:
+    """Weights that decode to NaN, infinity or outputs no float type holds: the file's fault,
+    whatever the kernel does."""
+    where = f"model file {td.source}" if td.source is not None else "the model file"
+    return ModelError(f"{where} is corrupt: {what} (a type field that names the wrong type, or "
+                      f"damaged bytes); re-download or re-assemble the model file")
