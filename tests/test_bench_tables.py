@@ -1,5 +1,6 @@
 """docs/benchmarks.md is generated from the kept reports in docs/bench/ (tools/bench_tables.py):
-it cannot drift from them, and docs/bench/ keeps one report per benchmark and CPU class."""
+it cannot drift from them, docs/bench/ keeps one report per benchmark and CPU class, and every
+pointer into the page from code or docs names a heading or entry that is on it."""
 import re
 
 import pytest
@@ -69,3 +70,54 @@ def test_the_readme_quotes_the_headline_table():
     measured = readme[readme.index("## Measured"):]
     assert len(measured.splitlines()) <= 15 and "docs/benchmarks.md" in measured
     assert len(readme.encode()) < 10 * 1024
+
+
+# --- pointers into the page --------------------------------------------------------------------
+# Code and docs cite a section of the page as docs/benchmarks.md, a comma, then one or more quoted
+# names (a heading or a bold entry of the page), wrapped over comment lines where long.
+QUOTED_NAME = r"'[^']+'|" + r'"[^"]+"'
+POINTER = re.compile(rf"benchmarks\.md,\s*((?:{QUOTED_NAME})(?:\s*,\s*(?:{QUOTED_NAME}))*)")
+CITED_NAME = re.compile(r"'([^']+)'|" + r'"([^"]+)"')
+CITING = [bt.ROOT / d for d in ("engine", "app", "tools", "tests")] + [bt.ROOT / "docs", bt.ROOT / "README.md"]
+SOURCE_SUFFIXES = {".py", ".cpp", ".h", ".inc", ".md", ".sh"}
+
+
+def normal(name: str) -> str:
+    return " ".join(name.split()).rstrip(".:").lower()
+
+
+def pointer_names(text: str) -> list[str]:
+    """The names the text's pointers cite, comment markers and line breaks taken out."""
+    flat = " ".join(re.sub(r"^\s*(//+|#+|\*+)?\s*", "", line) for line in text.splitlines())
+    return [" ".join((a or b).split()) for group in POINTER.findall(flat) for a, b in CITED_NAME.findall(group)]
+
+
+def page_names(page: str) -> set[str]:
+    """The page's headings and bold entries (**Name.**), normalized."""
+    return {normal(n) for n in re.findall(r"^#+ (.+)$", page, re.M) + re.findall(r"\*\*(.+?)\*\*", page)}
+
+
+def citing_files() -> list:
+    files = []
+    for top in CITING:
+        for p in sorted(top.rglob("*")) if top.is_dir() else [top]:
+            if p.is_file() and p.suffix in SOURCE_SUFFIXES and p != bt.PAGE and "__pycache__" not in p.parts:
+                files.append(p)
+    return files
+
+
+def test_pointer_names_are_read_across_comment_lines():
+    text = """x = 1  # as measured (docs/benchmarks.md, 'Measurements behind
+    // defaults', "KV dtype"), and docs/benchmarks.md alone
+    """
+    assert pointer_names(text) == ["Measurements behind defaults", "KV dtype"]
+    assert page_names("## Measurements behind defaults\n\n* **KV dtype.** fp32") == {
+        "measurements behind defaults", "kv dtype"}
+
+
+def test_every_pointer_into_the_page_names_a_heading_or_entry_of_it():
+    names = page_names(bt.PAGE.read_text())
+    cited = [(p.relative_to(bt.ROOT).as_posix(), n) for p in citing_files() for n in pointer_names(p.read_text())]
+    assert len(cited) >= 20, "the pointers are no longer found: POINTER does not match how they are written"
+    dangling = [f"{path}: {name!r}" for path, name in cited if normal(name) not in names]
+    assert not dangling, "pointers to no heading or bold entry of docs/benchmarks.md:\n" + "\n".join(dangling)

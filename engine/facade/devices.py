@@ -63,8 +63,8 @@ def usable_cores() -> int:
 
 def too_many_threads(index: int, workers: list) -> str:
     """More threads on CPU workers than the cores this process may use: their OpenMP threads wait
-    for each other, and decode slows many times over (docs/benchmarks.md). Said once, at the
-    first CPU worker; `workers` are the engine's WorkerConfigs."""
+    for each other, and decode slows many times over (docs/benchmarks.md, 'One OpenMP team per
+    core'). Said once, at the first CPU worker; `workers` are the engine's WorkerConfigs."""
     cores = usable_cores()
     cpu = [i for i, w in enumerate(workers) if w.device == "cpu"]
     total = sum(workers[i].threads or cores for i in cpu)

@@ -127,8 +127,8 @@ TT_CLONES void add_rms_norm_row(float* x, const float* d, const float* w, float 
 
 // silu(g) * u and gelu_tanh(g) * u, 8 values at a time in explicit vectors, then the tail: left
 // to the auto-vectorizer, the silu loop got a second division and three blends per vector and
-// ran several times slower on AVX2 (docs/benchmarks.md, 'the ops around the matmuls in 16-float
-// vectors'). Each value goes through the same operations either way, so the bits are the same.
+// ran several times slower on AVX2 (docs/benchmarks.md, '8-float vectors on AVX2'). Each value
+// goes through the same operations either way, so the bits are the same.
 TT_CLONES void silu_mul_row(const float* g, const float* u, float* out, int64_t n) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
@@ -360,8 +360,8 @@ TT_CLONES void attend_group(const float* q, const S* k, const S* v, int64_t row_
 // --- the blocked decode attention --------------------------------------------------------
 // Vectors of W floats: W = 16 in the AVX-512 build of the kernel, 8 (one ymm register) in the
 // AVX2 one. GCC splits a 16-float vector into two ymm registers on AVX2, and the AVX-512 block
-// sizes then spilled to memory, slower than the plain loops there (docs/benchmarks.md, 'Main
-// after the blocked decode attention').
+// sizes then spilled to memory, slower than the plain loops there (docs/benchmarks.md, '8-float
+// vectors on AVX2').
 template <int W> struct Vec;
 template <> struct Vec<16> {
     typedef v16 F;

@@ -123,8 +123,8 @@ at::Tensor qmatmul(const at::Tensor& x_in, at::TensorList weights, at::IntArrayR
 
     if (panels) {
         // the calling thread's buffers, grown as needed and never cleared: allocating and
-        // zeroing them showed in every short decode call (docs/benchmarks.md, 'two tiles per
-        // broadcast with AVX-VNNI')
+        // zeroing them showed in every short decode call (docs/benchmarks.md, 'Per-thread
+        // activation buffers')
         // (plain pointers for the lambdas: a thread_local named there is the running thread's)
         thread_local std::vector<int8_t> a_buf;
         thread_local std::vector<float> d32_buf, as32_buf;
