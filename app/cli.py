@@ -22,7 +22,7 @@ from engine.facade.devices import parse_devices
 from engine.config import parse_size
 from app.flags import worker_from_flags
 from engine.errors import ConfigError, TokentopError, describe_error
-from engine.trace import check_trace_dir
+from engine.trace import DETAILS, check_trace_dir
 
 EXIT_USAGE = 2
 COMMANDS = ("generate", "bench", "models", "serve")   # anything else: the dashboard's flags
@@ -66,6 +66,27 @@ def _sizes(text: str) -> str:
     if not all(p.isdigit() and int(p) >= 1 for p in parts):
         raise argparse.ArgumentTypeError(f"{text!r}: write positive request counts separated by commas, e.g. 1,2,4,8")
     return text
+
+
+def _duration(text: str) -> float:
+    """--trace-window: '120s', '5m', '1h' or plain seconds; more than 0."""
+    units = {"s": 1, "m": 60, "h": 3600}
+    s = text.strip().lower()
+    scale = units.get(s[-1:], 1) if s else 1
+    try:
+        value = float(s[:-1] if s[-1:] in units else s) * scale
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration; write e.g. 120s, 5m or 1h")
+    return value
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _names(text: str) -> str:
@@ -117,7 +138,15 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="no bonus token after a fully accepted draft (mini-vllm-rs's setting)")
     g.add_argument("--ngram-min", type=int, default=1, help="prompt lookup: shortest n-gram matched")
     g.add_argument("--ngram-max", type=int, default=4, help="prompt lookup: longest n-gram matched")
-    g.add_argument("--trace-dir", default=None, help="write a Perfetto (Chrome JSON) trace here")
+    g.add_argument("--trace-dir", default=None,
+                   help="write Perfetto (Chrome JSON) traces here (default ./traces); implies --trace-detail full")
+    g.add_argument("--trace-detail", choices=DETAILS, default=None,
+                   help="what the flight recorder keeps: light (steps, counters, routing, request "
+                        "lifecycles; the default), full (+ per-layer scopes, NVTX on GPUs), off")
+    g.add_argument("--trace-window", type=_duration, default="120s", metavar="SECONDS",
+                   help="the flight recorder keeps the last this long, e.g. 120s, 5m (default 120s)")
+    g.add_argument("--trace-memory", type=_size, default="64MiB", metavar="SIZE",
+                   help="... or at most this much memory per worker and for the facade (default 64MiB)")
     g.add_argument("--routing-log", default=None, help="append every routing decision as JSON lines")
 
 
@@ -127,7 +156,9 @@ def engine_config_from(args: argparse.Namespace, default_mode: str = "process") 
     if args.trace_dir:
         check_trace_dir(args.trace_dir)
     return EngineConfig(workers=workers, router_policy=args.router_policy, trace_dir=args.trace_dir,
-                        routing_log=args.routing_log, worker_mode=args.worker_mode or default_mode)
+                        routing_log=args.routing_log, worker_mode=args.worker_mode or default_mode,
+                        trace_detail=args.trace_detail or "", trace_window_s=args.trace_window,
+                        trace_memory=args.trace_memory)
 
 
 def build_parser() -> OneLineParser:
@@ -380,6 +411,17 @@ def serve_config_from(args, host: str | None = None, port: int | None = None):
                        max_queue=args.max_queue, max_body=parse_size(args.max_body))
 
 
+def write_trace(engine) -> None:
+    """Headless `t`: the flight recorder's trace, and where it went (or why not), on stderr."""
+    try:
+        path = engine.export_trace()
+    except TokentopError as exc:
+        print(f"tokentop: error: {exc}", file=sys.stderr, flush=True)
+        return
+    engine.log("info", f"trace written to {path}")
+    print(f"tokentop: trace written to {path}", file=sys.stderr, flush=True)
+
+
 def cmd_serve(args) -> int:
     from engine.facade.engine import Engine
     from engine.serve.server import HttpServer
@@ -404,9 +446,14 @@ def cmd_serve(args) -> int:
           file=sys.stderr, flush=True)
     threading.Thread(target=start_engine, name="tokentop-start", daemon=True).start()
     signal.signal(signal.SIGTERM, lambda *_: setattr(http.server, "should_exit", True))
+    # kill -USR1: write the flight recorder, off the signal handler (it waits on the workers)
+    signal.signal(signal.SIGUSR1, lambda *_: threading.Thread(target=write_trace, args=(engine,),
+                                                              name="tokentop-trace", daemon=True).start())
     try:
         http.run()
     finally:
+        if args.trace_dir and engine.ready:   # what the last window held, as `generate --trace-dir` does
+            write_trace(engine)
         engine.shutdown()
     if failed:
         raise TokentopError(failed[0])

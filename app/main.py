@@ -62,8 +62,11 @@ ACTIONS = (
                                                "(off, ngram, draft when a draft model is loaded)"),
     Binding("x,delete", "abort", "Abort", tooltip="Abort the request selected in the request table"),
     Binding("enter", "request_detail", "Detail", show=False, tooltip="Show the selected request in full"),
-    Binding("t", "export_trace", "Trace", tooltip="Write a Perfetto trace (turns tracing on if it is off)"),
-    Binding("T", "toggle_tracing", "Tracing", show=False, tooltip="Turn trace collection on or off"),
+    Binding("t", "export_trace", "Trace", tooltip="Write what the flight recorder kept (the last 120 s by "
+                                                  "default, every worker) as one Perfetto trace"),
+    Binding("T", "toggle_tracing", "Detail", show=False, tooltip="Switch trace detail: light (steps, counters, "
+                                                                 "routing, request lifecycles) or full (+ per-layer "
+                                                                 "scopes, NVTX on GPUs)"),
     Binding("d", "cycle_theme", "Theme", show=False, tooltip="Switch between the dark and light theme"),
     Binding("z", "zoom", "Zoom", show=False, tooltip="Zoom the focused panel to the full screen, or back"),
     Binding("question_mark", "help", "Help", tooltip="Show every key and what the panels mean"),
@@ -284,7 +287,9 @@ class TokentopApp(App[int]):
         workers = snap.workers if snap else ()
         ready = sum(w.state == "ready" for w in workers)
         active = sum(r.state.live for r in snap.requests) if snap else 0
-        tracing = "[b $success]on[/]" if self.engine.tracing else "off"
+        # live: the engine's own (a key changes it before the next snapshot); else the picture's
+        detail = self.engine.recorder.detail if self.live or snap is None else snap.trace_detail
+        tracing = "[b $success]full[/]" if detail == "full" else detail
         parts = [(0, "[b $accent]tokentop[/]")]
         for run in self.bursts:
             parts.append((0, f"burst {run.name} {run.submitted}/{run.spec.count}"))
@@ -424,19 +429,13 @@ class TokentopApp(App[int]):
     def action_toggle_tracing(self) -> None:
         self.engine.set_tracing(not self.engine.tracing)
         self._show_status()
-        self.notify(f"tracing {'on' if self.engine.tracing else 'off'}")
+        self.notify(f"trace detail: {self.engine.recorder.detail}")
 
     @reported
     def action_export_trace(self) -> None:
-        if not self.engine.tracing:
-            # Nothing was recorded yet: start recording now rather than write an empty trace.
-            self.engine.set_tracing(True)
-            self._show_status()
-            self.notify("tracing was off and is on now: let it run, then press t again to write the trace",
-                        severity="warning")
-            return
+        # the flight recorder has kept the last window all along: write it now
         threading.Thread(target=self._export_trace, name="tokentop-trace", daemon=True).start()
-        self.notify("exporting trace…")
+        self.notify("writing the trace…")
 
     def _export_trace(self) -> None:
         try:

@@ -121,9 +121,7 @@ class Dispatcher:
         elif isinstance(event, msg.WorkerDead):
             self._on_dead(event)
         elif isinstance(event, msg.TraceEvents):
-            with self.engine._trace_cv:
-                self.engine._trace_wait[event.worker] = event.events
-                self.engine._trace_cv.notify_all()
+            self.engine.recorder.on_ring(event)
 
     def on_step(self, event: msg.StepEvents) -> None:
         deliveries = []
@@ -172,8 +170,7 @@ class Dispatcher:
             for rid in event.preempted:
                 self.engine._log_repeated(("preempted", event.worker, rid), "warning",
                                    f"{rid} preempted{{times}} on worker {event.worker} (will recompute)")
-                if self.engine._tracer is not None and self.engine._tracer.enabled:
-                    self.engine._tracer.instant("preempted", request=rid, worker=event.worker)
+                self.engine.recorder.tracer.instant("preempted", request=rid, worker=event.worker)
         for rid, d in deliveries:
             if rid is None:
                 self.engine._notify("finished", d)

@@ -31,8 +31,9 @@ from engine.facade.procstat import UsageSampler
 from engine.facade.requests import (RequestFailed, RequestHandle, RequestRecord, RequestResult,  # noqa: F401
                              RequestTable, TEXT_TAIL, seen_timings)
 from engine.facade.router import NOMINAL_RATES, RouteDecision, Router, WorkerLoad
-from engine.facade.snapshot import EngineSnapshot, LogLine, RequestState, RequestView, WorkerView
-from engine.trace import Tracer, check_trace_dir, request_track_events, set_tracer, write_chrome_trace
+from engine.facade.snapshot import EngineSnapshot, LogLine, RequestView, WorkerView
+from engine.facade.recorder import FlightRecorder
+from engine.trace import check_trace_dir, set_tracer
 
 # how long start() waits for the workers: longer than the kernels' build time-out (600 s), so a
 # worker whose build times out falls back to torch matmuls and still serves
@@ -40,7 +41,6 @@ READY_TIMEOUT_S = 900.0
 
 HISTORY = 60          # samples of tok/s kept per worker for sparklines
 HIT_WINDOW = 150      # WorkerStats samples (~30 s at 5 Hz) behind a worker's prefix hit rate
-UNWRITTEN_TRACE_EVENTS = 2_000_000   # most trace events kept after a failed export
 LOG_GROUP_WINDOW = 5.0   # seconds: the same event again within this is counted on one log line
 
 
@@ -96,24 +96,18 @@ class Engine:
         self.dispatcher = Dispatcher(self)
         self._dispatch_started = False
         self._stopping = False
-        self._trace_wait: dict[int, list] = {}
-        self._trace_cv = threading.Condition(self._lock)
-        self._unwritten_trace: list = []   # events of an export that failed, kept for the next one
-        self.tracing = bool(config.trace_dir)
         self.tokenizer = None
         self._routing_log = _open_routing_log(config.routing_log) if config.routing_log else None
-        self._tracer = None
-        self._trace_since = time.monotonic() if self.tracing else None   # start of the trace window
         self._started_at: float | None = None
         self._usage = UsageSampler()
         self._observers: list[Callable[[str, object], None]] = []
         self._counters: dict = {}   # remote worker index -> RemoteTokenCounter (engine/remote/worker.py)
+        self.recorder = FlightRecorder(self)   # the trace ring and `t` (engine/facade/recorder.py)
 
     # --- lifecycle ----------------------------------------------------------------------
     def start(self, wait: bool = True, timeout: float = READY_TIMEOUT_S) -> "Engine":
         if self.config.trace_dir:   # before any work: not a crash once the work is done
             check_trace_dir(self.config.trace_dir)
-        self._tracer = Tracer("engine", enabled=self.tracing)
         self._started_at = time.monotonic()
         paths = {}
         for cfg in self.config.workers:
@@ -142,12 +136,12 @@ class Engine:
                 commands = ctx.Queue()
                 proc = ctx.Process(target=_worker_entry, name=f"tokentop-worker-{i}",
                                    args=(i, cfg, paths[cfg.model], commands, self._events,
-                                         self.tracing, self.config.worker_log), daemon=True)
+                                         self.recorder.worker_settings(), self.config.worker_log), daemon=True)
             else:
                 commands = queue.Queue()
                 proc = threading.Thread(target=_worker_entry, name=f"tokentop-worker-{i}",
                                         args=(i, cfg, paths[cfg.model], commands, self._events,
-                                              self.tracing), daemon=True)
+                                              self.recorder.worker_settings()), daemon=True)
             self._workers.append(_WorkerSlot(i, cfg, commands, proc))
             proc.start()
         self.dispatcher.start()
@@ -269,11 +263,6 @@ class Engine:
             handle = RequestHandle(rec, self.abort)
             self.requests.add(rec, handle)
             slot = self._workers[decision.chosen]
-        if self._tracer is not None and self._tracer.enabled:
-            self._tracer.instant("route", request=rid, chosen=decision.chosen, policy=decision.policy,
-                                 reason=decision.reason,
-                                 scores={c.worker: round(c.score, 4) for c in decision.candidates},
-                                 reuse={c.worker: c.cached_tokens for c in decision.candidates})
         slot.commands.put(msg.Submit(rid, tuple(ids), params, now, rec.messages if slot.cfg.remote else None,
                                      rec.prompt_len_on(decision.chosen)))
         self._notify("route", decision)
@@ -500,7 +489,8 @@ class Engine:
             reqs = tuple(self._request_view(r, now) for r in self.requests.records.values())
             uptime = now - self._started_at if self._started_at is not None else 0.0
             return EngineSnapshot(time.time(), workers, reqs, tuple(self._routing),
-                                  self.router.policy, tuple(self._log), self.tracing, uptime)
+                                  self.router.policy, tuple(self._log), self.tracing, uptime,
+                                  trace_detail=self.recorder.detail)
 
     def _worker_view(self, w: _WorkerSlot) -> WorkerView:
         s, info = w.stats, w.info or msg.WorkerInfo.before_ready(w.cfg)
@@ -550,78 +540,19 @@ class Engine:
             finish_reason=r.finish_reason, prompt=r.prompt_text, params=r.params,
             notice=r.notice, leader=r.leader if r.finish_reason is None else None)
 
-    # --- traces -------------------------------------------------------------------------
+    # --- traces (engine/facade/recorder.py) ----------------------------------------------------
+    @property
+    def tracing(self) -> bool:
+        """Full trace detail on (per-layer scopes); the light ring records regardless."""
+        return self.recorder.detail == "full"
+
     def set_tracing(self, enabled: bool) -> None:
-        if enabled and not self.tracing:
-            self._trace_since = time.monotonic()
-        self.tracing = enabled
-        if self._tracer is not None:
-            self._tracer.set_enabled(enabled)
-        for w in self._workers:
-            if w.state == "ready":
-                w.commands.put(msg.SetTracing(enabled))
+        self.recorder.set_full(enabled)
 
-    def _lifecycle_events(self, since: float, until: float) -> list[dict]:
-        """Every request alive during [since, until] as phase spans on its own track, clipped
-        to the window: queued -> prefill -> decode, then finished / aborted / failed, or the
-        phase it is still in at `until` (marked running)."""
-        with self._lock:
-            records = [r for r in self.requests.records.values()
-                       if r.arrival <= until and (r.finished_at is None or r.finished_at >= since)]
-            lifecycles = []
-            for rec in records:
-                m = rec.metrics
-                queue_time, ttft = (m.queue_time, m.ttft) if m else seen_timings(rec)[:2]
-                if ttft is None and rec.first_token_at is not None:
-                    ttft = rec.first_token_at - rec.arrival
-                if queue_time is not None and ttft is not None:
-                    queue_time = min(queue_time, ttft)   # a preempted request is queued again later
-                marks = [("queued", rec.arrival)]
-                follow = m.follow_start if m else (rec.follow_at - rec.arrival if rec.follow_at else None)
-                if follow is not None and (queue_time is None or follow < queue_time):
-                    marks.append(("waiting-on-leader", rec.arrival + follow))   # single flight
-                if queue_time is not None:
-                    marks.append(("prefill", rec.arrival + queue_time))
-                if ttft is not None:
-                    marks.append(("decode", rec.arrival + ttft))
-                end = None
-                if rec.finish_reason is not None:
-                    end = (RequestState.of_finish(rec.finish_reason).value,
-                           rec.arrival + m.e2e if m else rec.finished_at or until)
-                lifecycles.append((rec.id, rec.worker, marks, end))
-        pid = self._tracer.pid if self._tracer is not None else 0
-        return request_track_events(pid, lifecycles, since, until)
-
-    def export_trace(self, path: str | Path | None = None, timeout: float = 5.0) -> str:
-        """Collect every worker's trace events plus the facade's and write one Chrome JSON file;
-        return its absolute path. A write error is a one-line TokentopError; nothing else is lost."""
-        target = path or self.config.trace_dir or "traces"
-        with self._trace_cv:
-            self._trace_wait.clear()
-            ready = [w for w in self._workers if w.state == "ready"]
-        for w in ready:
-            w.commands.put(msg.DrainTrace())
-        deadline = time.monotonic() + timeout
-        with self._trace_cv:
-            while len(self._trace_wait) < len(ready) and time.monotonic() < deadline:
-                self._trace_cv.wait(0.1)
-            events = [e for evs in self._trace_wait.values() for e in evs]
-        now = time.monotonic()
-        if self._tracer is not None:
-            events += self._tracer.drain()
-        # Request lifecycles are built from the engine's records, so a request that was
-        # already running when tracing started, or is still running now, is in the trace too.
-        events += self._lifecycle_events(self._trace_since if self._trace_since is not None else now, now)
-        self._trace_since = now        # the next export covers what happens from here on
-        events = self._unwritten_trace + events
-        try:
-            written = write_chrome_trace(target, events)
-        except OSError as exc:
-            self._unwritten_trace = events[-UNWRITTEN_TRACE_EVENTS:]
-            raise TokentopError(f"cannot write the trace to {Path(target).absolute()}: "
-                                f"{exc.strerror or exc}; its events are kept for the next export") from None
-        self._unwritten_trace = []
-        return written
+    def export_trace(self, path: str | Path | None = None, timeout: float = 10.0) -> str:
+        """The flight recorder's last window, every worker's ring and the facade's, as one
+        Chrome JSON file; its absolute path. A write error is a one-line TokentopError."""
+        return self.recorder.export(path, timeout)
 
 
 def _window_rate(hist: deque) -> float | None:
@@ -638,7 +569,7 @@ def _tail_spans(spans: list, text_len: int) -> tuple[tuple[int, int], ...]:
     return tuple((max(0, a - off), b - off) for a, b in spans if b > off)
 
 
-def _worker_entry(index, cfg, model_path, commands, events, tracing, log_path=None) -> None:
+def _worker_entry(index, cfg, model_path, commands, events, trace_settings, log_path=None) -> None:
     from engine.worker.loop import worker_main   # imports torch: see engine/__init__.py
 
     if log_path:   # a worker process must not draw over the dashboard's terminal
@@ -648,8 +579,9 @@ def _worker_entry(index, cfg, model_path, commands, events, tracing, log_path=No
         os.dup2(fd, 2)
         os.close(fd)
 
-    # NVTX ranges for Nsight on CUDA workers; the Chrome trace is separate and off by default
-    tracer = Tracer(f"worker {index} ({cfg.device})", enabled=tracing, nvtx=cfg.device.startswith("cuda"))
+    # the worker's flight recorder; on CUDA workers full detail adds NVTX ranges for Nsight
+    tracer = trace_settings.tracer(f"worker {index} ({cfg.device})", nvtx=cfg.device.startswith("cuda"),
+                                   nvtx_when_full=True)
     set_tracer(tracer)
     tracer.set_thread_name("worker loop")
     worker_main(index, cfg, model_path, commands, events)
