@@ -25,7 +25,7 @@ from engine.errors import ConfigError, TokentopError, describe_error
 from engine.trace import DETAILS, check_trace_dir
 
 EXIT_USAGE = 2
-COMMANDS = ("generate", "bench", "models", "serve")   # anything else: the dashboard's flags
+COMMANDS = ("generate", "bench", "models", "serve", "replay")   # anything else: the dashboard's flags
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -203,7 +203,17 @@ def build_parser() -> OneLineParser:
 
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP API (with /metrics), headless")
     add_serve_flags(s)
+    add_record_flag(s)
     add_engine_flags(s)
+
+    r = sub.add_parser("replay", help="play a --record recording in the dashboard (read-only), or make it a trace")
+    r.add_argument("file", help="a recording written by tokentop --record FILE or tokentop serve --record FILE")
+    r.add_argument("--trace", default=None, metavar="OUT.json",
+                   help="write the recording as a Perfetto trace instead of playing it")
+    r.add_argument("--partial", action="store_true",
+                   help="play a recording that was cut short (its complete frames)")
+    r.add_argument("--speed", type=float, default=1.0, choices=(0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0),
+                   help="playback speed to start at (+ and - change it)")
 
     m = sub.add_parser("models", help="list bundled models and whether they are installed")
     m.add_argument("--json", action="store_true")
@@ -220,7 +230,14 @@ def build_dashboard_parser() -> OneLineParser:
     p.add_argument("--serve", default=None, metavar="[HOST:]PORT",
                    help="also serve the OpenAI-compatible API here; its requests show in the panels")
     add_serve_flags(p)
+    add_record_flag(p)
     return p
+
+
+def add_record_flag(p) -> None:
+    p.add_argument("--record", default=None, metavar="FILE",
+                   help="write what the dashboard shows (5 snapshots a second, as deltas, gzip) to FILE; "
+                        "play it with tokentop replay FILE")
 
 
 def with_worker(args):
@@ -247,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_models(args)
         if args.command == "serve":
             return cmd_serve(args)
+        if args.command == "replay":
+            return cmd_replay(args)
         build_parser().print_help()
         return EXIT_USAGE
     except TokentopError as exc:
@@ -411,6 +430,31 @@ def serve_config_from(args, host: str | None = None, port: int | None = None):
                        max_queue=args.max_queue, max_body=parse_size(args.max_body))
 
 
+def start_recording(engine, path: str | None):
+    """--record FILE: the snapshot stream, from now until close(); None without the flag."""
+    if not path:
+        return None
+    from engine.facade.snapshot_file import SnapshotRecorder
+    return SnapshotRecorder(engine, path, command=["tokentop", *sys.argv[1:]]).start()
+
+
+def cmd_replay(args) -> int:
+    from engine.facade.snapshot_file import read_recording
+
+    recording = read_recording(args.file, partial=args.partial)
+    if args.trace:
+        from engine.facade.snapshot_trace import write_recording_trace
+        try:
+            path = write_recording_trace(recording, args.trace)
+        except OSError as exc:
+            raise TokentopError(f"--trace {args.trace}: cannot write it ({exc.strerror or exc})") from None
+        print(f"trace of {len(recording)} frames ({recording.duration:.1f} s) written to {path}", file=sys.stderr)
+        return 0
+    from app.replay import ReplayApp
+    ReplayApp(recording, speed=args.speed).run()
+    return 0
+
+
 def write_trace(engine) -> None:
     """Headless `t`: the flight recorder's trace, and where it went (or why not), on stderr."""
     try:
@@ -430,6 +474,7 @@ def cmd_serve(args) -> int:
     config = engine_config_from(args, default_mode="process")
     engine = Engine(config)
     http = HttpServer(engine, serve_config)                 # binds now: a busy port fails here
+    recorder = start_recording(engine, args.record)
     failed: list[str] = []
 
     def start_engine() -> None:
@@ -454,6 +499,8 @@ def cmd_serve(args) -> int:
     finally:
         if args.trace_dir and engine.ready:   # what the last window held, as `generate --trace-dir` does
             write_trace(engine)
+        if recorder is not None:
+            recorder.close()
         engine.shutdown()
     if failed:
         raise TokentopError(failed[0])

@@ -27,7 +27,7 @@ from textual.widgets import Footer
 from app.burst_runner import BurstRun, BurstSpec
 from app.bursts import default_prompts_dir, list_burst_files, load_burst
 from app.cli import (EXIT_USAGE, build_dashboard_parser, check_dashboard_server_flags, engine_config_from,
-                     serve_config_from)
+                     serve_config_from, start_recording)
 from app.screens.burst import BurstDialog, DEFAULTS
 from app.screens.detail import RequestDetail
 from app.screens.help import HelpScreen
@@ -106,6 +106,7 @@ def run_dashboard(argv: list[str]) -> int:
         log = Path(platformdirs.user_log_dir("tokentop")) / "workers.log"
         app = TokentopApp(replace(config, worker_log=str(log)), startup_burst=burst)
         http = _start_http(app, args) if args.serve else None
+        recorder = start_recording(app.engine, args.record)
     except (TokentopError, OSError) as exc:
         print(f"tokentop: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -114,6 +115,8 @@ def run_dashboard(argv: list[str]) -> int:
     finally:
         if http is not None:
             http.stop()
+        if recorder is not None:
+            recorder.close()
     app.wait_for_shutdown()
     return app.return_code or 0
 
