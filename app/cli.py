@@ -25,7 +25,7 @@ from engine.errors import ConfigError, TokentopError, describe_error
 from engine.trace import DETAILS, check_trace_dir
 
 EXIT_USAGE = 2
-COMMANDS = ("generate", "bench", "models", "serve", "replay")   # anything else: the dashboard's flags
+COMMANDS = ("generate", "bench", "models", "serve", "replay", "compare")   # anything else: the dashboard's flags
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -215,6 +215,22 @@ def build_parser() -> OneLineParser:
     r.add_argument("--speed", type=float, default=1.0, choices=(0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0),
                    help="playback speed to start at (+ and - change it)")
 
+    c = sub.add_parser("compare", help="one burst under settings A, then B, side by side (fresh engines, "
+                                       "same requests, arrival times and seeds)")
+    c.add_argument("burst", help="a burst file (JSONL, see sample_prompts/README.md)")
+    c.add_argument("--a", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                   help="side A's settings: policy, router-policy, prefix-cache, single-flight, speculate, "
+                        "spec-k, spec-tv-budget, max-active, worker (every request to worker N)")
+    c.add_argument("--b", nargs="+", action="extend", default=[], metavar="KEY=VALUE", help="side B's settings")
+    c.add_argument("--interval-ms", type=int, default=0, help="between submissions (default 0: all at once)")
+    c.add_argument("--warm", default=None, metavar="FILE",
+                   help="a burst file sent to every worker before the measured burst (not measured), "
+                        "to seed the prefix caches")
+    c.add_argument("--out", default=None, type=_writable_file,
+                   help="the JSON report (default ./compare-YYYYmmdd-HHMMSS.json)")
+    c.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
+    add_engine_flags(c)
+
     m = sub.add_parser("models", help="list bundled models and whether they are installed")
     m.add_argument("--json", action="store_true")
     return p
@@ -266,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_serve(args)
         if args.command == "replay":
             return cmd_replay(args)
+        if args.command == "compare":
+            return cmd_compare(args)
         build_parser().print_help()
         return EXIT_USAGE
     except TokentopError as exc:
@@ -436,6 +454,26 @@ def start_recording(engine, path: str | None):
         return None
     from engine.facade.snapshot_file import SnapshotRecorder
     return SnapshotRecorder(engine, path, command=["tokentop", *sys.argv[1:]]).start()
+
+
+def cmd_compare(args) -> int:
+    from app.bursts import load_burst
+    from engine.facade.compare import compare, format_report, parse_settings, write_report
+
+    a, b = parse_settings(args.a, "--a"), parse_settings(args.b, "--b")
+    if args.interval_ms < 0:
+        raise ConfigError(f"--interval-ms must be >= 0, got {args.interval_ms}")
+    items = load_burst(args.burst)
+    warm = load_burst(args.warm) if args.warm else []
+    config = engine_config_from(args, default_mode="process")
+    if len(config.workers) == 1:
+        config = replace(config, worker_mode=args.worker_mode or "thread")
+    report = compare(config, items, a, b, burst=args.burst, interval_s=args.interval_ms / 1000, warm=warm,
+                     progress=lambda text: print(f"tokentop: {text}", file=sys.stderr, flush=True))
+    path = write_report(report, args.out)
+    print(json.dumps(report, indent=2, ensure_ascii=False) if args.json else format_report(report))
+    print(f"tokentop: report written to {path}", file=sys.stderr)
+    return 0
 
 
 def cmd_replay(args) -> int:

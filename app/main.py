@@ -29,6 +29,7 @@ from app.bursts import default_prompts_dir, list_burst_files, load_burst
 from app.cli import (EXIT_USAGE, build_dashboard_parser, check_dashboard_server_flags, engine_config_from,
                      serve_config_from, start_recording)
 from app.screens.burst import BurstDialog, DEFAULTS
+from app.screens.compare import CompareDialog, CompareResult, CompareSpec
 from app.screens.detail import RequestDetail
 from app.screens.help import HelpScreen
 from app.screens.prompt import PromptDialog
@@ -67,6 +68,8 @@ ACTIONS = (
     Binding("T", "toggle_tracing", "Detail", show=False, tooltip="Switch trace detail: light (steps, counters, "
                                                                  "routing, request lifecycles) or full (+ per-layer "
                                                                  "scopes, NVTX on GPUs)"),
+    Binding("c", "compare", "Compare", show=False, tooltip="A/B compare: run a burst under settings A, then B, "
+                                                           "on fresh engines, and show both side by side"),
     Binding("d", "cycle_theme", "Theme", show=False, tooltip="Switch between the dark and light theme"),
     Binding("z", "zoom", "Zoom", show=False, tooltip="Zoom the focused panel to the full screen, or back"),
     Binding("question_mark", "help", "Help", tooltip="Show every key and what the panels mean"),
@@ -167,6 +170,7 @@ class TokentopApp(App[int]):
         self._shutdown_thread: threading.Thread | None = None
         self._refresh_error: str | None = None
         self.serve_url: str | None = None      # set by --serve
+        self._compare: threading.Thread | None = None
 
     # --- layout -------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -359,6 +363,44 @@ class TokentopApp(App[int]):
         self.bursts.append(BurstRun(self.engine, spec, items, name).start())
         self.notify(f"burst {name}: {spec.count} requests from {spec.path}, one every {spec.interval_ms} ms")
         self._show_status()
+
+    @reported
+    def action_compare(self) -> None:
+        if self._compare is not None and self._compare.is_alive():
+            self.notify("a compare is still running; its result shows when both sides are done",
+                        severity="warning")
+            return
+        files = list_burst_files(default_prompts_dir())
+        if not files:
+            self.notify(f"no burst files (*.jsonl) in {default_prompts_dir()}", severity="error")
+            return
+        self.push_screen(self._dialog("compare", lambda: CompareDialog(files)), self.start_compare)
+
+    @reported
+    def start_compare(self, spec: CompareSpec | None) -> None:
+        if spec is None:
+            return
+        items = load_burst(spec.path)
+        self._compare = threading.Thread(target=self._run_compare, args=(spec, items), name="tokentop-compare",
+                                         daemon=True)
+        self._compare.start()
+        self.notify(f"compare {spec.path.name}: side A, then side B, each on a fresh engine…")
+
+    def _run_compare(self, spec: CompareSpec, items) -> None:
+        from engine.facade.compare import compare, format_report, write_report
+        try:
+            report = compare(self.config, items, spec.a, spec.b, burst=str(spec.path),
+                             interval_s=spec.interval_ms / 1000,
+                             progress=lambda text: self.engine.log("info", f"compare {text}"))
+            path = write_report(report, None)
+        except Exception as exc:  # reported in the UI, whatever it is
+            self._notices.put(("error", f"compare failed: {describe_error(exc)}"))
+            return
+        self.engine.log("info", f"compare report written to {path}")
+        try:
+            self.call_from_thread(self.push_screen, CompareResult(format_report(report), path))
+        except RuntimeError:      # the dashboard was closed meanwhile: the report file stays
+            pass
 
     def action_prompt(self) -> None:
         self.push_screen(self._dialog("prompt", PromptDialog), self.submit_prompt)

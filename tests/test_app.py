@@ -185,6 +185,34 @@ async def test_shift_t_switches_detail_and_the_trace_dir_flag_starts_full(tiny_m
         assert app.engine.tracing and "trace full" in str(app._status.render())
 
 
+async def test_c_runs_an_ab_compare_and_shows_both_sides(tiny_model, tmp_path, monkeypatch):
+    from app.screens.compare import CompareDialog, CompareResult
+    from textual.widgets import Select
+    monkeypatch.chdir(tmp_path)                   # the JSON report lands here
+    app = make_app(tiny_model, tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot, app)
+        await pilot.press("c")
+        await wait_for(pilot, lambda: isinstance(app.screen, CompareDialog), "the compare dialog")
+        dialog = app.screen
+        files = {p.name: p for p in dialog.files}
+        dialog.query_one("#compare-file", Select).value = files["single_flight_2.jsonl"]
+        dialog.query_one("#compare-a").value = "nonsense"
+        await pilot.press("enter")
+        assert "write KEY=VALUE" in str(dialog.query_one("#compare-error").render())   # the dialog stays
+        dialog.query_one("#compare-a").value = "max-active=1"
+        dialog.query_one("#compare-b").value = "max-active=2 router-policy=round-robin"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: isinstance(app.screen, CompareResult), "the compare result", timeout=60)
+        text = app.screen.text
+        assert "A: max-active=1" in text and "B: max-active=2 router-policy=round-robin" in text
+        assert "TTFT p95" in text and "sf2-2" in text
+        await pilot.press("escape")
+        assert not isinstance(app.screen, CompareResult)
+    reports = list(tmp_path.glob("compare-*.json"))
+    assert len(reports) == 1 and json.loads(reports[0].read_text())["requests"] == 2
+
+
 async def test_abort_selected_request_and_detail(tiny_model, tmp_path):
     app = make_app(tiny_model, tmp_path)
     async with app.run_test(size=SIZE) as pilot:

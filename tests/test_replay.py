@@ -26,7 +26,6 @@ from engine.facade.engine import Engine
 from engine.facade.snapshot import LogLine
 from engine.facade.snapshot_file import (RecordingError, SnapshotRecorder, apply_delta, empty_state,
                                          read_recording, slide, snapshot_state, state_delta, state_snapshot)
-from engine.facade.snapshot_trace import write_recording_trace
 from tests.test_app import fixture_snapshot
 from tests.trace_checks import check_chrome_trace
 
