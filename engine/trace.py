@@ -439,9 +439,10 @@ class Tracer:
             ring = self._ring
             marker = {"process": self.process, "detail": self.detail, "window_s": self.window_s,
                       "max_bytes": self.max_bytes, "bytes": ring.bytes, "dropped_total": ring.dropped}
+        in_ring = {r[5] for r in records}
         if horizon is not None:
             records = [r for r in records if r[2] + r[3] >= horizon]
-        events = self._chrome(records)
+        events = self._chrome(records, in_ring)
         events.append({"ph": "M", "name": _RING_MARKER, "pid": self.pid, "tid": 0, "args": marker})
         return events
 
@@ -454,13 +455,14 @@ class Tracer:
         """
         with self._lock:
             records, dropped = self._ring.take()
-        events = self._chrome(records)
+        events = self._chrome(records, set())
         if dropped:
             events.append({"ph": "M", "name": _DROPPED_MARKER, "pid": self.pid, "tid": 0,
                            "args": {"count": dropped, "process": self.process}})
         return events
 
-    def _chrome(self, records: list[tuple]) -> list[dict]:
+    def _chrome(self, records: list[tuple], kept: set[int]) -> list[dict]:
+        """Chrome dicts of `records`, named; `kept`: tracks that still have records in the ring."""
         pid = self.pid
         names = [{"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": self.process}}]
         named: set[int] = set()
@@ -473,7 +475,7 @@ class Tracer:
                 names.append(_thread_name_event(pid, tid, track))
             body.append(_chrome_event(pid, tid, ph, name, ts_ns, dur_ns, args))
         for tid, (_, thread) in list(self._threads.items()):
-            if tid not in named and not thread.is_alive():
+            if tid not in named and tid not in kept and not thread.is_alive():
                 self._threads.pop(tid, None)      # its thread is gone and none of its records is left
         return names + body
 
