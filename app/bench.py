@@ -24,10 +24,21 @@ def with_dashboard(config, work) -> float:
     return result["value"]
 
 
+RECORD_BURSTS = ("mixed.jsonl", "code_refactor.jsonl")   # 16 requests, their own sampling settings
+
+
 def app_scenarios() -> dict:
-    """The scenarios the command line adds to engine/bench's: those that need the UI."""
+    """The scenarios the command line adds to engine/bench's: those that need the UI or its
+    burst files."""
     from engine.bench.dashboard import bench_dashboard
-    return {"dashboard": partial(_dashboard, bench_dashboard)}
+    from engine.bench.record import bench_record
+    return {"dashboard": partial(_dashboard, bench_dashboard), "record": partial(_record, bench_record)}
+
+
+def _record(bench, args) -> dict:
+    from app.bursts import default_prompts_dir, load_burst
+    items = [item for name in RECORD_BURSTS for item in load_burst(default_prompts_dir() / name)]
+    return bench(args, items)
 
 
 def _dashboard(bench, args) -> dict:

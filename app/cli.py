@@ -22,11 +22,11 @@ from engine.facade.devices import parse_devices
 from engine.config import parse_size
 from app.flags import as_flags, describe_error, worker_from_flags
 from engine.errors import ConfigError, TokentopError
-from engine.trace import check_trace_dir
+from engine.trace import DETAILS, check_trace_dir
 
 EXIT_USAGE = 2
 MAX_PROMPT_FILE_BYTES = 8 * 2**20   # ~8 million characters: far beyond any model's context
-COMMANDS = ("generate", "bench", "models", "serve")   # anything else: the dashboard's flags
+COMMANDS = ("generate", "bench", "models", "serve", "replay", "compare")   # anything else: the dashboard's flags
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -80,6 +80,27 @@ def _bind_address(text: str) -> str:
     return text
 
 
+def _duration(text: str) -> float:
+    """--trace-window: '120s', '5m', '1h' or plain seconds; more than 0."""
+    units = {"s": 1, "m": 60, "h": 3600}
+    s = text.strip().lower()
+    scale = units.get(s[-1:], 1) if s else 1
+    try:
+        value = float(s[:-1] if s[-1:] in units else s) * scale
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration; write e.g. 120s, 5m or 1h")
+    return value
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _names(text: str) -> str:
     if not [n for n in text.split(",") if n.strip()]:
         raise argparse.ArgumentTypeError("name at least one model, e.g. qwen2.5-coder-0.5b,qwen2.5-coder-1.5b")
@@ -129,7 +150,15 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="no bonus token after a fully accepted draft (mini-vllm-rs's setting)")
     g.add_argument("--ngram-min", type=int, default=1, help="prompt lookup: shortest n-gram matched")
     g.add_argument("--ngram-max", type=int, default=4, help="prompt lookup: longest n-gram matched")
-    g.add_argument("--trace-dir", default=None, help="write a Perfetto (Chrome JSON) trace here")
+    g.add_argument("--trace-dir", default=None,
+                   help="write Perfetto (Chrome JSON) traces here (default ./traces); implies --trace-detail full")
+    g.add_argument("--trace-detail", choices=DETAILS, default=None,
+                   help="what the flight recorder keeps: light (steps, counters, routing, request "
+                        "lifecycles; the default), full (+ per-layer scopes, NVTX on GPUs), off")
+    g.add_argument("--trace-window", type=_duration, default="120s", metavar="SECONDS",
+                   help="the flight recorder keeps the last this long, e.g. 120s, 5m (default 120s)")
+    g.add_argument("--trace-memory", type=_size, default="64MiB", metavar="SIZE",
+                   help="... or at most this much memory per worker and for the facade (default 64MiB)")
     g.add_argument("--routing-log", default=None, help="append every routing decision as JSON lines")
 
 
@@ -139,7 +168,9 @@ def engine_config_from(args: argparse.Namespace, default_mode: str = "process") 
     if args.trace_dir:
         check_trace_dir(args.trace_dir)
     return EngineConfig(workers=workers, router_policy=args.router_policy, trace_dir=args.trace_dir,
-                        routing_log=args.routing_log, worker_mode=args.worker_mode or default_mode)
+                        routing_log=args.routing_log, worker_mode=args.worker_mode or default_mode,
+                        trace_detail=args.trace_detail or "", trace_window_s=args.trace_window,
+                        trace_memory=args.trace_memory)
 
 
 def build_parser() -> OneLineParser:
@@ -163,7 +194,7 @@ def build_parser() -> OneLineParser:
     add_engine_flags(g)
 
     b = sub.add_parser("bench", help="benchmarks (JSON out)")
-    b.add_argument("scenario", choices=["single", "batching", "routing", "dashboard", "trace", "prefix", "serve",
+    b.add_argument("scenario", choices=["single", "batching", "routing", "dashboard", "trace", "record", "prefix", "serve",
                                         "spec"])
     b.add_argument("--models", default="qwen2.5-coder-0.5b", type=_names, help="comma-separated (bench single)")
     b.add_argument("--runs", type=_positive_int, default=3)
@@ -184,7 +215,33 @@ def build_parser() -> OneLineParser:
 
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP API (with /metrics), headless")
     add_serve_flags(s)
+    add_record_flag(s)
     add_engine_flags(s)
+
+    r = sub.add_parser("replay", help="play a --record recording in the dashboard (read-only), or make it a trace")
+    r.add_argument("file", help="a recording written by tokentop --record FILE or tokentop serve --record FILE")
+    r.add_argument("--trace", default=None, metavar="OUT.json",
+                   help="write the recording as a Perfetto trace instead of playing it")
+    r.add_argument("--partial", action="store_true",
+                   help="play a recording that was cut short (its complete frames)")
+    r.add_argument("--speed", type=float, default=1.0, choices=(0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0),
+                   help="playback speed to start at (+ and - change it)")
+
+    c = sub.add_parser("compare", help="one burst under settings A, then B, side by side (fresh engines, "
+                                       "same requests, arrival times and seeds)")
+    c.add_argument("burst", help="a burst file (JSONL, see sample_prompts/README.md)")
+    c.add_argument("--a", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                   help="side A's settings: policy, router-policy, prefix-cache, single-flight, speculate, "
+                        "spec-k, spec-tv-budget, max-active, worker (every request to worker N)")
+    c.add_argument("--b", nargs="+", action="extend", default=[], metavar="KEY=VALUE", help="side B's settings")
+    c.add_argument("--interval-ms", type=int, default=0, help="between submissions (default 0: all at once)")
+    c.add_argument("--warm", default=None, metavar="FILE",
+                   help="a burst file sent to every worker before the measured burst (not measured), "
+                        "to seed the prefix caches")
+    c.add_argument("--out", default=None, type=_writable_file,
+                   help="the JSON report (default ./compare-YYYYmmdd-HHMMSS.json)")
+    c.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
+    add_engine_flags(c)
 
     m = sub.add_parser("models", help="list bundled models and whether they are installed")
     m.add_argument("--json", action="store_true")
@@ -201,7 +258,14 @@ def build_dashboard_parser() -> OneLineParser:
     p.add_argument("--serve", default=None, metavar="[HOST:]PORT", type=_bind_address,
                    help="also serve the OpenAI-compatible API here; its requests show in the panels")
     add_serve_flags(p)
+    add_record_flag(p)
     return p
+
+
+def add_record_flag(p) -> None:
+    p.add_argument("--record", default=None, metavar="FILE",
+                   help="write what the dashboard shows (5 snapshots a second, as deltas, gzip) to FILE; "
+                        "play it with tokentop replay FILE")
 
 
 def with_worker(args):
@@ -228,6 +292,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_models(args)
         if args.command == "serve":
             return cmd_serve(args)
+        if args.command == "replay":
+            return cmd_replay(args)
+        if args.command == "compare":
+            return cmd_compare(args)
         build_parser().print_help()
         return EXIT_USAGE
     except TokentopError as exc:
@@ -402,6 +470,70 @@ def serve_config_from(args, host: str | None = None, port: int | None = None):
                        max_queue=args.max_queue, max_body=parse_size(args.max_body))
 
 
+def start_recording(engine, path: str | None):
+    """--record FILE: the snapshot stream, from now until close(); None without the flag."""
+    if not path:
+        return None
+    from engine.facade.snapshot_file import SnapshotRecorder
+    try:
+        return SnapshotRecorder(engine, path, command=["tokentop", *sys.argv[1:]]).start()
+    except ConfigError as exc:
+        raise ConfigError(f"--record {path}: {exc}") from None
+
+
+def cmd_compare(args) -> int:
+    from app.bursts import load_burst
+    from engine.facade.compare import compare, format_report, parse_settings, write_report
+
+    a, b = parse_settings(args.a, "--a"), parse_settings(args.b, "--b")
+    if args.interval_ms < 0:
+        raise ConfigError(f"--interval-ms must be >= 0, got {args.interval_ms}")
+    items = load_burst(args.burst)
+    warm = load_burst(args.warm) if args.warm else []
+    config = engine_config_from(args, default_mode="process")
+    if len(config.workers) == 1:
+        config = replace(config, worker_mode=args.worker_mode or "thread")
+    report = compare(config, items, a, b, burst=args.burst, interval_s=args.interval_ms / 1000, warm=warm,
+                     progress=lambda text: print(f"tokentop: {text}", file=sys.stderr, flush=True))
+    path = write_report(report, args.out)
+    print(json.dumps(report, indent=2, ensure_ascii=False) if args.json else format_report(report))
+    print(f"tokentop: report written to {path}", file=sys.stderr)
+    return 0
+
+
+def cmd_replay(args) -> int:
+    from engine.facade.snapshot_file import RecordingError, read_recording
+
+    try:
+        recording = read_recording(args.file, partial=args.partial)
+    except RecordingError as exc:
+        if exc.cut_short:   # what the engine calls a partial replay is this flag
+            raise RecordingError(f"{exc}: add --partial to play them") from None
+        raise
+    if args.trace:
+        from engine.facade.snapshot_trace import write_recording_trace
+        try:
+            path = write_recording_trace(recording, args.trace)
+        except OSError as exc:
+            raise TokentopError(f"--trace {args.trace}: cannot write it ({exc.strerror or exc})") from None
+        print(f"trace of {len(recording)} frames ({recording.duration:.1f} s) written to {path}", file=sys.stderr)
+        return 0
+    from app.replay import ReplayApp
+    ReplayApp(recording, speed=args.speed).run()
+    return 0
+
+
+def write_trace(engine) -> None:
+    """Headless `t`: the flight recorder's trace, and where it went (or why not), on stderr."""
+    try:
+        path = engine.export_trace()
+    except TokentopError as exc:
+        print(f"tokentop: error: {exc}", file=sys.stderr, flush=True)
+        return
+    engine.log("info", f"trace written to {path}")
+    print(f"tokentop: trace written to {path}", file=sys.stderr, flush=True)
+
+
 def cmd_serve(args) -> int:
     from engine.facade.engine import Engine
     from engine.serve.server import HttpServer
@@ -410,6 +542,7 @@ def cmd_serve(args) -> int:
     config = engine_config_from(args, default_mode="process")
     engine = Engine(config)
     http = HttpServer(engine, serve_config)                 # binds now: a busy port fails here
+    recorder = start_recording(engine, args.record)
     failed: list[str] = []
 
     def start_engine() -> None:
@@ -426,9 +559,16 @@ def cmd_serve(args) -> int:
           file=sys.stderr, flush=True)
     threading.Thread(target=start_engine, name="tokentop-start", daemon=True).start()
     signal.signal(signal.SIGTERM, lambda *_: setattr(http.server, "should_exit", True))
+    # kill -USR1: write the flight recorder, off the signal handler (it waits on the workers)
+    signal.signal(signal.SIGUSR1, lambda *_: threading.Thread(target=write_trace, args=(engine,),
+                                                              name="tokentop-trace", daemon=True).start())
     try:
         http.run()
     finally:
+        if args.trace_dir and engine.ready:   # what the last window held, as `generate --trace-dir` does
+            write_trace(engine)
+        if recorder is not None:
+            recorder.close()
         engine.shutdown()
     if failed:
         raise TokentopError(failed[0])

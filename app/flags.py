@@ -21,7 +21,8 @@ FIELD_FLAGS = {
     "ngram_max": "--ngram-max", "prefix_cache": "--prefix-cache", "single_flight": "--single-flight",
     # EngineConfig: its workers are the --device specs
     "workers": "--device", "router_policy": "--router-policy", "trace_dir": "--trace-dir",
-    "routing_log": "--routing-log", "worker_mode": "--worker-mode",
+    "routing_log": "--routing-log", "worker_mode": "--worker-mode", "trace_detail": "--trace-detail",
+    "trace_window_s": "--trace-window", "trace_memory": "--trace-memory",
     # ServeConfig: the server flags
     "host": "--host", "port": "--port", "api_key": "--api-key", "max_queue": "--max-queue",
     "max_body": "--max-body",

@@ -27,9 +27,10 @@ from textual.widgets import Footer
 from app.burst_runner import BurstRun, BurstSpec
 from app.bursts import default_prompts_dir, list_burst_files, load_burst
 from app.cli import (EXIT_USAGE, build_dashboard_parser, check_dashboard_server_flags, engine_config_from,
-                     serve_config_from)
+                     serve_config_from, start_recording)
 from app.flags import describe_error   # engine messages with their settings as flags
 from app.screens.burst import BurstDialog, DEFAULTS
+from app.screens.compare import CompareDialog, CompareResult, CompareSpec
 from app.screens.detail import RequestDetail
 from app.screens.help import HelpScreen
 from app.screens.prompt import PromptDialog
@@ -63,8 +64,13 @@ ACTIONS = (
                                                "(off, ngram, draft when a draft model is loaded)"),
     Binding("x,delete", "abort", "Abort", tooltip="Abort the request selected in the request table"),
     Binding("enter", "request_detail", "Detail", show=False, tooltip="Show the selected request in full"),
-    Binding("t", "export_trace", "Trace", tooltip="Write a Perfetto trace (turns tracing on if it is off)"),
-    Binding("T", "toggle_tracing", "Tracing", show=False, tooltip="Turn trace collection on or off"),
+    Binding("t", "export_trace", "Trace", tooltip="Write what the flight recorder kept (the last 120 s by "
+                                                  "default, every worker) as one Perfetto trace"),
+    Binding("T", "toggle_tracing", "Detail", show=False, tooltip="Switch trace detail: light (steps, counters, "
+                                                                 "routing, request lifecycles) or full (+ per-layer "
+                                                                 "scopes, NVTX on GPUs)"),
+    Binding("c", "compare", "Compare", show=False, tooltip="A/B compare: run a burst under settings A, then B, "
+                                                           "on fresh engines, and show both side by side"),
     Binding("d", "cycle_theme", "Theme", show=False, tooltip="Switch between the dark and light theme"),
     Binding("z", "zoom", "Zoom", show=False, tooltip="Zoom the focused panel to the full screen, or back"),
     Binding("question_mark", "help", "Help", tooltip="Show every key and what the panels mean"),
@@ -104,6 +110,7 @@ def run_dashboard(argv: list[str]) -> int:
         log = Path(platformdirs.user_log_dir("tokentop")) / "workers.log"
         app = TokentopApp(replace(config, worker_log=str(log)), startup_burst=burst)
         http = _start_http(app, args) if args.serve else None
+        recorder = start_recording(app.engine, args.record)
     except (TokentopError, OSError) as exc:
         print(f"tokentop: error: {describe_error(exc)}", file=sys.stderr)
         return EXIT_USAGE
@@ -112,6 +119,8 @@ def run_dashboard(argv: list[str]) -> int:
     finally:
         if http is not None:
             http.stop()
+        if recorder is not None:
+            recorder.close()
     app.wait_for_shutdown()
     return app.return_code or 0
 
@@ -162,6 +171,7 @@ class TokentopApp(App[int]):
         self._shutdown_thread: threading.Thread | None = None
         self._refresh_error: str | None = None
         self.serve_url: str | None = None      # set by --serve
+        self._compare: threading.Thread | None = None
 
     # --- layout -------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -285,7 +295,9 @@ class TokentopApp(App[int]):
         workers = snap.workers if snap else ()
         ready = sum(w.state == "ready" for w in workers)
         active = sum(r.state.live for r in snap.requests) if snap else 0
-        tracing = "[b $success]on[/]" if self.engine.tracing else "off"
+        # live: the engine's own (a key changes it before the next snapshot); else the picture's
+        detail = self.engine.recorder.detail if self.live or snap is None else snap.trace_detail
+        tracing = "[b $success]full[/]" if detail == "full" else detail
         parts = [(0, "[b $accent]tokentop[/]")]
         for run in self.bursts:
             parts.append((0, f"burst {run.name} {run.submitted}/{run.spec.count}"))
@@ -352,6 +364,44 @@ class TokentopApp(App[int]):
         self.bursts.append(BurstRun(self.engine, spec, items, name).start())
         self.notify(f"burst {name}: {spec.count} requests from {spec.path}, one every {spec.interval_ms} ms")
         self._show_status()
+
+    @reported
+    def action_compare(self) -> None:
+        if self._compare is not None and self._compare.is_alive():
+            self.notify("a compare is still running; its result shows when both sides are done",
+                        severity="warning")
+            return
+        files = list_burst_files(default_prompts_dir())
+        if not files:
+            self.notify(f"no burst files (*.jsonl) in {default_prompts_dir()}", severity="error")
+            return
+        self.push_screen(self._dialog("compare", lambda: CompareDialog(files)), self.start_compare)
+
+    @reported
+    def start_compare(self, spec: CompareSpec | None) -> None:
+        if spec is None:
+            return
+        items = load_burst(spec.path)
+        self._compare = threading.Thread(target=self._run_compare, args=(spec, items), name="tokentop-compare",
+                                         daemon=True)
+        self._compare.start()
+        self.notify(f"compare {spec.path.name}: side A, then side B, each on a fresh engine…")
+
+    def _run_compare(self, spec: CompareSpec, items) -> None:
+        from engine.facade.compare import compare, format_report, write_report
+        try:
+            report = compare(self.config, items, spec.a, spec.b, burst=str(spec.path),
+                             interval_s=spec.interval_ms / 1000,
+                             progress=lambda text: self.engine.log("info", f"compare {text}"))
+            path = write_report(report, None)
+        except Exception as exc:  # reported in the UI, whatever it is
+            self._notices.put(("error", f"compare failed: {describe_error(exc)}"))
+            return
+        self.engine.log("info", f"compare report written to {path}")
+        try:
+            self.call_from_thread(self.push_screen, CompareResult(format_report(report), path))
+        except RuntimeError:      # the dashboard was closed meanwhile: the report file stays
+            pass
 
     def action_prompt(self) -> None:
         self.push_screen(self._dialog("prompt", PromptDialog), self.submit_prompt)
@@ -425,19 +475,13 @@ class TokentopApp(App[int]):
     def action_toggle_tracing(self) -> None:
         self.engine.set_tracing(not self.engine.tracing)
         self._show_status()
-        self.notify(f"tracing {'on' if self.engine.tracing else 'off'}")
+        self.notify(f"trace detail: {self.engine.recorder.detail}")
 
     @reported
     def action_export_trace(self) -> None:
-        if not self.engine.tracing:
-            # Nothing was recorded yet: start recording now rather than write an empty trace.
-            self.engine.set_tracing(True)
-            self._show_status()
-            self.notify("tracing was off and is on now: let it run, then press t again to write the trace",
-                        severity="warning")
-            return
+        # the flight recorder has kept the last window all along: write it now
         threading.Thread(target=self._export_trace, name="tokentop-trace", daemon=True).start()
-        self.notify("exporting trace…")
+        self.notify("writing the trace…")
 
     def _export_trace(self) -> None:
         try:

@@ -182,6 +182,10 @@ class EngineConfig:
     routing_log: str | None = None
     worker_mode: str = "process"          # process | thread
     worker_log: str | None = None         # process mode: workers' stdout/stderr go here (dashboard)
+    # the flight recorder (engine/facade/recorder.py): what each worker and the facade keep for `t`
+    trace_detail: str = ""                # off | light | full; "" = full with trace_dir, else light
+    trace_window_s: float = 120.0         # the last this many seconds ...
+    trace_memory: int = 64 * 2**20        # ... or this many bytes per ring, whichever is smaller
 
 
 def parse_size(text: str) -> int:

@@ -32,13 +32,13 @@ class SetPolicy:
 
 
 @dataclass(frozen=True)
-class SetTracing:
-    enabled: bool
+class SetTraceDetail:
+    detail: str                   # off | light | full (engine/trace.py)
 
 
 @dataclass(frozen=True)
-class DrainTrace:
-    """Ask the worker to send its collected trace events."""
+class SendTrace:
+    """Ask the worker to send a copy of its trace ring (it keeps recording)."""
 
 
 @dataclass(frozen=True)

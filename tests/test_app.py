@@ -139,39 +139,78 @@ async def test_policy_keys_reach_the_engine(tiny_model, tmp_path):
                        "policy changes in the event log")
 
 
-async def test_trace_export_needs_tracing_then_writes_file(tiny_model, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)                   # without --trace-dir, traces go to ./traces
+async def test_t_writes_the_flight_recorder_with_every_request_of_the_burst(tiny_model, tmp_path, monkeypatch):
+    """Tracing was never switched on: the light ring has the burst anyway, and the first t
+    writes it (without --trace-dir, to ./traces)."""
+    from tests.trace_checks import check_chrome_trace
+    monkeypatch.chdir(tmp_path)
     traces = tmp_path / "traces"
     app = make_app(tiny_model, tmp_path)
     async with app.run_test(size=SIZE) as pilot:
         await wait_ready(pilot, app)
-        await pilot.press("T", "T")                      # on, off again
-        assert not app.engine.tracing and "trace off" in str(app._status.render())
-        await pilot.press("t")                           # off: t turns it on and writes nothing yet
-        assert ("warning", "tracing was off and is on now: let it run, then press t again to write "
-                           "the trace") in notices(app)
-        assert app.engine.tracing and "trace on" in str(app._status.render())
-        assert not traces.exists()
-        await fire_burst(pilot, app, count="2", interval="0", max_tokens="8")
-        await wait_for(pilot, lambda: len(app.last_snapshot.requests) == 2
+        assert not app.engine.tracing and "trace light" in str(app._status.render())
+        await fire_burst(pilot, app, count="4", interval="0", max_tokens="8")
+        await wait_for(pilot, lambda: len(app.last_snapshot.requests) == 4
                        and all(r.state == "finished" for r in app.last_snapshot.requests), "burst finished")
         await pilot.press("t")
         await wait_for(pilot, lambda: any(m.startswith("trace written to") for _, m in notices(app)),
                        "the trace path notification")
+        ids = {r.id for r in app.last_snapshot.requests}
     written = list(traces.glob("*.json"))
     assert len(written) == 1
     # the absolute path, not one relative to wherever tokentop was started
     assert ("information", f"trace written to {written[0].resolve()}") in notices(app)
-    events = json.loads(written[0].read_text())
-    events = events["traceEvents"] if isinstance(events, dict) else events
-    assert any(e.get("name") == "route" for e in events)
+    document = json.loads(written[0].read_text())
+    assert check_chrome_trace(document) == []
+    events = document["traceEvents"]
+    for rid in ids:
+        phases = [e["name"] for e in events if e["ph"] == "X" and e.get("args", {}).get("request") == rid]
+        assert phases[0] == "queued" and phases[-1] == "finished", (rid, phases)
+    assert {e["args"]["request"] for e in events if e.get("name") == "route"} == ids
+    assert {e["name"] for e in events if e["ph"] == "X"} >= {"engine step"}
 
 
-async def test_trace_dir_flag_turns_tracing_on(tiny_model, tmp_path):
+async def test_shift_t_switches_detail_and_the_trace_dir_flag_starts_full(tiny_model, tmp_path):
+    app = make_app(tiny_model, tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot, app)
+        await pilot.press("T")
+        assert app.engine.tracing and "trace full" in str(app._status.render())
+        assert ("information", "trace detail: full") in notices(app)
+        await pilot.press("T")
+        assert app.engine.recorder.detail == "light" and "trace light" in str(app._status.render())
     app = make_app(tiny_model, tmp_path, trace_dir=tmp_path / "t")
     async with app.run_test(size=SIZE) as pilot:
         await wait_ready(pilot, app)
-        assert app.engine.tracing and "trace on" in str(app._status.render())
+        assert app.engine.tracing and "trace full" in str(app._status.render())
+
+
+async def test_c_runs_an_ab_compare_and_shows_both_sides(tiny_model, tmp_path, monkeypatch):
+    from app.screens.compare import CompareDialog, CompareResult
+    from textual.widgets import Select
+    monkeypatch.chdir(tmp_path)                   # the JSON report lands here
+    app = make_app(tiny_model, tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot, app)
+        await pilot.press("c")
+        await wait_for(pilot, lambda: isinstance(app.screen, CompareDialog), "the compare dialog")
+        dialog = app.screen
+        files = {p.name: p for p in dialog.files}
+        dialog.query_one("#compare-file", Select).value = files["single_flight_2.jsonl"]
+        dialog.query_one("#compare-a").value = "nonsense"
+        await pilot.press("enter")
+        assert "write KEY=VALUE" in str(dialog.query_one("#compare-error").render())   # the dialog stays
+        dialog.query_one("#compare-a").value = "max-active=1"
+        dialog.query_one("#compare-b").value = "max-active=2 router-policy=round-robin"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: isinstance(app.screen, CompareResult), "the compare result", timeout=60)
+        text = app.screen.text
+        assert "A: max-active=1" in text and "B: max-active=2 router-policy=round-robin" in text
+        assert "TTFT p95" in text and "sf2-2" in text
+        await pilot.press("escape")
+        assert not isinstance(app.screen, CompareResult)
+    reports = list(tmp_path.glob("compare-*.json"))
+    assert len(reports) == 1 and json.loads(reports[0].read_text())["requests"] == 2
 
 
 async def test_abort_selected_request_and_detail(tiny_model, tmp_path):
@@ -578,7 +617,7 @@ async def test_dashboard_trace_has_lifecycles_preemptions_and_routing(tiny_model
     assert "decode" in phases                                   # it was decoding in the window
     assert any(e.get("ph") == "i" and e["name"] == "preempted" for e in events)
     routed = {e["args"]["request"] for e in events if e.get("ph") == "i" and e["name"] == "route"}
-    assert routed == {h.id for h in late}                       # routed while tracing was on
+    assert routed == {h.id for h in early + late}               # the light ring records routing too
     assert check_nesting(events) == []
 
 

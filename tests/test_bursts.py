@@ -13,7 +13,9 @@ from engine.errors import InvalidRequest
 from tests.fixtures.bounded import run_bounded
 
 SHIPPED = ("code_refactor.jsonl", "creative_scene.jsonl", "identical.jsonl", "mixed.jsonl",
-           "shared_document.jsonl")
+           "shared_document.jsonl", "single_flight_2.jsonl", "single_flight_4.jsonl", "single_flight_8.jsonl",
+           "spec_code_edit.jsonl", "spec_creative.jsonl", "warm_prefix_48.jsonl", "warm_prefix_8.jsonl",
+           "warm_prefix_seed.jsonl")
 
 
 def _write(tmp_path: Path, *lines: str, name: str = "b.jsonl") -> Path:
@@ -50,6 +52,27 @@ def test_shipped_files_fit_their_experiments():
     refactor = load_burst(directory / "code_refactor.jsonl")
     assert len(refactor) >= 3
     assert len({json.dumps(i.messages[:1]) for i in refactor}) == 1   # one shared system message
+
+
+def test_compare_bursts_fit_the_experiments_they_repeat():
+    """tokentop compare's files (sample_prompts/README.md): single flight with 2, 4 and 8
+    identical greedy requests; routing with a warm ~512-token prefix, 8 and 48 requests of one
+    prompt and exactly 128 tokens; speculation on a code edit (greedy) and a creative scene
+    (sampled, three seeds)."""
+    directory = default_prompts_dir()
+    for n in (2, 4, 8):
+        burst = load_burst(directory / f"single_flight_{n}.jsonl")
+        assert len(burst) == n and len({i.prompt for i in burst}) == 1 and all(i.params.greedy for i in burst)
+    seed, = load_burst(directory / "warm_prefix_seed.jsonl")
+    for n in (8, 48):
+        burst = load_burst(directory / f"warm_prefix_{n}.jsonl")
+        assert len(burst) == n and len({i.prompt for i in burst}) == 1
+        assert burst[0].prompt.startswith(seed.prompt) and len(burst[0].prompt) > len(seed.prompt)
+        assert all(i.params.max_tokens == 128 and i.params.ignore_eos for i in burst)
+    code, = load_burst(directory / "spec_code_edit.jsonl")
+    assert code.params.greedy and code.messages[0]["role"] == "system"
+    creative = load_burst(directory / "spec_creative.jsonl")
+    assert [i.params.seed for i in creative] == [1, 2, 3] and all(i.params.temperature == 0.7 for i in creative)
 
 
 def test_fields_become_sampling_params_and_ids_default_to_line(tmp_path):

@@ -20,7 +20,7 @@ def _engine_with_one_exited_worker():
     logs = []
     worker = WorkerSlot(0, SimpleNamespace(device="cpu", remote=False), queue.Queue(), _Exited(),
                         state=WorkerState.LOADING)
-    workers = WorkerSet([worker.cfg], worker_mode="thread", tracing=False, worker_log=None)
+    workers = WorkerSet([worker.cfg], worker_mode="thread", trace_settings=None, worker_log=None)
     workers.slots, workers.events = [worker], queue.Queue()
     engine = SimpleNamespace(workers=workers, lock=threading.RLock(), stopping=False, requests=RequestTable(),
                              log=lambda level, text: logs.append(text))
@@ -46,7 +46,7 @@ def test_a_silent_exit_is_still_reported():
 
 def _serving_process_slot():
     workers = WorkerSet([SimpleNamespace(device="cpu", remote=False, model="m")], worker_mode="process",
-                        tracing=False, worker_log=None)
+                        trace_settings=None, worker_log=None)
     workers._paths = {"m": "/models/m.gguf"}
     slot = WorkerSlot(0, workers.configs[0], queue.Queue(), _Exited(), state=WorkerState.READY,
                       info=msg.WorkerInfo(name="cpu", model="m", device="cpu"))

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
+import signal
 import time
 
 import httpx
@@ -383,3 +385,52 @@ def test_an_internal_fault_is_a_500_in_the_api_shape_and_logged(sim_server, monk
     r = httpx.post(http.url + "/v1/completions", json={"prompt": "hi"}, timeout=10)
     assert r.status_code == 500 and "tokenizer exploded" in r.json()["error"]["message"]
     assert any("tokenizer exploded" in line.text for line in engine.snapshot().log)
+
+
+# --- the flight recorder, headless ------------------------------------------------------------
+def test_post_trace_writes_the_flight_recorder_and_needs_the_key(tiny_model_path, tmp_path, monkeypatch):
+    from tests.trace_checks import check_chrome_trace
+    monkeypatch.chdir(tmp_path)                       # no --trace-dir: ./traces
+    with in_process_server(tiny_model_path("qwen2", context_length=2048), FAST, api_key="sesame") as (engine, http):
+        body = {"prompt": "traced request", "max_tokens": 4}
+        auth = {"Authorization": "Bearer sesame"}
+        model = http.api.model
+        r = httpx.post(http.url + "/v1/completions", json={"model": model, **body}, headers=auth, timeout=30)
+        assert r.status_code == 200, r.text
+        refused = httpx.post(http.url + "/trace", timeout=30)
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+        assert not (tmp_path / "traces").exists()
+        answer = httpx.post(http.url + "/trace", headers=auth, timeout=30)
+        assert answer.status_code == 200, answer.text
+        path = answer.json()["path"]
+        assert any(line.text == f"trace written to {path} (POST /trace)" for line in engine.snapshot().log)
+        ids = {r.id for r in engine.snapshot().requests}
+    assert path.startswith(str(tmp_path / "traces"))
+    document = json.load(open(path))
+    assert check_chrome_trace(document) == []
+    phases = [e["name"] for e in document["traceEvents"] if e["ph"] == "X" and e.get("args", {}).get("request") in ids]
+    assert phases[0] == "queued" and phases[-1] == "finished"
+
+
+def test_sigusr1_and_shutdown_write_the_trace(tiny_model_path, tmp_path):
+    from tests.serve_util import ServeProcess
+    model = tiny_model_path("qwen2", context_length=2048)
+    traces = tmp_path / "traces"
+    server = ServeProcess(["--model", str(model), "--worker-mode", "thread", "--trace-dir", str(traces),
+                           "--device", FAST[0]], timeout=60)
+    try:
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=30)
+        assert r.status_code == 200, r.text
+        os.kill(server.proc.pid, signal.SIGUSR1)
+        deadline = time.monotonic() + 20
+        while not any("trace written to" in line for line in server.lines) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert r.status_code == 200 and httpx.get(server.url + "/health", timeout=10).status_code == 200
+    finally:
+        server.stop()
+    written = [line.split("trace written to ", 1)[1].strip() for line in server.lines if "trace written to" in line]
+    assert len(written) == 2 and server.proc.returncode == 0, server.lines      # SIGUSR1, then on exit
+    for path in written:
+        events = json.load(open(path))["traceEvents"]
+        assert any(e["name"] == "engine step" for e in events)
+    assert sorted(os.listdir(traces)) == sorted(os.path.basename(p) for p in written)

@@ -14,6 +14,7 @@ import os
 import re
 import threading
 import time
+import tracemalloc
 
 import pytest
 
@@ -350,6 +351,159 @@ def test_check_nesting_reports_partial_overlap():
     problems = check_nesting(crossing)
     assert len(problems) == 1 and "'b'" in problems[0] and "'a'" in problems[0]
     assert check_nesting([x("a", 0.0, 10.0), x("b", 5.0, 10.0, tid=2)]) == []   # other track
+
+
+class FakeClock:
+    """perf_counter_ns for a simulated hour: advanced by hand, read by the tracer."""
+
+    def __init__(self) -> None:
+        self.ns = 10**12
+
+    def __call__(self) -> int:
+        return self.ns
+
+    def advance(self, seconds: float) -> None:
+        self.ns += int(seconds * 1e9)
+
+
+def simulated_worker_second(tracer: Tracer, clock: FakeClock, steps: int, first_request: int) -> None:
+    """One second of a busy worker at light detail: steps, counters, a routed request."""
+    for step in range(steps):
+        with tracer.span("engine step", step=step):
+            clock.advance(0.5 / steps)
+        tracer.counter("kv pages", used=100 + step, cached=7, free=400 - step)
+        tracer.counter("requests", running=8, waiting=step % 5)
+        clock.advance(0.5 / steps)
+    rid = f"r{first_request}"
+    tracer.instant("route", request=rid, chosen=1, policy="cost", reason="lowest estimated finish",
+                   scores={0: 0.61, 1: 0.42}, reuse={0: 0, 1: 32})
+    start = clock.ns - 900_000_000
+    tracer.request_lifecycle(rid, [("queued", start), ("prefill", start + 10**7), ("decode", start + 2 * 10**7)],
+                             ("finished", clock.ns), worker=1)
+
+
+def test_flight_recorder_keeps_the_last_window_through_an_hour(monkeypatch):
+    """An hour of fake time at 10 steps/s: the ring holds the last 120 s, no more, and the
+    memory Python holds for it stops growing once the window is full."""
+    clock = FakeClock()
+    monkeypatch.setattr(trace, "_now_ns", clock)
+    tracer = Tracer("worker 0 (sim:gpu0)", detail="light", window_s=120, max_bytes=64 * 2**20)
+    tracemalloc.start()
+    try:
+        held = {}
+        for second in range(3600):
+            simulated_worker_second(tracer, clock, 10, second)
+            if second % 600 == 599:
+                held[second // 60 + 1] = tracemalloc.get_traced_memory()[0]
+                assert tracer.ring_bytes <= 64 * 2**20
+                oldest = min(e["ts"] for e in tracer.ring() if e["ph"] != "M")
+                assert clock.ns / 1000 - oldest <= 121e6     # µs: nothing older than the window
+                assert clock.ns / 1000 - oldest >= 119e6     # and the whole window is there
+    finally:
+        tracemalloc.stop()
+    # 10 min in, the window has long been full: from then on memory stays flat
+    assert held[60] <= held[10] * 1.02 + 64 * 1024, held
+    assert tracer.drain()[-1]["name"] != "tokentop_dropped_events"   # only age pushed events out
+
+
+def test_flight_recorder_memory_stays_under_its_budget_through_an_hour(monkeypatch):
+    """A small budget (256 KiB) against an hour of events: the estimate never passes it, and
+    what CPython really allocates for the ring (tracemalloc) stays under it too."""
+    clock = FakeClock()
+    monkeypatch.setattr(trace, "_now_ns", clock)
+    budget = 256 * 1024
+    tracer = Tracer("engine", detail="light", window_s=120, max_bytes=budget)
+    simulated_worker_second(tracer, clock, 5, 0)     # the tracer's own fixed state, first
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for second in range(1, 3600):
+            simulated_worker_second(tracer, clock, 5, second)
+            assert tracer.ring_bytes <= budget
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown <= budget, f"the ring holds {grown} bytes for a {budget}-byte budget"
+    events = tracer.ring()
+    ring = next(e for e in events if e["name"] == "tokentop_ring")["args"]
+    assert ring["dropped_total"] > 0 and ring["max_bytes"] == budget
+    newest = max(e["ts"] for e in events if e["ph"] != "M")
+    assert newest == pytest.approx(clock.ns / 1000, abs=1e6)          # the newest events stay
+
+
+def test_record_size_estimate_is_an_upper_bound():
+    """record_bytes() against tracemalloc, for the records the engine makes most."""
+    def step(t, i):
+        with t.span("engine step", step=i):
+            pass
+    def counters(t, i):
+        t.counter("kv pages", used=1000 + i, cached=i, free=10**6 - i)
+    def deep(t, i):
+        with t.scope("qmatmul", op="attention-qkv", kernel="avx2"):
+            pass
+    def route(t, i):
+        t.instant("route", request=f"r{i}", chosen=1, policy="cost", reason="lowest estimated finish",
+                  scores={0: i * 0.001, 1: 0.5}, reuse={0: 0, 1: 16})
+    for record in (step, counters, deep, route):
+        tracer = Tracer("size", detail="full", window_s=None, max_bytes=None)
+        record(tracer, 0)
+        n = 5_000
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            for i in range(1, n + 1):
+                record(tracer, i)
+            real = (tracemalloc.get_traced_memory()[0] - before) / n
+        finally:
+            tracemalloc.stop()
+        estimated = tracer.ring_bytes / (n + 1)
+        assert real <= estimated, f"{record.__name__}: {real:.0f} bytes allocated, {estimated:.0f} estimated"
+
+
+def test_light_detail_records_spans_but_not_deep_scopes():
+    tracer = Tracer("worker 0 (cpu)", detail="light")
+    trace.set_tracer(tracer)
+    with tracer.span("engine step", step=1):
+        fake_forward(layers=1)
+    tracer.counter("kv pages", used=3)
+    names = [e["name"] for e in tracer.ring() if e["ph"] in "XC"]
+    assert names == ["engine step", "kv pages"] and not tracer.active
+    tracer.set_detail("full")
+    assert tracer.active
+    with tracer.span("engine step", step=2):
+        fake_forward(layers=1)
+    assert {"model", "layer", "qmatmul", "sampler"} <= {e["name"] for e in tracer.ring()}
+    tracer.set_detail("off")
+    with tracer.span("engine step", step=3):
+        pass
+    assert [e["args"]["step"] for e in tracer.ring() if e["name"] == "engine step"] == [1, 2]
+    with pytest.raises(ValueError, match="off, light, full"):
+        tracer.set_detail("verbose")
+
+
+def test_nvtx_when_full_follows_the_detail():
+    nvtx = RecordingNvtx(-1)
+    tracer = Tracer("worker cuda:0", detail="light", nvtx=nvtx, nvtx_when_full=True)
+    with tracer.scope("layer"):
+        pass
+    assert nvtx.calls == [] and not tracer.active
+    tracer.set_detail("full")
+    with tracer.span("engine step"):
+        with tracer.scope("layer"):
+            pass
+    assert nvtx.kinds() == ["push", "push", "pop", "pop"]
+
+
+def test_ring_copy_leaves_the_ring_and_spans_the_window(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(trace, "_now_ns", clock)
+    tracer = Tracer("engine", detail="light", window_s=10)
+    for i in range(30):
+        tracer.instant("tick", i=i)
+        clock.advance(1.0)
+    first, second = tracer.ring(), tracer.ring()
+    assert first == second
+    assert [e["args"]["i"] for e in first if e["name"] == "tick"] == list(range(20, 30))
 
 
 def _benchmark(n: int = 200_000) -> None:

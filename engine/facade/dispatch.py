@@ -138,7 +138,7 @@ class Dispatcher:
         elif isinstance(event, msg.WorkerDead):
             self._on_dead(event)
         elif isinstance(event, msg.TraceEvents):
-            self.engine.traces.received(event)
+            self.engine.recorder.on_ring(event)
 
     def on_step(self, event: msg.StepEvents) -> None:
         deliveries = []
@@ -187,9 +187,7 @@ class Dispatcher:
             for rid in event.preempted:
                 self.engine.event_log.repeated(("preempted", event.worker, rid), "warning",
                                                f"{rid} preempted{{times}} on worker {event.worker} (will recompute)")
-                tracer = self.engine.tracer
-                if tracer is not None and tracer.enabled:
-                    tracer.instant("preempted", request=rid, worker=event.worker)
+                self.engine.recorder.tracer.instant("preempted", request=rid, worker=event.worker)
         for rid, d in deliveries:
             if rid is None:
                 self.engine.notify("finished", d)

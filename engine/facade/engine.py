@@ -31,9 +31,9 @@ from engine.facade.event_log import EventLog
 from engine.facade.remote_lengths import RemotePromptLengths
 from engine.facade.snapshot import EngineSnapshot
 from engine.facade.snapshot_builder import SnapshotBuilder, request_view
-from engine.facade.trace_export import TraceExport
+from engine.facade.recorder import FlightRecorder
 from engine.facade.workers import WorkerSet, WorkerSlot, WorkerState
-from engine.trace import Tracer, check_trace_dir
+from engine.trace import check_trace_dir
 
 # how long start() waits for the workers: longer than the kernels' build time-out (600 s), so a
 # worker whose build times out falls back to torch matmuls and still serves
@@ -66,26 +66,23 @@ class Engine:
         self.requests = RequestTable()
         self.routes: deque[RouteDecision] = deque(maxlen=ROUTES_KEPT)
         self.event_log = EventLog()
-        self.tracing = bool(config.trace_dir)
-        self.workers = WorkerSet(config.workers, worker_mode=config.worker_mode, tracing=self.tracing,
-                                 worker_log=config.worker_log)
+        self._observers: list[Callable[[str, object], None]] = []
+        self.recorder = FlightRecorder(self)   # the trace ring and `t` (engine/facade/recorder.py)
+        self.workers = WorkerSet(config.workers, worker_mode=config.worker_mode,
+                                 trace_settings=self.recorder.worker_settings, worker_log=config.worker_log)
         self.dispatcher = Dispatcher(self)
         self._dispatch_started = False
         self.stopping = False
-        self.traces = TraceExport(self.lock, self.tracing)
         self.tokenizer = None
         self._routing_log = _open_routing_log(config.routing_log) if config.routing_log else None
-        self.tracer: Tracer | None = None
         self._started_at: float | None = None
         self._views = SnapshotBuilder()
-        self._observers: list[Callable[[str, object], None]] = []
         self._remote_lengths = RemotePromptLengths(self)
 
     # --- lifecycle ----------------------------------------------------------------------
     def start(self, wait: bool = True, timeout: float = READY_TIMEOUT_S) -> "Engine":
         if self.config.trace_dir:   # before any work: not a crash once the work is done
             check_trace_dir(self.config.trace_dir)
-        self.tracer = Tracer("engine", enabled=self.tracing)
         self._started_at = time.monotonic()
         paths = {}
         for cfg in self.config.workers:
@@ -207,16 +204,12 @@ class Engine:
         return handle
 
     def record_route(self, decision: RouteDecision) -> None:
-        """Keep a routing decision for the snapshot, the routing log and the trace. Lock held."""
+        """Keep a routing decision for the snapshot and the routing log (the flight recorder
+        traces it from notify("route")). Lock held."""
         self.routes.append(decision)
         if self._routing_log:
             self._routing_log.write(json.dumps(decision.to_json()) + "\n")
             self._routing_log.flush()
-        if self.tracer is not None and self.tracer.enabled:
-            self.tracer.instant("route", request=decision.request_id, chosen=decision.chosen,
-                                policy=decision.policy, reason=decision.reason,
-                                scores={c.worker: round(c.score, 4) for c in decision.candidates},
-                                reuse={c.worker: c.cached_tokens for c in decision.candidates})
 
     @staticmethod
     def send_to(slot: WorkerSlot, rec: RequestRecord, arrival: float) -> None:
@@ -322,20 +315,19 @@ class Engine:
             uptime = now - self._started_at if self._started_at is not None else 0.0
             routes = tuple(self.routes)
         return EngineSnapshot(time.time(), workers, reqs, routes, self.router.policy,
-                              self.event_log.lines(), self.tracing, uptime)
+                              self.event_log.lines(), self.tracing, uptime,
+                              trace_detail=self.recorder.detail)
 
-    # --- traces -------------------------------------------------------------------------
+    # --- traces (engine/facade/recorder.py) ------------------------------------------------
+    @property
+    def tracing(self) -> bool:
+        """Full trace detail on (per-layer scopes); the light ring records regardless."""
+        return self.recorder.detail == "full"
+
     def set_tracing(self, enabled: bool) -> None:
-        if enabled and not self.tracing:
-            self.traces.tracing_turned_on()
-        self.tracing = self.workers.tracing = enabled   # a respawned worker starts as the rest
-        if self.tracer is not None:
-            self.tracer.set_enabled(enabled)
-        for w in self.workers.ready():
-            w.send(msg.SetTracing(enabled))
+        self.recorder.set_full(enabled)
 
-    def export_trace(self, path: str | Path | None = None, timeout: float = 5.0) -> str:
-        """Collect every worker's trace events plus the facade's and write one Chrome JSON file;
-        return its absolute path. A write error is a one-line TokentopError; nothing else is lost."""
-        target = path or self.config.trace_dir or "traces"
-        return self.traces.export(target, list(self.workers), self.requests, self.tracer, timeout)
+    def export_trace(self, path: str | Path | None = None, timeout: float = 10.0) -> str:
+        """The flight recorder's last window, every worker's ring and the facade's, as one
+        Chrome JSON file; its absolute path. A write error is a one-line TokentopError."""
+        return self.recorder.export(path, timeout)

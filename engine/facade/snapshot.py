@@ -136,3 +136,4 @@ class EngineSnapshot:
     log: tuple[LogLine, ...]
     tracing: bool
     uptime: float = 0.0                # seconds since the engine started
+    trace_detail: str = "light"        # what the flight recorder records: off | light | full

@@ -18,7 +18,7 @@ from enum import StrEnum
 
 from engine import messages as msg
 from engine.config import WorkerConfig
-from engine.trace import Tracer, set_tracer
+from engine.trace import set_tracer
 
 HISTORY = 60          # samples of tok/s kept per worker for sparklines
 HIT_WINDOW = 150      # WorkerStats samples (~30 s at 5 Hz) behind a worker's prefix hit rate
@@ -86,10 +86,10 @@ class WorkerSlot:
 class WorkerSet:
     """Every worker of one engine. Its lists are guarded by the engine's lock."""
 
-    def __init__(self, configs, *, worker_mode: str, tracing: bool, worker_log: str | None):
+    def __init__(self, configs, *, worker_mode: str, trace_settings, worker_log: str | None):
         self.configs = tuple(configs)
         self.worker_mode = worker_mode
-        self.tracing = tracing
+        self.trace_settings = trace_settings   # () -> engine.trace.TraceSettings a worker starts with
         self.worker_log = worker_log
         self.slots: list[WorkerSlot] = []
         self.events = None
@@ -132,10 +132,10 @@ class WorkerSet:
             commands = self._ctx.Queue()
             return commands, self._ctx.Process(target=worker_entry, name=f"tokentop-worker-{i}",
                                                args=(i, cfg, path, commands, self.events,
-                                                     self.tracing, self.worker_log), daemon=True)
+                                                     self.trace_settings(), self.worker_log), daemon=True)
         commands = queue.Queue()
         return commands, threading.Thread(target=worker_entry, name=f"tokentop-worker-{i}",
-                                          args=(i, cfg, path, commands, self.events, self.tracing),
+                                          args=(i, cfg, path, commands, self.events, self.trace_settings()),
                                           daemon=True)
 
     # --- deaths and respawns ------------------------------------------------------------
@@ -195,7 +195,7 @@ class WorkerSet:
                     w.process.terminate()
 
 
-def worker_entry(index, cfg, model_path, commands, events, tracing, log_path=None) -> None:
+def worker_entry(index, cfg, model_path, commands, events, trace_settings, log_path=None) -> None:
     """The target of a local worker's process (or thread)."""
     from engine.worker.loop import worker_main   # imports torch: see engine/__init__.py
 
@@ -206,8 +206,9 @@ def worker_entry(index, cfg, model_path, commands, events, tracing, log_path=Non
         os.dup2(fd, 2)
         os.close(fd)
 
-    # NVTX ranges for Nsight on CUDA workers; the Chrome trace is separate and off by default
-    tracer = Tracer(f"worker {index} ({cfg.device})", enabled=tracing, nvtx=cfg.device.startswith("cuda"))
+    # the worker's flight recorder; on CUDA workers full detail adds NVTX ranges for Nsight
+    tracer = trace_settings.tracer(f"worker {index} ({cfg.device})", nvtx=cfg.device.startswith("cuda"),
+                                   nvtx_when_full=True)
     set_tracer(tracer)
     tracer.set_thread_name("worker loop")
     worker_main(index, cfg, model_path, commands, events)

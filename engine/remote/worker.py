@@ -151,7 +151,7 @@ class RemoteWorker:
                 task.cancel()         # closes the stream: the server aborts it too
         elif isinstance(cmd, msg.Stop):
             self.stopping = True
-        elif isinstance(cmd, msg.DrainTrace):
+        elif isinstance(cmd, msg.SendTrace):
             self.emit(msg.TraceEvents(self.index, []))
 
     # --- health ---------------------------------------------------------------------------

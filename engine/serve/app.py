@@ -55,6 +55,7 @@ class OpenAIServer:
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
+            Route("/trace", self.write_trace, methods=["POST"]),
         ], exception_handlers={404: self._not_found, 405: self._not_allowed, Exception: self._internal})
 
     # --- small endpoints ----------------------------------------------------------------
@@ -68,6 +69,21 @@ class OpenAIServer:
 
     async def prometheus(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+    async def write_trace(self, request: Request) -> Response:
+        """POST /trace: write the flight recorder's last window (every worker's ring) as a
+        Perfetto trace in the server's --trace-dir (default ./traces); {"path": where}. Needs
+        the API key when one is set: the file lands on the server's disk."""
+        try:
+            self._auth(request)
+            try:
+                path = await asyncio.to_thread(self.engine.export_trace)
+            except TokentopError as exc:
+                raise P.ApiError(500, str(exc), type="server_error", code="trace_not_written") from None
+        except P.ApiError as exc:
+            return self._error(exc)
+        self.engine.log("info", f"trace written to {path} (POST /trace)")
+        return JSONResponse({"path": path})
 
     async def models(self, request: Request) -> Response:
         try:
@@ -112,7 +128,7 @@ class OpenAIServer:
     async def _not_found(self, request: Request, exc) -> Response:
         return self._error(P.ApiError(404, f"no route {request.url.path}; this server offers POST "
                                            "/v1/completions, POST /v1/chat/completions, GET /v1/models, "
-                                           "POST /tokenize, GET /health and GET /metrics", code="not_found"))
+                                           "POST /tokenize, GET /health, GET /metrics and POST /trace", code="not_found"))
 
     async def _internal(self, request: Request, exc: Exception) -> Response:
         # a bug here must still answer in the API's shape, and show in the engine's log

@@ -122,7 +122,7 @@ class SpecController:
         runner.start_sequence(seq)
         seq.spec = SeqSpec("ngram", FixedK(0))
         try:
-            with get_tracer().scope("spec calibration"):
+            with get_tracer().span("spec calibration"):
                 blocks.grow(seq, n)
                 runner.execute(StepPlan([ScheduledSeq(seq, n, True)], []), blocks)
                 seq.num_computed, seq.output_ids = n, [prompt[-1]]

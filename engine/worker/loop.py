@@ -178,10 +178,10 @@ class Worker:
                 self._end([(seq, "abort", None)])
         elif isinstance(cmd, msg.SetPolicy):
             self.scheduler.set_policy(cmd.policy)
-        elif isinstance(cmd, msg.SetTracing):
-            self.runner.set_tracing(cmd.enabled)
-        elif isinstance(cmd, msg.DrainTrace):
-            self.emit(msg.TraceEvents(self.index, self.runner.drain_trace()))
+        elif isinstance(cmd, msg.SetTraceDetail):
+            self.runner.set_trace_detail(cmd.detail)
+        elif isinstance(cmd, msg.SendTrace):
+            self.emit(msg.TraceEvents(self.index, self.runner.trace_ring()))
         elif isinstance(cmd, msg.Stop):
             self.stopping = True
 
@@ -209,7 +209,7 @@ class Worker:
     # --- one step ---------------------------------------------------------------------
     def step(self) -> None:
         tracer = get_tracer()
-        with tracer.scope("engine step", step=self.steps):
+        with tracer.span("engine step", step=self.steps):
             self._step(tracer)
         if tracer.enabled:
             tracer.counter("kv pages", used=self.pool.num_used, cached=self.pool.num_cached,
@@ -219,7 +219,7 @@ class Worker:
             tracer.counter("tokens in step", tokens=self.last_step_tokens)
 
     def _step(self, tracer) -> None:
-        with tracer.scope("scheduler decision"):
+        with tracer.span("scheduler decision"):
             if self.spec is not None:
                 self.spec.prepare(self.scheduler)
             plan = self.scheduler.schedule()
@@ -228,7 +228,7 @@ class Worker:
             return
         try:
             speculating = plan.num_draft > 0
-            with tracer.scope("spec", drafts=plan.num_draft) if speculating else nullcontext():
+            with tracer.span("spec", drafts=plan.num_draft) if speculating else nullcontext():
                 if speculating:
                     self.spec.propose(plan, self.blocks)
                 t0 = time.perf_counter()

@@ -71,11 +71,11 @@ class ModelRunner(Runner):
                                    deterministic=cfg.deterministic, device=cfg.device)
         with _one_thread_while_dequantizing(cfg.device):
             self.model = Decoder.from_gguf(gf, self.policy)
-        with get_tracer().scope("selfcheck", model=cfg.model):
+        with get_tracer().span("selfcheck", model=cfg.model):
             check_linears(self.model)   # refuses a layout this CPU computes wrongly
         self.draft = None   # speculative decoding's draft model, on this worker (engine/speculative/draft.py)
         if cfg.draft_model:
-            with get_tracer().scope("load draft", model=cfg.draft_model):
+            with get_tracer().span("load draft", model=cfg.draft_model):
                 self.draft = DraftModel(cfg, str(resolve_model(cfg.draft_model)), self.policy,
                                         self.tokenizer, gf.config.vocab_size)
         self.model_context = gf.config.context_length
@@ -96,7 +96,7 @@ class ModelRunner(Runner):
         the first; it replaces the torch-fallback model between two steps. The KV store and every
         sequence stay as they are: both models read and write the same K/V layout. A draft
         model keeps the form it was built with. Returns the new kernel label."""
-        with get_tracer().scope("switch to kernels", model=self.cfg.model):
+        with get_tracer().span("switch to kernels", model=self.cfg.model):
             model = Decoder.from_gguf(load_gguf(self.model_path), self.policy)
             check_linears(model)
         self.model = model
@@ -120,13 +120,13 @@ class ModelRunner(Runner):
         """A SampledToken per sampling sequence, a spec Verdict per verifying one; or its error."""
         batch, samplers, sample_ids, verifies = self.build_batch(plan, blocks)
         if verifies:
-            with get_tracer().scope("verify", requests=len(verifies), tokens=batch.num_tokens):
+            with get_tracer().span("verify", requests=len(verifies), tokens=batch.num_tokens):
                 logits = self.model(batch, self.kv)
         else:
             logits = self.model(batch, self.kv)
         sampled, errors = {}, {}
         if sample_ids:
-            with get_tracer().scope("sampler", rows=len(samplers)):
+            with get_tracer().span("sampler", rows=len(samplers)):
                 result = sample(logits[:len(sample_ids)], samplers)
             for row in range(len(sample_ids)):
                 seq_id = sample_ids[row]
@@ -136,7 +136,7 @@ class ModelRunner(Runner):
                 top = result.top_logprobs[row] if result.top_logprobs else ()
                 sampled[seq_id] = SampledToken(int(result.tokens[row]), float(result.logprobs[row]), top)
         if verifies:
-            with get_tracer().scope("spec accept", requests=len(verifies)):
+            with get_tracer().span("spec accept", requests=len(verifies)):
                 for seq, first, n in verifies:
                     try:
                         sampled[seq.id] = verify(

@@ -31,8 +31,8 @@ class Runner(Protocol):
         """Run one step of the scheduler's plan; a token per sequence that samples."""
 
     # tracing goes through the thread's tracer, the same for every runner
-    def set_tracing(self, enabled: bool) -> None:
-        get_tracer().set_enabled(enabled)
+    def set_trace_detail(self, detail: str) -> None:
+        get_tracer().set_detail(detail)
 
-    def drain_trace(self) -> list:
-        return get_tracer().drain()
+    def trace_ring(self) -> list:
+        return get_tracer().ring()

@@ -1,0 +1,326 @@
+"""A/B compare: one burst under setting A, then under setting B, side by side (`tokentop compare`).
+
+Each side gets a fresh engine (so fresh prefix caches), the same requests in the same order at
+the same offsets from the burst's start, and the same seeds (a request without one gets the
+same seed on both sides). Settings are the engine flags that change how a burst is served:
+
+    policy=fcfs|spf                  scheduler policy           router-policy=POLICY
+    prefix-cache=on|off              single-flight=off|after-prefill|at-completion
+    speculate=off|ngram|draft        spec-k=N|adaptive:...      spec-tv-budget=D
+    max-active=N                     worker=N (every request to worker N: a forced baseline)
+
+The report has TTFT, ITL and end-to-end latency (p50 / p95 / p99), aggregate output tok/s and
+the completion time of the whole burst, each request's figures on both sides, and, where both
+sides ran greedy requests on real (not simulated) workers, whether the outputs were identical.
+
+Requests are given as objects with `id`, `prompt`, `messages` and `params` (app/bursts.py's
+BurstItem), so the engine does not read burst files itself.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Protocol
+
+from engine.config import (PREFIX_CACHE, ROUTER_POLICIES, SCHED_POLICIES, SINGLE_FLIGHT, SPEC_MODES,
+                           EngineConfig, SamplingParams, check_router_policy)
+from engine.errors import ConfigError, TokentopError
+from engine.pacing import paced
+from engine.stats import percentile
+
+REQUEST_TIMEOUT_S = 1800.0
+SEED_BASE = 1000          # the seed of the i-th request that names none: SEED_BASE + i, on both sides
+
+
+class BurstRequest(Protocol):
+    id: str
+    prompt: str | None
+    messages: list[dict] | None
+    params: SamplingParams
+
+
+def _choice(options: tuple[str, ...]) -> Callable[[str], str]:
+    def check(value: str) -> str:
+        if value not in options:
+            raise ValueError(f"one of {', '.join(options)}")
+        return value
+    return check
+
+
+def _whole(value: str, least: int, what: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = least - 1
+    if n < least:
+        raise ValueError(what)
+    return n
+
+
+def _count(value: str) -> int:
+    return _whole(value, 1, "a whole number of at least 1")
+
+
+def _index(value: str) -> int:
+    return _whole(value, 0, "a worker index (0 for the first `device`)")
+
+
+def _number(value: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError("a number, e.g. 0.5") from None
+
+
+# key -> (what it changes: "worker" field / "engine" field / "force", field name, parser)
+SETTINGS: dict[str, tuple[str, str, Callable[[str], Any]]] = {
+    "policy": ("worker", "policy", _choice(SCHED_POLICIES)),
+    "router-policy": ("engine", "router_policy", _choice(ROUTER_POLICIES)),
+    "prefix-cache": ("worker", "prefix_cache", _choice(PREFIX_CACHE)),
+    "single-flight": ("worker", "single_flight", _choice(SINGLE_FLIGHT)),
+    "speculate": ("worker", "speculate", _choice(SPEC_MODES)),
+    "spec-k": ("worker", "spec_k", str),
+    "spec-tv-budget": ("worker", "spec_tv_budget", _number),
+    "max-active": ("worker", "max_active", _count),
+    "worker": ("force", "worker", _index),
+}
+
+
+def parse_settings(pairs: list[str], flag: str) -> dict[str, Any]:
+    """["policy=spf", "max-active=4"] -> {"policy": "spf", "max-active": 4}; a bad one is one line."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not key:
+            raise ConfigError(f"{flag} {pair!r}: write KEY=VALUE, e.g. {flag} single-flight=off")
+        if key not in SETTINGS:
+            raise ConfigError(f"{flag} {pair!r}: no setting {key!r}; settings: {', '.join(SETTINGS)}")
+        try:
+            out[key] = SETTINGS[key][2](value)
+        except ValueError as exc:
+            raise ConfigError(f"{flag} {pair!r}: {key} takes {exc}") from None
+    return out
+
+
+def configure(config: EngineConfig, settings: dict[str, Any]) -> tuple[EngineConfig, int | None]:
+    """The engine config for one side, and the worker every request is forced to (None: routed)."""
+    workers, engine_fields, force = config.workers, {}, None
+    for key, value in settings.items():
+        kind, name, _ = SETTINGS[key]
+        if kind == "worker":
+            workers = tuple(replace(w, **{name: value}) for w in workers)
+        elif kind == "engine":
+            engine_fields[name] = value
+        else:
+            force = value
+    if force is not None and force >= len(workers):
+        raise ConfigError(f"worker={force}: there are {len(workers)} workers (0..{len(workers) - 1}, "
+                          "in `device` order)")
+    for w in workers:
+        w.validate()
+    config = replace(config, workers=workers, **engine_fields)
+    check_router_policy(config.router_policy)
+    return config, force
+
+
+def label(settings: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v}" for k, v in settings.items()) or "(the flags as given)"
+
+
+@dataclass
+class RequestOutcome:
+    id: str
+    worker: int | None
+    finish_reason: str
+    error: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    ttft: float | None
+    itl_mean: float | None
+    e2e: float | None
+    greedy: bool
+    token_ids: list[int] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "token_ids"}
+
+
+@dataclass
+class SideResult:
+    name: str
+    settings: dict[str, Any]
+    requests: list[RequestOutcome]
+    completion_s: float
+    workers: list[dict]
+
+    def summary(self) -> dict:
+        ok = [r for r in self.requests if r.finish_reason in ("stop", "length")]
+        out: dict[str, Any] = {"requests": len(self.requests), "ok": len(ok),
+                               "failed": sum(r.finish_reason == "error" for r in self.requests),
+                               "completion_s": round(self.completion_s, 4),
+                               "output_tokens": sum(r.output_tokens for r in self.requests),
+                               "aggregate_tok_s": round(sum(r.output_tokens for r in self.requests)
+                                                        / self.completion_s, 2) if self.completion_s else None}
+        for metric in ("ttft", "itl_mean", "e2e"):
+            values = [getattr(r, metric) for r in ok]
+            for q in (50, 95, 99):
+                v = percentile(values, q)
+                out[f"{metric}_p{q}"] = round(v, 5) if v is not None else None
+        per_worker: dict[str, int] = {}
+        for r in self.requests:
+            per_worker[str(r.worker)] = per_worker.get(str(r.worker), 0) + 1
+        out["requests_per_worker"] = per_worker
+        return out
+
+
+def seeded(items: list[BurstRequest]) -> list[SamplingParams]:
+    """Each request's params with a seed: its own, or SEED_BASE + its index (both sides alike)."""
+    return [item.params if item.params.seed is not None else replace(item.params, seed=SEED_BASE + i)
+            for i, item in enumerate(items)]
+
+
+def run_side(name: str, config: EngineConfig, settings: dict[str, Any], items: list[BurstRequest], *,
+             interval_s: float = 0.0, warm: list[BurstRequest] = (), timeout: float = REQUEST_TIMEOUT_S,
+             progress: Callable[[str], None] | None = None) -> SideResult:
+    """Start a fresh engine with `settings`, warm each worker with `warm` (not measured), fire
+    the burst at `interval_s`, wait for every request, shut the engine down."""
+    from engine.facade.engine import Engine
+
+    side_config, force = configure(config, settings)
+    say = progress or (lambda text: None)
+    say(f"{name}: starting the engine ({label(settings)})")
+    engine = Engine(side_config).start()
+    try:
+        snap = engine.snapshot()
+        ready = [w.index for w in snap.workers if w.state == "ready"]
+        if force is not None and force not in ready:
+            raise TokentopError(f"worker={force}: that worker did not start")
+        for item in warm:                       # every worker's prefix cache gets the warm-up
+            for w in ready:
+                engine.submit(item.prompt, messages=item.messages, params=item.params, worker=w,
+                              burst=f"{name} warm-up").result(timeout)
+        params = seeded(items)
+        say(f"{name}: {len(items)} requests" + (f", one every {interval_s * 1000:.0f} ms" if interval_s else ""))
+        handles = []
+        for i in paced(len(items), interval_s):
+            item = items[i]
+            handles.append((time.monotonic(), engine.submit(item.prompt, messages=item.messages, params=params[i],
+                                                            worker=force, burst=f"compare {name}")))
+        outcomes, ends = [], []
+        for (submitted, handle), item, p in zip(handles, items, params):
+            r = handle.result(timeout)
+            m = r.metrics
+            ends.append(submitted + (m.e2e if m else 0.0))
+            outcomes.append(RequestOutcome(
+                id=item.id, worker=r.worker, finish_reason=r.finish_reason, error=r.error,
+                prompt_tokens=len(r.prompt_token_ids), cached_tokens=m.cached_tokens if m else 0,
+                output_tokens=len(r.token_ids), ttft=m.ttft if m else None, itl_mean=m.itl_mean if m else None,
+                e2e=m.e2e if m else None, greedy=p.temperature == 0.0, token_ids=list(r.token_ids)))
+        completion = max(ends) - handles[0][0] if handles else 0.0
+        workers = [{"index": w.index, "name": w.name, "device": w.device, "simulated": w.simulated,
+                    "state": w.state} for w in engine.snapshot().workers]
+    finally:
+        engine.shutdown()
+    return SideResult(name, settings, outcomes, completion, workers)
+
+
+def compare_outputs(a: SideResult, b: SideResult) -> dict:
+    """Whether greedy outputs matched, where the question means something."""
+    if any(w["simulated"] for w in a.workers + b.workers):
+        return {"compared": False, "why": "simulated workers produce placeholder text"}
+    pairs = [(x, y) for x, y in zip(a.requests, b.requests) if x.greedy and y.greedy
+             and x.finish_reason != "error" and y.finish_reason != "error"]
+    if not pairs:
+        return {"compared": False, "why": "no request was greedy (temperature 0) on both sides"}
+    differing = [x.id for x, y in pairs if x.token_ids != y.token_ids]
+    return {"compared": True, "greedy_requests": len(pairs), "identical": not differing, "differing": differing}
+
+
+def compare(config: EngineConfig, items: list[BurstRequest], a: dict[str, Any], b: dict[str, Any], *,
+            burst: str = "", interval_s: float = 0.0, warm: list[BurstRequest] = (),
+            timeout: float = REQUEST_TIMEOUT_S, progress: Callable[[str], None] | None = None) -> dict:
+    """Run the burst under A, then under B; the report (plain JSON)."""
+    if not items:
+        raise ConfigError("the burst has no requests")
+    configure(config, a)                       # both sides' settings checked before either runs
+    configure(config, b)
+    sides = [run_side(name, config, settings, items, interval_s=interval_s, warm=warm, timeout=timeout,
+                      progress=progress) for name, settings in (("A", a), ("B", b))]
+    summaries = [s.summary() for s in sides]
+    ratios = {}
+    for key, value in summaries[0].items():
+        other = summaries[1][key]
+        if isinstance(value, (int, float)) and isinstance(other, (int, float)) and value and key != "requests":
+            ratios[key] = round(other / value, 4)
+    return {
+        "burst": burst, "requests": len(items), "interval_ms": round(interval_s * 1000),
+        "warm_up_requests": len(warm), "workers": sides[0].workers,
+        "a": {"settings": a, "label": label(a), "summary": summaries[0],
+              "requests": [r.to_json() for r in sides[0].requests]},
+        "b": {"settings": b, "label": label(b), "summary": summaries[1],
+              "requests": [r.to_json() for r in sides[1].requests]},
+        "b_over_a": ratios,
+        "outputs": compare_outputs(*sides),
+    }
+
+
+# --- the side-by-side text -------------------------------------------------------------------
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1000:.0f} ms" if v < 10 else f"{v:.1f} s"
+
+
+def _cell(r: dict) -> str:
+    return f"w{r['worker']} {_ms(r['ttft'])} {_ms(r['e2e'])} {r['output_tokens']} tok {r['finish_reason']}"
+
+
+def format_report(report: dict) -> str:
+    a, b = report["a"], report["b"]
+    sa, sb = a["summary"], b["summary"]
+    cells = [_cell(r) for r in a["requests"] + b["requests"]]
+    width = max([24, len(a["label"]) + 5, len(b["label"]) + 5] + [len(c) + 2 for c in cells])
+    lines = [f"{report['burst'] or 'burst'}: {report['requests']} requests"
+             + (f", one every {report['interval_ms']} ms" if report["interval_ms"] else ", all at once")
+             + (f", after {report['warm_up_requests']} warm-up request(s) per worker" if report["warm_up_requests"] else ""),
+             "workers: " + ", ".join(f"{w['index']} {w['name']}" + (" (simulated)" if w["simulated"] else "")
+                                     for w in report["workers"]),
+             "",
+             f"{'':18}{'A: ' + a['label']:<{width}}{'B: ' + b['label']:<{width}}B/A"]
+
+    def row(title: str, key: str, fmt: Callable[[Any], str]) -> None:
+        ratio = report["b_over_a"].get(key)
+        lines.append(f"{title:18}{fmt(sa.get(key)):<{width}}{fmt(sb.get(key)):<{width}}"
+                     + (f"{ratio:.3f}" if ratio is not None else "-"))
+
+    for metric, title in (("ttft", "TTFT"), ("itl_mean", "ITL"), ("e2e", "end-to-end")):
+        for q in (50, 95, 99):
+            row(f"{title} p{q}", f"{metric}_p{q}", _ms)
+    row("aggregate tok/s", "aggregate_tok_s", lambda v: "-" if v is None else f"{v:.1f}")
+    row("completion", "completion_s", _ms)
+    row("requests ok", "ok", lambda v: f"{v} of {report['requests']}")
+    lines += ["", f"{'request':18}{'A: worker TTFT e2e out end':<{width}}{'B: worker TTFT e2e out end':<{width}}"]
+    for ra, rb in zip(a["requests"], b["requests"]):
+        lines.append(f"{ra['id'][:17]:18}{_cell(ra):<{width}}{_cell(rb):<{width}}".rstrip())
+    outputs = report["outputs"]
+    if outputs["compared"]:
+        lines.append("")
+        lines.append(f"outputs: identical on all {outputs['greedy_requests']} greedy requests" if outputs["identical"]
+                     else f"outputs: {len(outputs['differing'])} of {outputs['greedy_requests']} greedy requests differ: "
+                          + ", ".join(outputs["differing"][:8]))
+    else:
+        lines += ["", f"outputs: not compared ({outputs['why']})"]
+    return "\n".join(lines)
+
+
+def write_report(report: dict, path: str | os.PathLike | None) -> str:
+    """The JSON report at `path`, or compare-YYYYmmdd-HHMMSS.json here; its absolute path."""
+    if path is None:
+        path = time.strftime("compare-%Y%m%d-%H%M%S.json")
+    path = os.path.abspath(os.fspath(path))
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=2, ensure_ascii=False)
+        f.write("\n")
+    return path

@@ -1,0 +1,159 @@
+"""The facade's flight recorder: its own trace ring, every worker's on request, one trace file.
+
+Always on at light detail unless told otherwise (EngineConfig.trace_detail): each worker
+records its steps and counters into a ring bounded by time and memory (engine/trace.py), and
+the facade records routing decisions, preemptions and the lifecycle of every request that
+ends into its own. `export()` asks each ready worker for a copy of its ring (the workers in
+their own processes send it over the event queue), adds the requests still running, and
+writes one Perfetto (Chrome JSON) trace of the last window: what the dashboard just showed.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from engine import messages as msg
+from engine.errors import ConfigError, TokentopError
+from engine.facade.requests import RequestRecord, seen_timings
+from engine.facade.snapshot import RequestState
+from engine.trace import DETAILS, TraceSettings, request_track_events, write_chrome_trace
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from engine.facade.engine import Engine
+
+RING_TIMEOUT_S = 10.0     # how long an export waits for the workers' rings
+
+
+def trace_settings(config: EngineConfig) -> TraceSettings:
+    """The recorder's settings from the engine's, checked (a bad value is one line)."""
+    detail = config.trace_detail or ("full" if config.trace_dir else "light")
+    if detail not in DETAILS:
+        raise ConfigError(f"`trace_detail` must be one of {', '.join(DETAILS)}, got {detail!r}")
+    if not config.trace_window_s > 0:
+        raise ConfigError(f"`trace_window_s` must be more than 0 s, got {config.trace_window_s}; e.g. 120s")
+    if config.trace_memory < 1 << 20:
+        raise ConfigError(f"`trace_memory` must be at least 1MiB, got {config.trace_memory} bytes; e.g. 64MiB")
+    return TraceSettings(detail, float(config.trace_window_s), int(config.trace_memory))
+
+
+def lifecycle(rec: RequestRecord, until: float) -> tuple[str, int | None, list[tuple[str, float]],
+                                                          tuple[str, float] | None]:
+    """(id, worker, [(phase, start)...], (terminal phase, time) or None) of one request, in
+    time.monotonic() seconds: queued -> [waiting-on-leader] -> prefill -> decode -> its end."""
+    m = rec.metrics
+    queue_time, ttft = (m.queue_time, m.ttft) if m else seen_timings(rec)[:2]
+    if ttft is None and rec.first_token_at is not None:
+        ttft = rec.first_token_at - rec.arrival
+    if queue_time is not None and ttft is not None:
+        queue_time = min(queue_time, ttft)   # a preempted request is queued again later
+    marks = [("queued", rec.arrival)]
+    follow = m.follow_start if m else (rec.follow_at - rec.arrival if rec.follow_at else None)
+    if follow is not None and (queue_time is None or follow < queue_time):
+        marks.append(("waiting-on-leader", rec.arrival + follow))   # single flight
+    if queue_time is not None:
+        marks.append(("prefill", rec.arrival + queue_time))
+    if ttft is not None:
+        marks.append(("decode", rec.arrival + ttft))
+    end = None
+    if rec.finish_reason is not None:
+        end = (RequestState.of_finish(rec.finish_reason).value,
+               rec.arrival + m.e2e if m else rec.finished_at or until)
+    return rec.id, rec.worker, marks, end
+
+
+class FlightRecorder:
+    """Owns the facade's tracer, the detail level every worker records at, and trace export."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.settings = trace_settings(engine.config)
+        self.detail = self.settings.detail
+        self.base_detail = "off" if self.detail == "off" else "light"   # what full switches back to
+        self.tracer = self.settings.tracer("engine")
+        self._since = time.monotonic() if self.detail != "off" else None   # recording since
+        self._rings: dict[int, list] = {}
+        self._rings_cv = threading.Condition()
+        engine.add_observer(self._observe)
+
+    def worker_settings(self) -> TraceSettings:
+        """What a worker starting now records."""
+        return TraceSettings(self.detail, self.settings.window_s, self.settings.max_bytes)
+
+    # --- detail -----------------------------------------------------------------------------
+    def set_detail(self, detail: str) -> None:
+        if detail not in DETAILS:
+            raise ConfigError(f"trace detail must be one of {', '.join(DETAILS)}, got {detail!r}")
+        if self.detail == "off" and detail != "off":
+            self._since = time.monotonic()
+        self.detail = detail
+        self.tracer.set_detail(detail)
+        for w in self.engine.workers.ready():
+            w.send(msg.SetTraceDetail(detail))
+
+    def set_full(self, full: bool) -> None:
+        """Full detail (per-layer scopes, NVTX on GPUs), or back to the base detail."""
+        self.set_detail("full" if full else self.base_detail)
+
+    # --- what the facade records ------------------------------------------------------------
+    def _observe(self, kind: str, payload) -> None:
+        if not self.tracer.enabled:
+            return
+        if kind == "route":
+            d = payload
+            self.tracer.instant("route", request=d.request_id, chosen=d.chosen, policy=d.policy,
+                                reason=d.reason, scores={c.worker: round(c.score, 4) for c in d.candidates},
+                                reuse={c.worker: c.cached_tokens for c in d.candidates})
+        elif kind == "finished":
+            rec = self.engine.requests.get(payload[1].request_id)
+            if rec is not None:
+                rid, worker, marks, end = lifecycle(rec, time.monotonic())
+                self.tracer.request_lifecycle(rid, [(p, int(t * 1e9)) for p, t in marks],
+                                              (end[0], int(end[1] * 1e9)), worker=-1 if worker is None else worker)
+
+    def on_ring(self, event: msg.TraceEvents) -> None:
+        """A worker's copy of its ring (the dispatcher thread)."""
+        with self._rings_cv:
+            self._rings[event.worker] = event.events
+            self._rings_cv.notify_all()
+
+    # --- export -----------------------------------------------------------------------------
+    def export(self, path: str | Path | None = None, timeout: float = RING_TIMEOUT_S) -> str:
+        """Every ready worker's ring, the facade's, and the requests still running, over the
+        last window, as one Chrome JSON file; its absolute path. A write error is one line
+        and loses nothing: the rings keep their events."""
+        engine = self.engine
+        target = path or engine.config.trace_dir or "traces"
+        with engine.lock:
+            ready = engine.workers.ready()
+        with self._rings_cv:
+            self._rings.clear()
+        for w in ready:
+            w.send(msg.SendTrace())
+        deadline = time.monotonic() + timeout
+        with self._rings_cv:
+            while len(self._rings) < len(ready) and time.monotonic() < deadline:
+                self._rings_cv.wait(0.1)
+            events = [e for ring in self._rings.values() for e in ring]
+            missing = [w.index for w in ready if w.index not in self._rings]
+        now = time.monotonic()
+        since = now - self.settings.window_s
+        if self._since is not None:
+            since = max(since, self._since)
+        events += self.tracer.ring(since_ns=int(since * 1e9))
+        # requests still running: their lifecycle so far, from the facade's records
+        with engine.lock:
+            live = [lifecycle(r, now) for r in engine.requests.records.values() if r.finish_reason is None]
+        events += request_track_events(self.tracer.pid, live, since, now)
+        metadata = {"recording": {"detail": self.detail, "window_s": self.settings.window_s,
+                                  "max_bytes_per_ring": self.settings.max_bytes,
+                                  "covers_s": round(now - since, 3),
+                                  "workers_not_answering": missing}}
+        try:
+            return write_chrome_trace(target, events, metadata=metadata)
+        except OSError as exc:
+            raise TokentopError(f"cannot write the trace to {Path(target).absolute()}: "
+                                f"{exc.strerror or exc}; the recorder keeps its events: "
+                                "export again to another folder") from None

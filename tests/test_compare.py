@@ -1,0 +1,141 @@
+"""tokentop compare: one burst under A, then B, on fresh engines (engine/facade/compare.py)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import pytest
+
+from app.bursts import default_prompts_dir, load_burst
+from engine.config import EngineConfig, SamplingParams, WorkerConfig
+from engine.errors import ConfigError
+from engine.facade.compare import (RequestOutcome, SideResult, compare, compare_outputs, configure,
+                                   format_report, parse_settings, seeded)
+from engine.facade.devices import parse_devices
+
+SIM = ["sim:gpu0:prefill=20000,decode=2000", "sim:gpu1:prefill=10000,decode=1000"]
+
+
+@dataclass
+class Item:
+    id: str
+    prompt: str | None
+    params: SamplingParams = field(default_factory=SamplingParams)
+    messages: list | None = None
+
+
+def sim_config(model, devices=SIM, **worker) -> EngineConfig:
+    base = WorkerConfig(model=str(model), kv_cache_memory=16 * 2**20, **worker)
+    return EngineConfig(workers=parse_devices(devices, base), worker_mode="thread")
+
+
+@pytest.mark.parametrize("pairs, words", [
+    (["single-flight"], "write KEY=VALUE"),
+    (["flavour=mint"], "no setting 'flavour'; settings: policy, router-policy"),
+    (["policy=lifo"], "policy takes one of fcfs, spf"),
+    (["max-active=0"], "max-active takes a whole number of at least 1"),
+    (["spec-tv-budget=lots"], "spec-tv-budget takes a number"),
+])
+def test_bad_settings_are_one_line(pairs, words):
+    with pytest.raises(ConfigError, match=words) as err:
+        parse_settings(pairs, "--a")
+    assert "\n" not in str(err.value) and str(err.value).startswith("--a ")
+
+
+def test_settings_reach_the_workers_the_router_and_the_forced_worker(tiny_model_path):
+    config = sim_config(tiny_model_path("qwen2"))
+    settings = parse_settings(["policy=spf", "max-active=3", "router-policy=cache-aware", "prefix-cache=off",
+                               "single-flight=at-completion", "spec-k=4", "worker=1"], "--b")
+    side, force = configure(config, settings)
+    assert force == 1 and side.router_policy == "cache-aware"
+    assert all((w.policy, w.max_active, w.prefix_cache, w.single_flight, w.spec_k) ==
+               ("spf", 3, "off", "at-completion", "4") for w in side.workers)
+    with pytest.raises(ConfigError, match="worker=5: there are 2 workers"):
+        configure(config, {"worker": 5})
+    with pytest.raises(ConfigError, match=r"`speculate=draft` needs `draft_model=NAME\|PATH`"):
+        configure(config, {"speculate": "draft"})
+
+
+def test_both_sides_get_the_same_seeds():
+    items = [Item("a", "x", SamplingParams(temperature=0.7)), Item("b", "y", SamplingParams(temperature=0.7, seed=5))]
+    assert [p.seed for p in seeded(items)] == [1000, 5] == [p.seed for p in seeded(items)]
+
+
+def test_single_flight_compare_on_sim_workers(tiny_model_path, tmp_path, capsys):
+    """The seeds' single-flight experiment: 4 identical requests at once, cold caches, single
+    flight off vs after-prefill, a step budget that can admit all four together."""
+    from app.cli import main
+    model = tiny_model_path("qwen2", context_length=8192)
+    out = tmp_path / "report.json"
+    code = main(["compare", str(default_prompts_dir() / "single_flight_4.jsonl"), "--a", "single-flight=off",
+                 "--b", "single-flight=after-prefill", "--model", str(model), "--device", SIM[0],
+                 "--kv-cache-memory", "16MiB", "--max-batched-tokens", "16384", "--worker-mode", "thread",
+                 "--out", str(out)])
+    printed, err = capsys.readouterr()
+    assert code == 0, err
+    report = json.loads(out.read_text())
+    a, b = report["a"], report["b"]
+    assert a["label"] == "single-flight=off" and b["label"] == "single-flight=after-prefill"
+    for side in (a, b):
+        s = side["summary"]
+        assert s["requests"] == s["ok"] == 4 and s["aggregate_tok_s"] > 0 and s["completion_s"] > 0
+        assert s["ttft_p50"] <= s["ttft_p95"] <= s["ttft_p99"] and s["e2e_p99"] >= s["ttft_p99"]
+        assert [r["id"] for r in side["requests"]] == ["sf4-1", "sf4-2", "sf4-3", "sf4-4"]
+        assert all(r["finish_reason"] in ("stop", "length") and r["output_tokens"] > 0 for r in side["requests"])
+    cached_a, cached_b = (sum(r["cached_tokens"] for r in side["requests"]) for side in (a, b))
+    prompt = a["requests"][0]["prompt_tokens"]
+    # with single flight every follower restores the note (without it, only those admitted after the
+    # leader's pages were published do: a matter of timing)
+    assert cached_b >= 3 * (prompt - 16) and cached_b >= cached_a, (cached_a, cached_b, prompt)
+    assert report["outputs"] == {"compared": False, "why": "simulated workers produce placeholder text"}
+    assert report["b_over_a"]["ttft_p50"] == pytest.approx(b["summary"]["ttft_p50"] / a["summary"]["ttft_p50"], rel=1e-3)
+    for words in ("TTFT p50", "TTFT p99", "ITL p95", "end-to-end p99", "aggregate tok/s", "completion",
+                  "A: single-flight=off", "B: single-flight=after-prefill", "sf4-3", "outputs: not compared"):
+        assert words in printed, words
+    assert f"report written to {out}" in err
+
+
+def test_forced_baseline_against_the_cost_router(tiny_model_path):
+    """The routing experiment's shape: every request forced onto the fast worker vs routed."""
+    items = load_burst(default_prompts_dir() / "warm_prefix_8.jsonl")
+    warm = load_burst(default_prompts_dir() / "warm_prefix_seed.jsonl")
+    config = sim_config(tiny_model_path("qwen2", context_length=8192), max_active=4)
+    report = compare(config, items, {"worker": 0}, {"router-policy": "cost"}, interval_s=0.01, warm=warm)
+    assert report["a"]["summary"]["requests_per_worker"] == {"0": 8}
+    assert report["warm_up_requests"] == 1
+    # warm caches on both workers: every measured request restores the note's pages
+    assert all(r["cached_tokens"] >= 2000 for side in ("a", "b") for r in report[side]["requests"])
+    assert "after 1 warm-up request(s) per worker" in format_report(report)
+
+
+def test_greedy_outputs_on_real_workers_are_compared(tiny_model_path):
+    model = tiny_model_path("qwen2")
+    config = EngineConfig(workers=(WorkerConfig(model=str(model), threads=1, calibrate=False, max_active=1),),
+                          worker_mode="thread")
+    items = [Item(f"q{i}", f"prompt number {i}", SamplingParams(max_tokens=4)) for i in range(2)]
+    report = compare(config, items, {"policy": "fcfs"}, {"policy": "spf"})
+    assert report["outputs"] == {"compared": True, "greedy_requests": 2, "identical": True, "differing": []}
+    assert "outputs: identical on all 2 greedy requests" in format_report(report)
+
+
+def test_differing_outputs_are_named():
+    def side(tokens):
+        return SideResult("A", {}, [RequestOutcome(f"q{i}", 0, "length", None, 3, 0, 2, 0.1, 0.01, 0.2, True, t)
+                                    for i, t in enumerate(tokens)], 1.0,
+                          [{"index": 0, "name": "cpu", "device": "cpu", "simulated": False, "state": "ready"}])
+    got = compare_outputs(side([[1, 2], [3, 4]]), side([[1, 2], [3, 5]]))
+    assert got == {"compared": True, "greedy_requests": 2, "identical": False, "differing": ["q1"]}
+
+
+def test_compare_command_errors_are_one_line(tmp_path, capsys):
+    from app.cli import main
+    burst = default_prompts_dir() / "single_flight_2.jsonl"
+    for argv, words in [(["--a", "nope=1"], "no setting 'nope'"),
+                        (["--b", "max-active=x"], "max-active takes"),
+                        (["--interval-ms", "-5"], "--interval-ms must be >= 0")]:
+        code = main(["compare", str(burst), *argv, "--device", "sim:a:prefill=1,decode=1"])
+        out, err = capsys.readouterr()
+        assert code == 2 and err.count("\n") == 1 and words in err and "Traceback" not in err
+    code = main(["compare", str(tmp_path / "missing.jsonl"), "--device", "sim:a:prefill=1,decode=1"])
+    out, err = capsys.readouterr()
+    assert code == 2 and "Burst file not found" in err and err.count("\n") == 1
