@@ -172,6 +172,8 @@ def build_parser() -> OneLineParser:
 
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP API (with /metrics), headless")
     add_serve_flags(s)
+    s.add_argument("--access-log", action="store_true",
+                   help="print one line per HTTP request (method, path, status) on stderr")
     add_engine_flags(s)
 
     m = sub.add_parser("models", help="list bundled models and whether they are installed")
@@ -387,7 +389,7 @@ def cmd_serve(args) -> int:
     serve_config = serve_config_from(args)                  # bad server flags fail before any work
     config = engine_config_from(args, default_mode="process")
     engine = Engine(config)
-    http = HttpServer(engine, serve_config)                 # binds now: a busy port fails here
+    http = HttpServer(engine, serve_config, access_log=args.access_log)   # binds now: a busy port fails here
     failed: list[str] = []
 
     def start_engine() -> None:
