@@ -174,6 +174,9 @@ def build_parser() -> OneLineParser:
     add_serve_flags(s)
     s.add_argument("--access-log", action="store_true",
                    help="print one line per HTTP request (method, path, status) on stderr")
+    s.add_argument("--kv-events", default=None, metavar="ENDPOINT",
+                   help="publish vLLM-format KV cache events over ZMQ, e.g. tcp://*:5557 "
+                        "(for KV-aware routers; needs tokentop[kv-events])")
     add_engine_flags(s)
 
     m = sub.add_parser("models", help="list bundled models and whether they are installed")
@@ -389,7 +392,16 @@ def cmd_serve(args) -> int:
     serve_config = serve_config_from(args)                  # bad server flags fail before any work
     config = engine_config_from(args, default_mode="process")
     engine = Engine(config)
-    http = HttpServer(engine, serve_config, access_log=args.access_log)   # binds now: a busy port fails here
+    kv_events = None
+    if args.kv_events:                                      # binds (or connects) before any work
+        from engine.serve.kv_events import KvEventPublisher
+        kv_events = KvEventPublisher(engine, args.kv_events)
+    try:
+        http = HttpServer(engine, serve_config, access_log=args.access_log)   # binds now: a busy port fails here
+    except ConfigError:
+        if kv_events is not None:
+            kv_events.close()
+        raise
     failed: list[str] = []
 
     def start_engine() -> None:
@@ -410,6 +422,8 @@ def cmd_serve(args) -> int:
         http.run()
     finally:
         engine.shutdown()
+        if kv_events is not None:
+            kv_events.close()
     if failed:
         raise TokentopError(failed[0])
     return 0

@@ -153,6 +153,9 @@ class StepEvents:
     # prefix cache keys (8-byte prefixes) published (True) / evicted (False), in order:
     # the facade's picture of this worker's cache, for routing estimates
     cache_delta: tuple[tuple[bool, bytes], ...] = ()
+    # the same pages in full for KV events (engine/serve/kv_events.py), in order: (key prefix,
+    # parent's key prefix or None, page tokens) published, (key prefix, None, None) evicted
+    kv_blocks: tuple[tuple[bytes, bytes | None, tuple[int, ...] | None], ...] = ()
 
 
 @dataclass(frozen=True)

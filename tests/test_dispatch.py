@@ -21,7 +21,8 @@ def _engine_with_one_exited_worker():
                              cfg=SimpleNamespace(device="cpu"))
     engine = SimpleNamespace(_workers=[worker], _events=queue.Queue(), _lock=threading.RLock(),
                              _stopping=False, requests=RequestTable(),
-                             _log_line=lambda level, text, locked=False: logs.append(text))
+                             _log_line=lambda level, text, locked=False: logs.append(text),
+                             _notify=lambda kind, payload: None)
     return engine, worker, logs
 
 

@@ -174,6 +174,8 @@ class Dispatcher:
                                    f"{rid} preempted{{times}} on worker {event.worker} (will recompute)")
                 if self.engine._tracer is not None and self.engine._tracer.enabled:
                     self.engine._tracer.instant("preempted", request=rid, worker=event.worker)
+        if event.kv_blocks:
+            self.engine._notify("kv_blocks", (event.worker, event.kv_blocks))
         for rid, d in deliveries:
             if rid is None:
                 self.engine._notify("finished", d)
@@ -216,6 +218,7 @@ class Dispatcher:
             failed = self.engine.requests.open_on(event.worker)
             self.engine._log_line("error", f"worker {event.worker} ({w.cfg.device}) died: {w.message}; "
                                     f"{len(failed)} request(s) failed", locked=True)
+        self.engine._notify("kv_lost", event.worker)        # its cached pages are gone with it
         for rid in failed:
             rec = self.engine.requests.records[rid]
             err = WorkerDied(f"worker {event.worker} ({w.cfg.device}) died: {w.message}")
