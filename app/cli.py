@@ -79,7 +79,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default="qwen2.5-coder-0.5b",
                    help="catalog name (see `tokentop models`), a .gguf path, or owner/repo/file.gguf")
     g.add_argument("--device", action="append", default=None, metavar="DEV",
-                   help="repeatable: cpu, cuda, cuda:N, sim:NAME[:prefill=R,decode=R] (default: cpu)")
+                   help="repeatable: cpu, cuda, cuda:N, sim:NAME[:prefill=R,decode=R], "
+                        "remote:URL[,name=N,api_key=ENV_VAR,read_timeout=S,ca=PATH] (default: cpu)")
     g.add_argument("--threads", type=int, default=0,
                    help="CPU threads per worker (0 = all cores, split among several CPU workers)")
     g.add_argument("--max-active", type=int, default=8, help="max running requests per worker")

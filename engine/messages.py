@@ -81,7 +81,7 @@ class WorkerInfo:
     sim_decode_tps: float = 0.0
     remote: bool = False
     url: str | None = None         # a remote worker's server
-    tokenize: str = ""             # a remote's prompt-length source (engine/remote/worker.py TOKENIZE_*)
+    tokenize: str = ""             # a remote's prompt-length source (engine/remote/tokens.py TOKENIZE_*)
     spec_modes: tuple[str, ...] = ("off",)   # speculative decoding modes it can serve
     draft_model: str = ""          # its draft model, when it has one
     kernels: str = ""              # which weight forms its linear layers use, when it says
@@ -201,6 +201,13 @@ class WorkerStats:
 @dataclass(frozen=True)
 class WorkerDown:
     """A remote worker stopped answering: no new requests until it is ready again."""
+    worker: int
+    message: str
+
+
+@dataclass(frozen=True)
+class WorkerDegraded:
+    """A remote worker's stream stalled: no new requests until a probe sees it generate again."""
     worker: int
     message: str
 

@@ -109,6 +109,11 @@ class Dispatcher:
                 w = self.engine._workers[event.worker]
                 w.state, w.message = "down", event.message
             self.engine._log_line("error", f"worker {event.worker} ({w.cfg.device}) down: {event.message}")
+        elif isinstance(event, msg.WorkerDegraded):
+            with self.engine._lock:
+                w = self.engine._workers[event.worker]
+                w.state, w.message = "degraded", event.message
+            self.engine._log_line("warning", f"worker {event.worker} ({w.cfg.device}) degraded: {event.message}")
         elif isinstance(event, msg.Reroute):
             self._reroute(event)
         elif isinstance(event, msg.ProfileUpdate):

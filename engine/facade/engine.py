@@ -107,7 +107,7 @@ class Engine:
         self._started_at: float | None = None
         self._usage = UsageSampler()
         self._observers: list[Callable[[str, object], None]] = []
-        self._counters: dict = {}   # remote worker index -> RemoteTokenCounter (engine/remote/worker.py)
+        self._counters: dict = {}   # remote worker index -> RemoteTokenCounter (engine/remote/tokens.py)
 
     # --- lifecycle ----------------------------------------------------------------------
     def start(self, wait: bool = True, timeout: float = READY_TIMEOUT_S) -> "Engine":
@@ -133,8 +133,10 @@ class Engine:
             self._events = queue.Queue()
         for i, cfg in enumerate(self.config.workers):
             if cfg.remote:      # forwarding needs no process of its own: a thread of I/O
-                from engine.remote.worker import RemoteTokenCounter, remote_worker_main
-                self._counters[i] = RemoteTokenCounter(cfg.device[len("remote:"):])
+                from engine.remote.spec import Secret, remote_url
+                from engine.remote.tokens import RemoteTokenCounter
+                from engine.remote.worker import remote_worker_main
+                self._counters[i] = RemoteTokenCounter(remote_url(cfg), Secret(cfg.remote_options))
                 commands = queue.Queue()
                 proc = threading.Thread(target=remote_worker_main, name=f"tokentop-remote-{i}",
                                         args=(i, cfg, paths[cfg.model], commands, self._events), daemon=True)
@@ -161,7 +163,7 @@ class Engine:
         while time.monotonic() < deadline:
             with self._lock:
                 states = [w.state for w in self._workers]
-            if all(s in ("ready", "dead", "down") for s in states):
+            if all(s in ("ready", "dead", "down", "degraded") for s in states):
                 break
             time.sleep(0.02)
         with self._lock:
@@ -287,7 +289,7 @@ class Engine:
         """(index, /tokenize shape or "" for none, model) of each ready remote of another model."""
         if not self._counters:        # no remote workers (and engine.remote, httpx, not imported)
             return []
-        from engine.remote.worker import TOKENIZE_SAME
+        from engine.remote.tokens import TOKENIZE_SAME
 
         with self._lock:
             return [(w.index, w.info.tokenize, w.info.model) for w in self._workers
@@ -297,13 +299,13 @@ class Engine:
         """The prompt's length on each ready remote worker that serves another model, and where
         the figure comes from: "remote" (its /tokenize) or "estimate" (the local count, when it has
         no /tokenize or the call failed or timed out). Workers not listed count len(ids) ("local").
-        Asks the remotes over HTTP (bounded by engine/remote/worker.py TOKENIZE_TIMEOUT in all): call it
+        Asks the remotes over HTTP (bounded by engine/remote/tokens.py TOKENIZE_TIMEOUT in all): call it
         outside any event loop."""
         out: dict[int, tuple[int, str]] = {}
         remotes = self._other_model_remotes()
         if not remotes:
             return out
-        from engine.remote.worker import TOKENIZE_TIMEOUT
+        from engine.remote.tokens import TOKENIZE_TIMEOUT
 
         text = self.tokenizer.decode(list(ids)) if messages is None else ""   # what the remote is sent
         deadline = time.monotonic() + TOKENIZE_TIMEOUT

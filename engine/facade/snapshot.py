@@ -79,7 +79,7 @@ class WorkerView:
     model: str
     dtype: str
     simulated: bool
-    state: str               # starting | loading | ready | dead | stopped
+    state: str               # starting | loading | ready | degraded | down (remote) | dead | stopped
     message: str
     running: int
     waiting: int
