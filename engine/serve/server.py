@@ -7,6 +7,7 @@ prints uvicorn's line per request on stderr.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import socket
 import threading
@@ -61,7 +62,9 @@ class HttpServer:
         self.api = OpenAIServer(engine, config)
         self.sock = bind(config.host, config.port)
         self.host, self.port = self.sock.getsockname()[:2]
-        log_config = None if quiet else uvicorn.config.LOGGING_CONFIG
+        log_config = None if quiet else copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+        if log_config is not None:     # the access log beside tokentop's own lines, not on stdout
+            log_config["handlers"]["access"]["stream"] = "ext://sys.stderr"
         self.server = uvicorn.Server(uvicorn.Config(
             self.api.app, log_config=log_config, log_level="warning", access_log=access_log,
             timeout_graceful_shutdown=3, lifespan="off"))
