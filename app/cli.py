@@ -1,5 +1,6 @@
 """The whole command line: `tokentop` (the dashboard, app/main.py), `tokentop generate`,
-`tokentop bench SCENARIO`, `tokentop serve`, `tokentop models`, and the engine flags they share.
+`tokentop bench SCENARIO`, `tokentop serve`, `tokentop watch`, `tokentop models`, and the engine flags
+they share.
 
 The engine (engine/) is a library with no command line of its own: this module turns flags
 into its settings (EngineConfig, SamplingParams, ServeConfig). Every user error is one line on
@@ -25,7 +26,7 @@ from engine.errors import ConfigError, TokentopError, describe_error
 from engine.trace import check_trace_dir
 
 EXIT_USAGE = 2
-COMMANDS = ("generate", "bench", "models", "serve")   # anything else: the dashboard's flags
+COMMANDS = ("generate", "bench", "models", "serve", "watch")   # anything else: the dashboard's flags
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -66,6 +67,12 @@ def _sizes(text: str) -> str:
     if not all(p.isdigit() and int(p) >= 1 for p in parts):
         raise argparse.ArgumentTypeError(f"{text!r}: write positive request counts separated by commas, e.g. 1,2,4,8")
     return text
+
+
+def _http_url(text: str) -> str:
+    if not text.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"{text!r}: write the server's URL, e.g. http://127.0.0.1:8000")
+    return text.rstrip("/")
 
 
 def _names(text: str) -> str:
@@ -180,6 +187,13 @@ def build_parser() -> OneLineParser:
                         "(for KV-aware routers; needs tokentop[kv-events])")
     add_engine_flags(s)
 
+    w = sub.add_parser("watch", help="the dashboard over running servers: tokentop serve, vLLM, SGLang, "
+                                     "llama.cpp's server, vllm-router")
+    w.add_argument("urls", nargs="+", metavar="URL", type=_http_url, help="a server's base URL, e.g. http://10.0.0.2:8000")
+    w.add_argument("--interval", type=float, default=1.0, help="seconds between looks (default 1)")
+    w.add_argument("--once", action="store_true", help="print one snapshot and exit (1 if a server is down)")
+    w.add_argument("--json", action="store_true", help="with --once: the snapshot as JSON")
+
     m = sub.add_parser("models", help="list bundled models and whether they are installed")
     m.add_argument("--json", action="store_true")
     return p
@@ -222,6 +236,13 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_models(args)
         if args.command == "serve":
             return cmd_serve(args)
+        if args.command == "watch":
+            if args.json and not args.once:
+                raise ConfigError("--json prints one snapshot: add --once")
+            if args.interval <= 0:
+                raise ConfigError(f"--interval must be a positive number of seconds, got {args.interval:g}")
+            from app.watch import run_watch
+            return run_watch(args.urls, args.interval, args.once, args.json)
         build_parser().print_help()
         return EXIT_USAGE
     except TokentopError as exc:
