@@ -160,7 +160,7 @@ def build_parser() -> OneLineParser:
 
     b = sub.add_parser("bench", help="benchmarks (JSON out)")
     b.add_argument("scenario", choices=["single", "batching", "routing", "dashboard", "trace", "prefix", "serve",
-                                        "spec"])
+                                        "spec", "router"])
     b.add_argument("--models", default="qwen2.5-coder-0.5b", type=_names, help="comma-separated (bench single)")
     b.add_argument("--runs", type=_positive_int, default=3)
     b.add_argument("--quick", action="store_true", help="fewer/shorter runs (smoke test)")
@@ -168,7 +168,10 @@ def build_parser() -> OneLineParser:
     b.add_argument("--policies", default="forced-fastest,round-robin,least-loaded,cost",
                    help="bench routing: which policies to compare")
     b.add_argument("--sizes", default=None, metavar="N,N,...", type=_sizes,
-                   help="bench batching: concurrent request counts (1 and 8 always included)")
+                   help="bench batching: concurrent request counts (1 and 8 always included); "
+                        "bench router: worker counts (default 8,64,256)")
+    b.add_argument("--queued", type=_positive_int, default=1000,
+                   help="bench router: requests queued on the workers while it decides")
     b.add_argument("--no-sequential", action="store_true",
                    help="bench batching: skip the one-after-another comparison")
     b.add_argument("--llama-cpp", default=None, metavar="PYTHON", type=_executable,
