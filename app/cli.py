@@ -1,5 +1,6 @@
 """The whole command line: `tokentop` (the dashboard, app/main.py), `tokentop generate`,
-`tokentop bench SCENARIO`, `tokentop serve`, `tokentop models`, and the engine flags they share.
+`tokentop bench SCENARIO`, `tokentop serve`, `tokentop watch`, `tokentop models`, and the engine flags
+they share.
 
 The engine (engine/) is a library with no command line of its own: this module turns flags
 into its settings (EngineConfig, SamplingParams, ServeConfig). Every user error is one line on
@@ -26,7 +27,7 @@ from engine.trace import DETAILS, check_trace_dir
 
 EXIT_USAGE = 2
 MAX_PROMPT_FILE_BYTES = 8 * 2**20   # ~8 million characters: far beyond any model's context
-COMMANDS = ("generate", "bench", "models", "serve", "replay", "compare")   # anything else: the dashboard's flags
+COMMANDS = ("generate", "bench", "models", "serve", "replay", "compare", "watch")   # anything else: the dashboard's flags
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -101,6 +102,12 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _http_url(text: str) -> str:
+    if not text.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"{text!r}: write the server's URL, e.g. http://127.0.0.1:8000")
+    return text.rstrip("/")
+
+
 def _names(text: str) -> str:
     if not [n for n in text.split(",") if n.strip()]:
         raise argparse.ArgumentTypeError("name at least one model, e.g. qwen2.5-coder-0.5b,qwen2.5-coder-1.5b")
@@ -112,7 +119,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default="qwen2.5-coder-0.5b",
                    help="catalog name (see `tokentop models`), a .gguf path, or owner/repo/file.gguf")
     g.add_argument("--device", action="append", default=None, metavar="DEV",
-                   help="repeatable: cpu, cuda, cuda:N, sim:NAME[:prefill=R,decode=R] (default: cpu)")
+                   help="repeatable: cpu, cuda, cuda:N, sim:NAME[:prefill=R,decode=R], "
+                        "remote:URL[,name=N,api_key=ENV_VAR,read_timeout=S,ca=PATH] (default: cpu)")
     g.add_argument("--threads", type=int, default=0,
                    help="CPU threads per worker (0 = all cores, split among several CPU workers)")
     g.add_argument("--max-active", type=int, default=8, help="max running requests per worker")
@@ -195,7 +203,7 @@ def build_parser() -> OneLineParser:
 
     b = sub.add_parser("bench", help="benchmarks (JSON out)")
     b.add_argument("scenario", choices=["single", "batching", "routing", "dashboard", "trace", "record", "prefix", "serve",
-                                        "spec"])
+                                        "spec", "router"])
     b.add_argument("--models", default="qwen2.5-coder-0.5b", type=_names, help="comma-separated (bench single)")
     b.add_argument("--runs", type=_positive_int, default=3)
     b.add_argument("--quick", action="store_true", help="fewer/shorter runs (smoke test)")
@@ -203,7 +211,10 @@ def build_parser() -> OneLineParser:
     b.add_argument("--policies", default="forced-fastest,round-robin,least-loaded,cost",
                    help="bench routing: which policies to compare")
     b.add_argument("--sizes", default=None, metavar="N,N,...", type=_sizes,
-                   help="bench batching: concurrent request counts (1 and 8 always included)")
+                   help="bench batching: concurrent request counts (1 and 8 always included); "
+                        "bench router: worker counts (default 8,64,256)")
+    b.add_argument("--queued", type=_positive_int, default=1000,
+                   help="bench router: requests queued on the workers while it decides")
     b.add_argument("--no-sequential", action="store_true",
                    help="bench batching: skip the one-after-another comparison")
     b.add_argument("--llama-cpp", default=None, metavar="PYTHON", type=_executable,
@@ -216,6 +227,11 @@ def build_parser() -> OneLineParser:
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP API (with /metrics), headless")
     add_serve_flags(s)
     add_record_flag(s)
+    s.add_argument("--access-log", action="store_true",
+                   help="print one line per HTTP request (method, path, status) on stderr")
+    s.add_argument("--kv-events", default=None, metavar="ENDPOINT",
+                   help="publish vLLM-format KV cache events over ZMQ, e.g. tcp://*:5557 "
+                        "(for KV-aware routers; needs tokentop[kv-events])")
     add_engine_flags(s)
 
     r = sub.add_parser("replay", help="play a --record recording in the dashboard (read-only), or make it a trace")
@@ -242,6 +258,13 @@ def build_parser() -> OneLineParser:
                    help="the JSON report (default ./compare-YYYYmmdd-HHMMSS.json)")
     c.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
     add_engine_flags(c)
+
+    w = sub.add_parser("watch", help="the dashboard over running servers: tokentop serve, vLLM, SGLang, "
+                                     "llama.cpp's server, vllm-router")
+    w.add_argument("urls", nargs="+", metavar="URL", type=_http_url, help="a server's base URL, e.g. http://10.0.0.2:8000")
+    w.add_argument("--interval", type=float, default=1.0, help="seconds between looks (default 1)")
+    w.add_argument("--once", action="store_true", help="print one snapshot and exit (1 if a server is down)")
+    w.add_argument("--json", action="store_true", help="with --once: the snapshot as JSON")
 
     m = sub.add_parser("models", help="list bundled models and whether they are installed")
     m.add_argument("--json", action="store_true")
@@ -296,6 +319,13 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_replay(args)
         if args.command == "compare":
             return cmd_compare(args)
+        if args.command == "watch":
+            if args.json and not args.once:
+                raise ConfigError("--json prints one snapshot: add --once")
+            if args.interval <= 0:
+                raise ConfigError(f"--interval must be a positive number of seconds, got {args.interval:g}")
+            from app.watch import run_watch
+            return run_watch(args.urls, args.interval, args.once, args.json)
         build_parser().print_help()
         return EXIT_USAGE
     except TokentopError as exc:
@@ -541,7 +571,19 @@ def cmd_serve(args) -> int:
     serve_config = serve_config_from(args)                  # bad server flags fail before any work
     config = engine_config_from(args, default_mode="process")
     engine = Engine(config)
-    http = HttpServer(engine, serve_config)                 # binds now: a busy port fails here
+    kv_events = None
+    if args.kv_events:                                      # binds (or connects) before any work
+        from engine.serve.kv_events import KvEventPublisher
+        try:
+            kv_events = KvEventPublisher(engine, args.kv_events)
+        except ConfigError as exc:
+            raise ConfigError(f"--kv-events: {exc}") from None
+    try:
+        http = HttpServer(engine, serve_config, access_log=args.access_log)   # binds now: a busy port fails here
+    except ConfigError:
+        if kv_events is not None:
+            kv_events.close()
+        raise
     recorder = start_recording(engine, args.record)
     failed: list[str] = []
 
@@ -570,6 +612,8 @@ def cmd_serve(args) -> int:
         if recorder is not None:
             recorder.close()
         engine.shutdown()
+        if kv_events is not None:
+            kv_events.close()
     if failed:
         raise TokentopError(failed[0])
     return 0

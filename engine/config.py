@@ -89,6 +89,15 @@ def check_router_policy(policy: str) -> str:
 
 
 @dataclass(frozen=True)
+class RemoteOptions:
+    """remote:URL's options (engine/remote/spec.py). The API key itself is never kept here, only
+    the name of the environment variable that holds it: configs appear in logs and snapshots."""
+    api_key_env: str = ""                 # the variable holding the Bearer key ("" = none)
+    read_timeout: float = 120.0           # s a stream may stay silent before it counts as stalled
+    ca_file: str = ""                     # CA bundle for an https server's certificate ("" = system)
+
+
+@dataclass(frozen=True)
 class WorkerConfig:
     """One worker = one device with its own model copy, scheduler, KV cache and runner."""
 
@@ -121,6 +130,7 @@ class WorkerConfig:
     sim_prefill_tps: float = 0.0
     sim_decode_tps: float = 0.0
     sim_jitter: float = 0.0
+    remote_options: RemoteOptions = RemoteOptions()   # remote workers only
     name: str = ""
 
     @property

@@ -81,7 +81,7 @@ class WorkerInfo:
     sim_decode_tps: float = 0.0
     remote: bool = False
     url: str | None = None         # a remote worker's server
-    tokenize: str = ""             # a remote's prompt-length source (engine/remote/worker.py TOKENIZE_*)
+    tokenize: str = ""             # a remote's prompt-length source (engine/remote/tokens.py TOKENIZE_*)
     spec_modes: tuple[str, ...] = ("off",)   # speculative decoding modes it can serve
     draft_model: str = ""          # its draft model, when it has one
     kernels: str = ""              # which weight forms its linear layers use, when it says
@@ -155,6 +155,9 @@ class StepEvents:
     # prefix cache keys (8-byte prefixes) published (True) / evicted (False), in order:
     # the facade's picture of this worker's cache, for routing estimates
     cache_delta: tuple[tuple[bool, bytes], ...] = ()
+    # the same pages in full for KV events (engine/serve/kv_events.py), in order: (key prefix,
+    # parent's key prefix or None, page tokens) published, (key prefix, None, None) evicted
+    kv_blocks: tuple[tuple[bytes, bytes | None, tuple[int, ...] | None], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -200,6 +203,13 @@ class WorkerStats:
 @dataclass(frozen=True)
 class WorkerDown:
     """A remote worker stopped answering: no new requests until it is ready again."""
+    worker: int
+    message: str
+
+
+@dataclass(frozen=True)
+class WorkerDegraded:
+    """A remote worker's stream stalled: no new requests until a probe sees it generate again."""
     worker: int
     message: str
 

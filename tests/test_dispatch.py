@@ -23,7 +23,7 @@ def _engine_with_one_exited_worker():
     workers = WorkerSet([worker.cfg], worker_mode="thread", trace_settings=None, worker_log=None)
     workers.slots, workers.events = [worker], queue.Queue()
     engine = SimpleNamespace(workers=workers, lock=threading.RLock(), stopping=False, requests=RequestTable(),
-                             log=lambda level, text: logs.append(text))
+                             log=lambda level, text: logs.append(text), notify=lambda kind, payload: None)
     return engine, worker, logs
 
 

@@ -37,7 +37,7 @@ def test_engine_never_imports_app():
 # speculation) never reaches back into the facade's side, the remote worker, the HTTP server
 # or the benchmarks. Both sides meet in engine/messages.py and the shared leaf modules.
 WORKER_SIDE = ("worker", "kv", "models", "kernels", "speculative")
-FACADE_SIDE = ("engine.facade", "engine.remote", "engine.serve", "engine.bench")
+FACADE_SIDE = ("engine.facade", "engine.remote", "engine.serve", "engine.bench", "engine.watch")
 
 
 def test_worker_side_never_imports_the_facade_side():

@@ -28,7 +28,7 @@ def test_remote_spec_parsing():
     assert b.name == "remote1" and not b.calibrate
     with pytest.raises(ConfigError, match="remote:http://HOST:PORT"):
         parse_devices(["remote:127.0.0.1:8001"], base)
-    with pytest.raises(ConfigError, match="only field is name"):
+    with pytest.raises(ConfigError, match="unknown field 'weight=2'"):
         parse_devices(["remote:http://h:1,weight=2"], base)
 
 

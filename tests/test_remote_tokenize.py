@@ -217,7 +217,7 @@ def test_no_tokenize_means_a_labelled_estimate(real_model_path, fake):
 
 @pytest.mark.parametrize("fake", [("slow",)], indirect=True)
 def test_a_slow_tokenize_falls_back_to_the_estimate_quickly(real_model_path, fake):
-    from engine.remote.worker import TOKENIZE_TIMEOUT
+    from engine.remote.tokens import TOKENIZE_TIMEOUT
 
     devices = [f"remote:{fake.url},name=far", "sim:near:prefill=5000,decode=200"]
     with in_process_server(real_model_path, devices) as (engine, http):

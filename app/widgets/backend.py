@@ -21,7 +21,7 @@ from engine.config import WorkerConfig
 from engine.facade.snapshot import WorkerView
 
 STATE_STYLE = {"ready": "$success", "loading": "$warning", "starting": "$warning",
-               "dead": "$error", "down": "$error", "stopped": "$text-muted"}
+               "dead": "$error", "down": "$error", "degraded": "$warning", "stopped": "$text-muted"}
 
 
 class BackendPanel(Vertical):

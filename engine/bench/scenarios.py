@@ -6,6 +6,7 @@ batching  N concurrent requests vs the same requests one after another; paged vs
           memory pressure: 8 x 1000 tokens on a simulated worker with 48 MiB vs 1 GiB of KV
           (preemptions and recomputed tokens)
 prefix    prefix reuse: warm vs cold, identical and partial-prefix bursts, cyclic, equality (prefix.py)
+router    the facade's cost of one routing decision with 8 / 64 / 256 workers (router_cost.py)
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import time
 from dataclasses import replace
 
 from engine.bench import peak_rss_mb, read_bandwidth, rss_now_mb
+from engine.bench.router_cost import bench_router  # noqa: F401  (the scenario `router`)
 from engine.config import EngineConfig, SamplingParams, WorkerConfig
 from engine.dtypes import resolve_kv_dtype
 from engine.errors import describe_error

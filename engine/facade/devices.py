@@ -36,11 +36,11 @@ def parse_devices(specs: list[str], base: WorkerConfig) -> tuple[WorkerConfig, .
         elif spec.startswith("sim:"):
             out.append(_parse_sim(spec, base))
         elif spec.startswith("remote:"):
-            from engine.remote.worker import parse_remote
+            from engine.remote.spec import parse_remote
             out.append(parse_remote(spec, base, sum(w.remote for w in out)))
         else:
             raise ConfigError(f"unknown device {spec!r}; use cpu, cuda, cuda:N or "
-                              "sim:NAME[:prefill=R,decode=R] (e.g. `device=sim:gpu0`) or remote:URL[,name=NAME]")
+                              "sim:NAME[:prefill=R,decode=R] (e.g. `device=sim:gpu0`) or remote:URL[,name=NAME][,api_key=ENV_VAR]")
     for w in out:
         if not w.simulated and not w.remote:   # a remote's dtype is its own business
             check_activation_dtype(w.device, w.activation_dtype)

@@ -124,6 +124,11 @@ class Dispatcher:
                 w = self.engine.workers[event.worker]
                 w.state, w.message = WorkerState.DOWN, event.message
             self.engine.log("error", f"worker {event.worker} ({w.cfg.device}) down: {event.message}")
+        elif isinstance(event, msg.WorkerDegraded):
+            with self.engine.lock:
+                w = self.engine.workers[event.worker]
+                w.state, w.message = WorkerState.DEGRADED, event.message
+            self.engine.log("warning", f"worker {event.worker} ({w.cfg.device}) degraded: {event.message}")
         elif isinstance(event, msg.Reroute):
             self._reroute(event)
         elif isinstance(event, msg.KernelsSwitched):
@@ -188,6 +193,8 @@ class Dispatcher:
                 self.engine.event_log.repeated(("preempted", event.worker, rid), "warning",
                                                f"{rid} preempted{{times}} on worker {event.worker} (will recompute)")
                 self.engine.recorder.tracer.instant("preempted", request=rid, worker=event.worker)
+        if event.kv_blocks:
+            self.engine.notify("kv_blocks", (event.worker, event.kv_blocks))
         for rid, d in deliveries:
             if rid is None:
                 self.engine.notify("finished", d)
@@ -246,6 +253,7 @@ class Dispatcher:
             failed = self.engine.requests.open_on(event.worker)
         self.engine.log("error", f"worker {event.worker} ({w.cfg.device}) died: {w.message}; "
                         f"{len(failed)} request(s) failed" + (f"; {after}" if after else ""))
+        self.engine.notify("kv_lost", event.worker)        # its cached pages are gone with it
         for rid in failed:
             rec = self.engine.requests.records[rid]
             err = WorkerDied(f"worker {event.worker} ({w.cfg.device}) died: {w.message}")

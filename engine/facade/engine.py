@@ -283,8 +283,10 @@ class Engine:
 
     # --- for servers and exporters (engine/serve) ------------------------------------------
     def add_observer(self, fn: Callable[[str, object], None]) -> None:
-        """fn(kind, payload) on every routing decision ("route", RouteDecision; caller's thread)
-        and finished request ("finished", (worker, Finished); dispatcher thread). Keep it quick."""
+        """fn(kind, payload) on every routing decision ("route", RouteDecision; caller's thread),
+        finished request ("finished", (worker, Finished)), prefix-cache pages published or
+        evicted ("kv_blocks", (worker, StepEvents.kv_blocks)) and a worker's cache lost with it
+        ("kv_lost", worker); all but "route" on the dispatcher thread. Keep it quick."""
         self._observers.append(fn)
 
     def notify(self, kind: str, payload) -> None:

@@ -22,7 +22,7 @@ class RemotePromptLengths:
         """(index, /tokenize shape or "" for none, model) of each ready remote of another model."""
         if not self.counters:        # no remote workers (and engine.remote, httpx, not imported)
             return []
-        from engine.remote.worker import TOKENIZE_SAME
+        from engine.remote.tokens import TOKENIZE_SAME
 
         with self.engine.lock:
             return [(w.index, w.info.tokenize, w.info.model) for w in self.engine.workers.ready()
@@ -32,13 +32,13 @@ class RemotePromptLengths:
         """The prompt's length on each ready remote worker that serves another model, and where
         the figure comes from: "remote" (its /tokenize) or "estimate" (the local count, when it has
         no /tokenize or the call failed or timed out). Workers not listed count len(ids) ("local").
-        Asks the remotes over HTTP (bounded by engine/remote/worker.py TOKENIZE_TIMEOUT in all): call it
+        Asks the remotes over HTTP (bounded by engine/remote/tokens.py TOKENIZE_TIMEOUT in all): call it
         outside any event loop."""
         out: dict[int, tuple[int, str]] = {}
         remotes = self._other_model_remotes()
         if not remotes:
             return out
-        from engine.remote.worker import TOKENIZE_TIMEOUT
+        from engine.remote.tokens import TOKENIZE_TIMEOUT
 
         text = self.engine.tokenizer.decode(list(ids)) if messages is None else ""   # what the remote is sent
         deadline = time.monotonic() + TOKENIZE_TIMEOUT

@@ -79,7 +79,7 @@ class WorkerView:
     model: str
     dtype: str
     simulated: bool
-    state: str               # engine/facade/workers.py WorkerState: starting | loading | ready | down | dead | stopped
+    state: str               # engine/facade/workers.py WorkerState: starting | loading | ready | degraded | down | dead | stopped
     message: str
     running: int
     waiting: int

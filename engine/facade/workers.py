@@ -34,6 +34,7 @@ class WorkerState(StrEnum):
     STARTING = "starting"   # spawned, not heard from
     LOADING = "loading"     # loading its model
     READY = "ready"         # takes requests
+    DEGRADED = "degraded"   # a remote whose stream stalled: no new requests until a probe streams in time
     DOWN = "down"           # a remote that stopped answering; probed until it answers again
     DEAD = "dead"           # failed; respawned if it may be (WorkerSet.respawn_due)
     STOPPED = "stopped"     # shut down by the engine
@@ -41,7 +42,7 @@ class WorkerState(StrEnum):
     @property
     def settled(self) -> bool:
         """Done starting, one way or the other."""
-        return self in (WorkerState.READY, WorkerState.DEAD, WorkerState.DOWN)
+        return self in (WorkerState.READY, WorkerState.DEAD, WorkerState.DOWN, WorkerState.DEGRADED)
 
 
 @dataclass
@@ -115,8 +116,9 @@ class WorkerSet:
         self.events = self._ctx.Queue() if self.worker_mode == "process" else queue.Queue()
         for i, cfg in enumerate(self.configs):
             if cfg.remote:
-                from engine.remote.worker import RemoteTokenCounter
-                counters[i] = RemoteTokenCounter(cfg.device[len("remote:"):])
+                from engine.remote.spec import Secret, remote_url
+                from engine.remote.tokens import RemoteTokenCounter
+                counters[i] = RemoteTokenCounter(remote_url(cfg), Secret(cfg.remote_options))
             commands, proc = self._spawn(i, cfg)
             self.slots.append(WorkerSlot(i, cfg, commands, proc))
             proc.start()

@@ -82,6 +82,9 @@ class PrefixCache:
         self.evictions = 0
         self.collisions = 0
         self._delta: list[tuple[bool, bytes]] = []   # (added?, key prefix), in order
+        # (key prefix, parent's key prefix or None at a chain's head, the page's tokens) per
+        # published page, (key prefix, None, None) per evicted one: KV events for routers
+        self._blocks: list[tuple[bytes, bytes | None, tuple[int, ...] | None]] = []
 
     # --- keys -------------------------------------------------------------------------
     def extra_of(self, seq: Sequence) -> bytes:
@@ -165,6 +168,7 @@ class PrefixCache:
             self.pool.keep(page)
             self.published += 1
             self._delta.append((True, key[:DELTA_KEY_BYTES]))
+            self._blocks.append((key[:DELTA_KEY_BYTES], entry.parent[:DELTA_KEY_BYTES] if i else None, tokens))
             new.append(key)
         seq.num_published = upto
         if new and self.on_event:
@@ -176,6 +180,7 @@ class PrefixCache:
         del self._by_key[e.key]
         self.evictions += 1
         self._delta.append((False, e.key[:DELTA_KEY_BYTES]))
+        self._blocks.append((e.key[:DELTA_KEY_BYTES], None, None))
         if self.on_event:
             self.on_event("evict", {"page": page})
 
@@ -189,3 +194,10 @@ class PrefixCache:
         delta = tuple(self._delta)
         self._delta.clear()
         return delta
+
+    def take_blocks(self) -> tuple[tuple[bytes, bytes | None, tuple[int, ...] | None], ...]:
+        """Pages published (key, parent key, tokens) and evicted (key, None, None) since the
+        last call, in order: what vLLM-format KV events are made of (engine/serve/kv_events.py)."""
+        blocks = tuple(self._blocks)
+        self._blocks.clear()
+        return blocks

@@ -22,6 +22,7 @@ from engine.facade.engine import Engine, RequestFailed
 from engine.errors import InvalidRequest, TokentopError, describe_error
 from engine.serve import protocol as P
 from engine.serve.metrics import CONTENT_TYPE, EngineMetrics
+from engine.serve.router_api import RouterApi
 
 LONG_PROMPT_CHARS = 20_000
 
@@ -56,6 +57,7 @@ class OpenAIServer:
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
             Route("/trace", self.write_trace, methods=["POST"]),
+            *RouterApi(self).routes(),     # what vllm-router and SGLang's gateway ask a worker
         ], exception_handlers={404: self._not_found, 405: self._not_allowed, Exception: self._internal})
 
     # --- small endpoints ----------------------------------------------------------------

@@ -2,10 +2,12 @@
 
 The listening socket is bound before anything else starts, so a port in use is a one-line
 error, not a traceback from a server thread. uvicorn's own log lines go to the engine's event
-log (where the dashboard shows them) instead of the terminal.
+log (where the dashboard shows them) instead of the terminal; `tokentop serve --access-log`
+prints uvicorn's line per request on stderr.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import socket
 import threading
@@ -56,14 +58,18 @@ class _EngineLogHandler(logging.Handler):
 class HttpServer:
     """An OpenAIServer on uvicorn, on a socket bound up front."""
 
-    def __init__(self, engine, config: ServeConfig, quiet: bool = False):
+    def __init__(self, engine, config: ServeConfig, quiet: bool = False, access_log: bool = False):
         self.api = OpenAIServer(engine, config)
         self.sock = bind(config.host, config.port)
         self.host, self.port = self.sock.getsockname()[:2]
-        log_config = None if quiet else uvicorn.config.LOGGING_CONFIG
+        log_config = None if quiet else copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+        if log_config is not None:     # the access log beside tokentop's own lines, not on stdout
+            log_config["handlers"]["access"]["stream"] = "ext://sys.stderr"
         self.server = uvicorn.Server(uvicorn.Config(
-            self.api.app, log_config=log_config, log_level="warning", access_log=False,
+            self.api.app, log_config=log_config, log_level="warning", access_log=access_log,
             timeout_graceful_shutdown=3, lifespan="off"))
+        if access_log:      # one line per request on stderr, above the warning level of the rest
+            logging.getLogger("uvicorn.access").setLevel(logging.INFO)
         if quiet:
             handler = _EngineLogHandler(engine)
             for name in ("uvicorn", "uvicorn.error"):

@@ -268,6 +268,9 @@ class Worker:
     def _cache_delta(self) -> tuple:
         return self.reuse.cache.take_delta() if self.reuse is not None else ()
 
+    def _kv_blocks(self) -> tuple:
+        return self.reuse.cache.take_blocks() if self.reuse is not None else ()
+
     def _end(self, ends, tokens=(), preempted: tuple[str, ...] = (), emit: bool = True) -> None:
         """The one way requests finish: each (seq, reason, error) leaves the scheduler, gives
         its pages back and becomes a Finished event, emitted in one StepEvents with `tokens`.
@@ -286,7 +289,7 @@ class Worker:
             finished.append(self.output.finished_event(seq))
         if emit and (tokens or finished or preempted):
             self.emit(msg.StepEvents(self.index, tuple(tokens), tuple(finished), preempted,
-                                     self._cache_delta()))
+                                     self._cache_delta(), self._kv_blocks()))
 
     def _append_spec(self, item, result, now: float, tokens: list) -> str | None:
         """A speculating request: roll back what was rejected, then process the emitted tokens

@@ -1,0 +1,164 @@
+"""One look at one server: what it is and its numbers now, from the endpoints it has.
+
+Kinds, told apart by the metric names on /metrics (each project's own, read from its source):
+  tokentop   tokentop:worker_info beside vLLM's names (engine/serve/metrics.py); tok/s from its
+             tokentop:decode_tokens_per_second (its vllm:generation_tokens rises per finished request)
+  vllm       vllm:num_requests_running / _waiting, vllm:kv_cache_usage_perc (older:
+             gpu_cache_usage_perc), vllm:generation_tokens_total, histograms
+             vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds (older:
+             time_per_output_token_seconds)
+  sglang     sglang:num_running_reqs / num_queue_reqs, sglang:token_usage,
+             sglang:generation_tokens_total, sglang:gen_throughput, histograms
+             sglang:time_to_first_token_seconds, sglang:inter_token_latency_seconds
+             (python/sglang/srt/metrics/collector.py)
+  llamacpp   llamacpp:requests_processing / requests_deferred, llamacpp:kv_cache_usage_ratio,
+             llamacpp:tokens_predicted_total, llamacpp:predicted_tokens_seconds (server.cpp),
+             and its GET /slots (is_processing per slot)
+  vllm-router  its GET /workers (url, is_healthy, load per worker) on the serving port (whose
+             /metrics passes a worker's through), and vllm_router_* names on its Prometheus port
+             (which can be watched as a URL too)
+Every number is None when the server does not say it.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+TIMEOUT = 3.0
+
+RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs", "llamacpp:requests_processing",
+           "vllm_router_running_requests")
+WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs", "llamacpp:requests_deferred")
+KV = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage",
+      "llamacpp:kv_cache_usage_ratio")
+GENERATED = ("vllm:generation_tokens_total", "sglang:generation_tokens_total", "llamacpp:tokens_predicted_total")
+TPS_GAUGE = ("tokentop:decode_tokens_per_second", "sglang:gen_throughput", "llamacpp:predicted_tokens_seconds")
+TTFT = ("vllm:time_to_first_token_seconds", "sglang:time_to_first_token_seconds")
+ITL = ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds",
+       "sglang:inter_token_latency_seconds", "sglang:time_per_output_token_seconds")
+ROUTER_REQUESTS = "vllm_router_requests_total"
+
+
+@dataclass
+class Sample:
+    url: str
+    at: float                                  # time.monotonic()
+    up: bool
+    kind: str = "?"
+    error: str = ""
+    model: str | None = None
+    running: float | None = None
+    waiting: float | None = None
+    kv: float | None = None                    # 0..1, mean over the server's own series
+    generated: float | None = None             # tokens generated since the server started
+    tps_gauge: float | None = None             # the server's own tok/s figure, where it has one
+    ttft: list[tuple[float, float]] = field(default_factory=list)   # cumulative (le, count)
+    itl: list[tuple[float, float]] = field(default_factory=list)
+    requests: float | None = None              # a router: requests it has routed
+    workers: list[dict] = field(default_factory=list)   # a router's: {"url", "healthy", "load"}
+    slots: tuple[int, int] | None = None       # llama.cpp: (busy, total)
+
+
+def kind_of(names: set[str]) -> str:
+    if "tokentop:worker_info" in names:
+        return "tokentop"
+    for prefix, kind in (("vllm_router_", "vllm-router"), ("sglang:", "sglang"), ("llamacpp:", "llamacpp"),
+                         ("vllm:", "vllm")):
+        if any(n.startswith(prefix) for n in names):
+            return kind
+    return "?"
+
+
+def from_metrics(url: str, text: str, at: float | None = None) -> Sample:
+    """A sample from a Prometheus text page alone."""
+    values: dict[str, float] = {}
+    series: dict[str, int] = {}
+    buckets: dict[str, dict[float, float]] = {}
+    model = None
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            values[s.name] = values.get(s.name, 0.0) + s.value
+            series[s.name] = series.get(s.name, 0) + 1
+            model = model or s.labels.get("model_name")
+            if s.name.endswith("_bucket") and "le" in s.labels:
+                le = float(s.labels["le"])
+                hist = buckets.setdefault(s.name[: -len("_bucket")], {})
+                hist[le] = hist.get(le, 0.0) + s.value      # summed over workers and labels
+    names = {n[:-6] if n.endswith("_total") else n for n in values} | set(values)
+    out = Sample(url=url, at=time.monotonic() if at is None else at, up=True, kind=kind_of(names), model=model)
+    out.running = _first(values, RUNNING)
+    out.waiting = _first(values, WAITING)
+    kv_name = next((n for n in KV if n in values), None)
+    if kv_name is not None:
+        out.kv = values[kv_name] / series[kv_name]
+    # tokentop counts a request's tokens when it finishes: its per-worker decode rate is the live figure
+    out.generated = None if out.kind == "tokentop" else _first(values, GENERATED)
+    out.tps_gauge = _first(values, TPS_GAUGE)
+    out.ttft = _histogram(buckets, TTFT)
+    out.itl = _histogram(buckets, ITL)
+    out.requests = _first(values, (ROUTER_REQUESTS,))
+    return out
+
+
+def _first(values: dict[str, float], names: tuple[str, ...]) -> float | None:
+    return next((values[n] for n in names if n in values), None)
+
+
+def _histogram(buckets: dict[str, dict[float, float]], names: tuple[str, ...]) -> list[tuple[float, float]]:
+    for n in names:
+        if n in buckets:
+            return sorted(buckets[n].items())
+    return []
+
+
+def look(client: httpx.Client, url: str) -> Sample:
+    """Scrape `url` once: /metrics, and /health, /workers or /slots as its kind has them."""
+    now = time.monotonic()
+    try:
+        workers = _router_workers(client, url)
+        if workers is not None:   # a router: its /metrics here would be a worker's, passed through
+            sample = Sample(url, now, up=True, kind="vllm-router", workers=workers)
+        else:
+            r = client.get(url + "/metrics", timeout=TIMEOUT)
+            if r.status_code != 200:
+                return Sample(url, now, up=False, error=f"/metrics answers {r.status_code}")
+            sample = from_metrics(url, r.text, now)
+        health = client.get(url + "/health", timeout=TIMEOUT)
+        if health.status_code == 404:        # no /health (a router's Prometheus port): /metrics answered
+            pass
+        elif health.status_code != 200 and sample.kind != "vllm-router":
+            sample.up, sample.error = False, f"/health answers {health.status_code}"
+        elif health.status_code != 200:      # a router says 503 while any of its workers is down
+            sample.error = health.text.strip()[:200]
+        if sample.kind == "llamacpp":
+            sample.slots = _slots(client, url)
+        return sample
+    except (httpx.HTTPError, ValueError) as exc:
+        return Sample(url, now, up=False, error=(str(exc) or type(exc).__name__).splitlines()[0])
+
+
+def _router_workers(client: httpx.Client, url: str) -> list[dict] | None:
+    r = client.get(url + "/workers", timeout=TIMEOUT)
+    if r.status_code != 200:
+        return None
+    try:
+        body = r.json()
+    except ValueError:                    # e.g. a Prometheus port answers every path with metrics
+        return None
+    if not isinstance(body, dict) or not isinstance(body.get("workers"), list):
+        return None
+    return [{"url": w.get("url"), "healthy": bool(w.get("is_healthy")), "load": w.get("load")}
+            for w in body["workers"] if isinstance(w, dict)]
+
+
+def _slots(client: httpx.Client, url: str) -> tuple[int, int] | None:
+    r = client.get(url + "/slots", timeout=TIMEOUT)
+    if r.status_code != 200:
+        return None
+    slots = r.json()
+    if not isinstance(slots, list):
+        return None
+    return sum(1 for s in slots if isinstance(s, dict) and s.get("is_processing")), len(slots)

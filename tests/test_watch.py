@@ -1,0 +1,232 @@
+"""`tokentop watch` (engine/watch, app/watch.py): against a real tokentop serve and a real
+vllm-router; vLLM, SGLang and llama.cpp's server through fixtures.
+
+The fixtures are written in each project's documented Prometheus exposition format, with the
+metric names, types and labels their sources register (vLLM's vllm/v1/metrics/loggers.py,
+SGLang's python/sglang/srt/metrics/collector.py, llama.cpp's tools/server/server.cpp); the
+values are made up. No vLLM, SGLang or llama.cpp server runs here.
+"""
+from __future__ import annotations
+
+import json
+import math
+import threading
+
+import httpx
+import pytest
+
+from app.cli import main
+from engine.watch.sources import Sample, from_metrics
+from engine.watch.watcher import STALL_S, Watcher, _Track, quantile
+from tests.serve_util import in_process_server
+
+VLLM = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 3.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 2.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.25
+# HELP vllm:generation_tokens_total Number of generation tokens processed.
+# TYPE vllm:generation_tokens_total counter
+vllm:generation_tokens_total{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 5000.0
+# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.1",model_name="meta-llama/Llama-3.1-8B-Instruct"} 50.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.25",model_name="meta-llama/Llama-3.1-8B-Instruct"} 90.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.5",model_name="meta-llama/Llama-3.1-8B-Instruct"} 100.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="meta-llama/Llama-3.1-8B-Instruct"} 100.0
+vllm:time_to_first_token_seconds_count{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 100.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 12.0
+# HELP vllm:inter_token_latency_seconds Histogram of inter-token latency in seconds.
+# TYPE vllm:inter_token_latency_seconds histogram
+vllm:inter_token_latency_seconds_bucket{engine="0",le="0.01",model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.0
+vllm:inter_token_latency_seconds_bucket{engine="0",le="0.025",model_name="meta-llama/Llama-3.1-8B-Instruct"} 4000.0
+vllm:inter_token_latency_seconds_bucket{engine="0",le="+Inf",model_name="meta-llama/Llama-3.1-8B-Instruct"} 4000.0
+vllm:inter_token_latency_seconds_count{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 4000.0
+vllm:inter_token_latency_seconds_sum{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 80.0
+"""
+
+SGLANG = """\
+# HELP sglang:num_running_reqs The number of running requests.
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{model_name="Qwen/Qwen2.5-7B-Instruct",tp_rank="0"} 8.0
+# HELP sglang:num_queue_reqs The number of requests in the waiting queue.
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{model_name="Qwen/Qwen2.5-7B-Instruct",tp_rank="0"} 4.0
+# HELP sglang:token_usage The token usage.
+# TYPE sglang:token_usage gauge
+sglang:token_usage{model_name="Qwen/Qwen2.5-7B-Instruct",tp_rank="0"} 0.5
+# HELP sglang:gen_throughput The generation throughput (token/s).
+# TYPE sglang:gen_throughput gauge
+sglang:gen_throughput{model_name="Qwen/Qwen2.5-7B-Instruct",tp_rank="0"} 812.5
+# HELP sglang:generation_tokens_total Number of generation tokens processed.
+# TYPE sglang:generation_tokens_total counter
+sglang:generation_tokens_total{model_name="Qwen/Qwen2.5-7B-Instruct"} 20000.0
+# HELP sglang:time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE sglang:time_to_first_token_seconds histogram
+sglang:time_to_first_token_seconds_bucket{le="0.2",model_name="Qwen/Qwen2.5-7B-Instruct"} 10.0
+sglang:time_to_first_token_seconds_bucket{le="0.4",model_name="Qwen/Qwen2.5-7B-Instruct"} 20.0
+sglang:time_to_first_token_seconds_bucket{le="+Inf",model_name="Qwen/Qwen2.5-7B-Instruct"} 20.0
+sglang:time_to_first_token_seconds_count{model_name="Qwen/Qwen2.5-7B-Instruct"} 20.0
+sglang:time_to_first_token_seconds_sum{model_name="Qwen/Qwen2.5-7B-Instruct"} 5.0
+# HELP sglang:inter_token_latency_seconds Histogram of inter-token latency in seconds.
+# TYPE sglang:inter_token_latency_seconds histogram
+sglang:inter_token_latency_seconds_bucket{le="0.02",model_name="Qwen/Qwen2.5-7B-Instruct"} 100.0
+sglang:inter_token_latency_seconds_bucket{le="+Inf",model_name="Qwen/Qwen2.5-7B-Instruct"} 100.0
+sglang:inter_token_latency_seconds_count{model_name="Qwen/Qwen2.5-7B-Instruct"} 100.0
+sglang:inter_token_latency_seconds_sum{model_name="Qwen/Qwen2.5-7B-Instruct"} 1.5
+"""
+
+LLAMACPP = """\
+# HELP llamacpp:tokens_predicted_total Number of generation tokens processed.
+# TYPE llamacpp:tokens_predicted_total counter
+llamacpp:tokens_predicted_total 700
+# HELP llamacpp:predicted_tokens_seconds Average generation throughput in tokens/s.
+# TYPE llamacpp:predicted_tokens_seconds gauge
+llamacpp:predicted_tokens_seconds 41.5
+# HELP llamacpp:kv_cache_usage_ratio KV-cache usage. 1 means 100 percent usage.
+# TYPE llamacpp:kv_cache_usage_ratio gauge
+llamacpp:kv_cache_usage_ratio 0.125
+# HELP llamacpp:requests_processing Number of requests processing.
+# TYPE llamacpp:requests_processing gauge
+llamacpp:requests_processing 1
+# HELP llamacpp:requests_deferred Number of requests deferred.
+# TYPE llamacpp:requests_deferred gauge
+llamacpp:requests_deferred 0
+"""
+
+
+@pytest.mark.parametrize("text, kind, running, waiting, kv, generated", [
+    (VLLM, "vllm", 3, 2, 0.25, 5000), (SGLANG, "sglang", 8, 4, 0.5, 20000), (LLAMACPP, "llamacpp", 1, 0, 0.125, 700),
+])
+def test_each_projects_names_are_read(text, kind, running, waiting, kv, generated):
+    s = from_metrics("http://x", text)
+    assert (s.kind, s.running, s.waiting, s.kv, s.generated) == (kind, running, waiting, kv, generated)
+
+
+def test_percentiles_from_histograms_as_prometheus_computes_them():
+    s = from_metrics("http://x", VLLM)
+    assert quantile(0.5, s.ttft) == pytest.approx(0.1)              # exactly the 50th at 0.1
+    assert quantile(0.9, s.ttft) == pytest.approx(0.25)
+    assert quantile(0.95, s.ttft) == pytest.approx(0.25 + 0.25 * 0.5)   # linear inside (0.25, 0.5]
+    assert quantile(0.5, s.itl) == pytest.approx(0.0175)
+    assert quantile(0.5, []) is None and quantile(0.5, [(math.inf, 0.0)]) is None
+    assert from_metrics("http://x", SGLANG).model == "Qwen/Qwen2.5-7B-Instruct"
+
+
+def _sample(at: float, running: float, generated: float, up: bool = True) -> Sample:
+    return Sample("http://x", at, up, kind="vllm", running=running, waiting=0, generated=generated)
+
+
+def test_rates_and_a_stall():
+    t = _Track("http://x")
+    t.add(_sample(0.0, 2, 100))
+    t.add(_sample(1.0, 2, 150))
+    assert t.status().tok_s == 50 and not t.status().alerts
+    for i in range(2, 2 + int(STALL_S)):               # running, and not one token more
+        t.add(_sample(float(i), 2, 150))
+    st = t.status()
+    assert st.tok_s == 0 and st.tok_s_history[:2] == [50.0, 0.0]
+    assert st.alerts == [f"stall: 2 running, no token generated for {STALL_S:.0f} s"]
+    t.add(_sample(20.0, 0, 150))                       # idle is not a stall
+    assert t.status().alerts == []
+
+
+def test_down_and_imbalance_alerts():
+    w = Watcher(["http://a", "http://b", "http://c"])
+    try:
+        for url, running in (("http://a", 9), ("http://b", 1)):
+            w.tracks[url].add(Sample(url, 0.0, True, kind="vllm", running=running, waiting=0))
+        w.tracks["http://c"].add(Sample("http://c", 0.0, False, error="connection refused"))
+        a, b, c = w.status()
+        assert a.alerts == b.alerts == ["imbalance: http://a has 9 requests, http://b 1"]
+        assert c.state == "down" and c.alerts == ["down: connection refused"]
+    finally:
+        w.close()
+
+
+@pytest.fixture(scope="module")
+def server(real_model_path):
+    with in_process_server(real_model_path, ["sim:slow:prefill=20000,decode=200"], max_active=4) as s:
+        yield s
+
+
+def test_once_json_against_a_real_tokentop_serve(server, capsys):
+    engine, http = server
+    for _ in range(3):
+        assert httpx.post(http.url + "/v1/completions", json={"prompt": "hello", "max_tokens": 5},
+                          timeout=30).status_code == 200
+    busy = threading.Thread(target=httpx.post, args=(http.url + "/v1/completions",),
+                            kwargs={"json": {"prompt": "a longer one", "max_tokens": 300}, "timeout": 60})
+    busy.start()                                        # generating while it looks twice
+    try:
+        rc = main(["watch", http.url, "--once", "--json", "--interval", "0.5"])
+    finally:
+        busy.join(60)
+    assert rc == 0
+    (s,) = json.loads(capsys.readouterr().out)
+    assert (s["url"], s["kind"], s["state"], s["model"]) == (http.url, "tokentop", "up", http.api.model)
+    assert s["running"] == 1 and s["waiting"] == 0 and s["kv_usage"] is not None and s["kv_usage"] > 0
+    assert s["tok_s"] > 0 and s["ttft"]["p50"] is not None and s["itl"]["p99"] is not None
+    assert s["alerts"] == []
+
+
+def test_once_text_names_a_down_server(server, capsys):
+    _, http = server
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    assert main(["watch", http.url, dead, "--once", "--interval", "0.2"]) == 1
+    out = capsys.readouterr().out
+    assert f"{http.url}  tokentop  up" in out and f"{dead}  ?  down" in out and "! down:" in out
+
+
+async def test_the_dashboard_shows_one_group_per_server(server):
+    from app.watch import WatchApp
+
+    _, http = server
+    app = WatchApp(Watcher([http.url]), interval=0.2)
+    async with app.run_test() as pilot:
+        for _ in range(50):
+            await pilot.pause(0.1)
+            text = str(app.panels[http.url].render())
+            if "tokentop  up" in text:
+                break
+        assert f"{http.url}  tokentop  up" in text and "running" in text
+
+
+def test_bad_watch_flags_are_one_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["watch", "localhost:8000"])
+    assert e.value.code == 2 and "write the server's URL" in capsys.readouterr().err
+    assert main(["watch", "http://127.0.0.1:1", "--json"]) == 2
+    assert "--json prints one snapshot: add --once" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_once_against_a_real_vllm_router(real_model_path, capsys):
+    from tests.fleet_util import need, tokentop, vllm_router
+
+    need("vllm_router", "vllm-router")
+    a = tokentop("sim:r:prefill=20000,decode=2000")
+    router = None
+    try:
+        router = vllm_router([a.url], "--policy", "round_robin")
+        assert httpx.post(router.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3},
+                          timeout=30).status_code == 200
+        metrics_url = f"http://127.0.0.1:{router.metrics_port}"
+        assert main(["watch", router.url, metrics_url, a.url, "--once", "--json", "--interval", "0.3"]) == 0
+        front, prom, worker = json.loads(capsys.readouterr().out)
+        assert front["kind"] == "vllm-router" and front["state"] == "up"
+        assert front["workers"] == [{"url": a.url, "healthy": True, "load": 0}]
+        assert prom["kind"] == "vllm-router" and prom["state"] == "up"
+        assert worker["kind"] == "tokentop" and worker["state"] == "up"
+    finally:
+        if router is not None:
+            router.stop()
+        a.stop()
