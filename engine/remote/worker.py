@@ -144,7 +144,8 @@ class RemoteWorker:
                 return
             self.streamed[cmd.request_id] = 0
             self.prompt_len[cmd.request_id] = cmd.prompt_tokens or len(cmd.prompt_ids)
-            self.tasks[cmd.request_id] = asyncio.ensure_future(self._forward(cmd))
+            task = self.tasks[cmd.request_id] = asyncio.ensure_future(self._forward(cmd))
+            task.add_done_callback(lambda t, cmd=cmd: self._never_started(cmd, t))
         elif isinstance(cmd, msg.Abort):
             task = self.tasks.get(cmd.request_id)
             if task is not None:
@@ -294,6 +295,16 @@ class RemoteWorker:
             self.tasks.pop(rid, None)
             self.streamed.pop(rid, None)
             self.prompt_len.pop(rid, None)
+
+    def _never_started(self, cmd: msg.Submit, task: asyncio.Task) -> None:
+        """A forward cancelled before its first step (an Abort handled right behind its Submit)
+        never ran its body, which reports the abort and forgets the request: do both here."""
+        rid = cmd.request_id
+        if self.tasks.get(rid) is task:     # the body's `finally` would have removed it
+            del self.tasks[rid]
+            self.streamed.pop(rid, None)
+            self.prompt_len.pop(rid, None)
+            self._finish(rid, "abort", None, cmd, time.monotonic(), None, 0, None)
 
     def _body(self, cmd: msg.Submit) -> tuple[str, dict]:
         p = cmd.params
