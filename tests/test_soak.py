@@ -11,8 +11,21 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.bench.soak_checks import (ABORTED, DISCONNECTED, FAILED, FINISHED, EngineLedger, Ledger, cached_pages,
-                                      fd_verdict, growth, held_pages, pages_verdict, rss_verdict, table_verdict)
+from engine.bench.soak_checks import (
+    ABORTED,
+    DISCONNECTED,
+    FAILED,
+    FINISHED,
+    EngineLedger,
+    Ledger,
+    cached_pages,
+    fd_verdict,
+    growth,
+    held_pages,
+    pages_verdict,
+    rss_verdict,
+    table_verdict,
+)
 from engine.kv.states import CACHED, FREE, SHARED, USED
 
 

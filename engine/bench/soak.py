@@ -37,8 +37,20 @@ from pathlib import Path
 import httpx
 
 from engine.bench.llama_server import free_port
-from engine.bench.soak_checks import (ABORTED, DISCONNECTED, FAILED, FINISHED, EngineLedger, Ledger, cached_pages,
-                                      fd_verdict, held_pages, pages_verdict, rss_verdict, table_verdict)
+from engine.bench.soak_checks import (
+    ABORTED,
+    DISCONNECTED,
+    FAILED,
+    FINISHED,
+    EngineLedger,
+    Ledger,
+    cached_pages,
+    fd_verdict,
+    held_pages,
+    pages_verdict,
+    rss_verdict,
+    table_verdict,
+)
 from engine.config import EngineConfig, SamplingParams
 from engine.errors import ConfigError, TokentopError, describe_error
 from engine.facade.procstat import rss_bytes
@@ -219,10 +231,21 @@ class Soak:
         self.engine = Engine(EngineConfig(workers=workers, router_policy=ROUTER_POLICY, worker_mode="process"))
         self.engine.add_observer(self.engine_ledger.observe)
         self.engine.start(timeout=RECOVER_S)
-        self.wait_for(lambda: all(w.state == "ready" for w in self.engine.snapshot().workers), RECOVER_S)
+        self._note_worker_pids()
+        if not self.wait_for(lambda: all(w.state == "ready" for w in self.engine.snapshot().workers), RECOVER_S):
+            states = ", ".join(f"{w.name} {w.state}" + (f" ({w.message})" if w.message else "")
+                               for w in self.engine.snapshot().workers)
+            raise TokentopError(f"not every worker was ready within {RECOVER_S:.0f} s: {states}")
         self.http = HttpServer(self.engine, ServeConfig(port=0, max_queue=1000), quiet=True).start()
-        self.wait_for(lambda: self._healthy(self.http.url), 30)
+        if not self.wait_for(lambda: self._healthy(self.http.url), 30):
+            raise TokentopError(f"the soak's HTTP server on {self.http.url} did not answer /health within 30 s")
         self.model_name = self.http.api.model
+
+    def _note_worker_pids(self) -> None:
+        """The local workers' processes now: each must be gone once the soak stops."""
+        with self.engine.lock:
+            self.worker_pids.update(w.process.pid for w in self.engine.workers
+                                    if not w.cfg.remote and w.process is not None and w.process.pid)
 
     @staticmethod
     def _healthy(url: str) -> bool:
@@ -235,6 +258,8 @@ class Soak:
         """Everything this soak started, whatever happened before: then check that none of its
         processes outlived it."""
         self.cancelled.set()
+        if self.engine is not None:
+            self._note_worker_pids()
         for step in (lambda: self.http and self.http.stop(), lambda: self.engine and self.engine.shutdown(),
                      lambda: self.remote and self.remote.stop()):
             try:
@@ -365,7 +390,7 @@ class Soak:
     async def _whole(self, client, path: str, body: dict, leave: float):
         try:
             r = await asyncio.wait_for(client.post(path, json=body), leave or None)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return DISCONNECTED, "", None               # cancelled: the connection is dropped
         if r.status_code != 200:
             return FAILED, f"HTTP {r.status_code}: {_message(r.content)}", None
@@ -390,7 +415,7 @@ class Soak:
                 task.add_done_callback(running.discard)
             try:
                 await asyncio.wait_for(stop.wait(), BURST_EVERY_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         await asyncio.gather(*running)
 
