@@ -62,6 +62,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_minutes(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of minutes; e.g. 2 or 0.5")
+    return value
+
+
 def _sizes(text: str) -> str:
     """bench batching's N,N,...: positive counts, checked when read (not after a first bench)."""
     parts = [p.strip() for p in text.split(",")]
@@ -203,10 +213,12 @@ def build_parser() -> OneLineParser:
 
     b = sub.add_parser("bench", help="benchmarks (JSON out)")
     b.add_argument("scenario", choices=["single", "batching", "routing", "dashboard", "trace", "record", "prefix", "serve",
-                                        "spec", "router"])
+                                        "spec", "router", "soak"])
     b.add_argument("--models", default="qwen2.5-coder-0.5b", type=_names, help="comma-separated (bench single)")
     b.add_argument("--runs", type=_positive_int, default=3)
     b.add_argument("--quick", action="store_true", help="fewer/shorter runs (smoke test)")
+    b.add_argument("--minutes", type=_positive_minutes, default=2.0, metavar="N",
+                   help="bench soak: how long the mixed load runs (fractions allowed, e.g. 0.5)")
     b.add_argument("--out", default=None, type=_writable_file, help="also write the JSON report here")
     b.add_argument("--policies", default="forced-fastest,round-robin,least-loaded,cost",
                    help="bench routing: which policies to compare")

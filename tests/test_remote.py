@@ -195,3 +195,34 @@ def test_a_request_with_only_an_unreachable_remote_says_why(tiny_model_path):
             engine.submit("hello")
     finally:
         engine.shutdown()
+
+
+def test_an_abort_right_behind_its_submit_still_finishes_the_request(tiny_model_path):
+    """Submit and Abort handled in one go: the forward's task is cancelled before its first step,
+    so its body (which reports an abort when cancelled) never runs. The request must still end,
+    as aborted; unreported, it stayed queued forever (its handle never returned, its table entry
+    never went). `bench soak` found it: requests aborted at once, routed to the remote."""
+    import queue
+
+    from engine import messages as msg
+    from engine.config import SamplingParams
+    from engine.remote.worker import RemoteWorker
+
+    cfg = parse_devices(["remote:http://127.0.0.1:1,name=far"], WorkerConfig(model=str(tiny_model_path("qwen2"))))[0]
+    events: queue.Queue = queue.Queue()
+    worker = RemoteWorker(0, cfg, cfg.model, queue.Queue(), events)
+
+    async def submit_then_abort():
+        import httpx
+        worker.client = httpx.AsyncClient(base_url=worker.url)   # never reached: the task never runs
+        worker.ready = True
+        worker._handle(msg.Submit("r1", (1, 2, 3), SamplingParams(max_tokens=4), time.monotonic()))
+        worker._handle(msg.Abort("r1"))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        await worker.client.aclose()
+
+    asyncio.run(submit_then_abort())
+    finished = [f for e in list(events.queue) if isinstance(e, msg.StepEvents) for f in e.finished]
+    assert [(f.request_id, f.reason) for f in finished] == [("r1", "abort")]
+    assert not worker.tasks and not worker.streamed and not worker.prompt_len   # nothing left behind

@@ -7,6 +7,7 @@ batching  N concurrent requests vs the same requests one after another; paged vs
           (preemptions and recomputed tokens)
 prefix    prefix reuse: warm vs cold, identical and partial-prefix bursts, cyclic, equality (prefix.py)
 router    the facade's cost of one routing decision with 8 / 64 / 256 workers (router_cost.py)
+soak      minutes of mixed load with a worker killed and the remote restarted: leaks, lost and doubled requests (soak.py)
 """
 from __future__ import annotations
 
@@ -572,3 +573,11 @@ def bench_serve(args) -> dict:
 
 
 from engine.bench.spec import bench_spec  # noqa: E402,F401  (tokentop bench spec)
+
+
+# --- soak ----------------------------------------------------------------------------------
+def bench_soak(args) -> dict:
+    """Mixed load for --minutes, a worker killed and the remote restarted; then the leak and
+    ledger verdicts (engine/bench/soak.py)."""
+    from engine.bench.soak import bench_soak as run
+    return run(args)

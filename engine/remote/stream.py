@@ -105,6 +105,14 @@ class Forwarder:
             self.streamed.pop(rid, None)
             self.prompt_len.pop(rid, None)
 
+    def never_started(self, cmd: msg.Submit) -> None:
+        """A forward cancelled before its first step (an Abort handled right behind its Submit)
+        never ran its body, which reports the abort and forgets the request: do both here."""
+        if cmd.request_id in self.streamed:     # the body's `finally` would have removed it
+            self.streamed.pop(cmd.request_id, None)
+            self.prompt_len.pop(cmd.request_id, None)
+            self._finish(cmd, "abort", None, time.monotonic(), None, 0)
+
     def _refused(self, cmd: msg.Submit, status: int, detail: str, sent: float) -> None:
         url = self.conn.url
         if status in (401, 403):

@@ -101,7 +101,7 @@ class RemoteWorker:
             self.fwd.open(cmd)
             task = asyncio.ensure_future(self.fwd.forward(cmd))
             self.tasks[cmd.request_id] = task
-            task.add_done_callback(lambda _t, rid=cmd.request_id: self.tasks.pop(rid, None))
+            task.add_done_callback(lambda _t, cmd=cmd: self._forward_done(cmd))
         elif isinstance(cmd, msg.Abort):
             task = self.tasks.get(cmd.request_id)
             if task is not None:
@@ -132,6 +132,10 @@ class RemoteWorker:
         if self.state != "down":
             self.state, self.said = "down", reason
             self.emit(msg.WorkerDown(self.index, reason))
+
+    def _forward_done(self, cmd: msg.Submit) -> None:
+        self.tasks.pop(cmd.request_id, None)
+        self.fwd.never_started(cmd)
 
     def _mark_degraded(self, reason: str) -> None:
         if self.state == "ready":
