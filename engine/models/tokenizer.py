@@ -38,6 +38,8 @@ from tokenizers.models import BPE
 
 from engine.errors import InvalidRequest, ModelError
 from engine.models.gguf import load_gguf
+from engine.models.gguf_header import shown
+from engine.models.tokenizer_metadata import check_tokenizer_metadata, merge_pairs
 
 # llama.cpp's token types (tokenizer.ggml.token_type).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -120,30 +122,31 @@ class Tokenizer:
             ref = _SHARED.get(key)
             tok = ref() if ref is not None else None
             if tok is None:
-                tok = cls.from_metadata(metadata if metadata is not None else load_gguf(path).metadata)
+                tok = cls.from_metadata(metadata if metadata is not None else load_gguf(path).metadata, path)
                 _SHARED[key] = weakref.ref(tok)
             return tok
 
     @classmethod
-    def from_metadata(cls, md: dict[str, Any]) -> Tokenizer:
-        """Build from decoded GGUF metadata (key → str / int / bool / float / list)."""
+    def from_metadata(cls, md: dict[str, Any], source: str | Path | None = None) -> Tokenizer:
+        """Build from decoded GGUF metadata (key → str / int / bool / float / list), its
+        tokenizer keys checked first (engine/models/tokenizer_metadata.py). `source`: the file
+        it was read from, which a ModelError names."""
         name = str(md.get("general.name") or md.get("general.architecture") or "this model")
+        where = str(source) if source is not None else f"model {name}"
+        check_tokenizer_metadata(md, where)
         kind = md.get("tokenizer.ggml.model")
-        tokens = md.get("tokenizer.ggml.tokens")
-        if not tokens:
-            raise ModelError(f"{name}: the file has no tokenizer.ggml.tokens; it cannot be tokenized. "
-                             "Re-convert it with a recent llama.cpp convert_hf_to_gguf.py.")
-        tokens = list(tokens)
+        tokens = list(md["tokenizer.ggml.tokens"])
         types = list(md.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
         if kind == "gpt2":
-            backend = _byte_level_bpe(md, tokens, name)
+            backend = _byte_level_bpe(md, tokens, where)
             default_add_bos = False
         elif kind == "llama":
-            backend = _sentencepiece_bpe(md, tokens)
+            backend = _sentencepiece_bpe(md, tokens, where)
             default_add_bos = True  # llama.cpp's default for SentencePiece vocabularies
         else:
-            raise ModelError(f"{name}: tokenizer type {kind!r} is not supported (only 'gpt2' byte-level BPE "
-                             "and 'llama' SentencePiece BPE are). Use a Qwen2, Llama 3 or Gemma 3 GGUF.")
+            raise ModelError(f"{where}: tokenizer type {shown(kind)} (metadata tokenizer.ggml.model) is not supported "
+                             "(only 'gpt2' byte-level BPE and 'llama' SentencePiece BPE are). "
+                             "Use a Qwen2, Llama 3 or Gemma 3 GGUF.")
         _add_special_tokens(backend, tokens, types)
 
         bos_id = md.get("tokenizer.ggml.bos_token_id")
@@ -290,17 +293,18 @@ def validate_messages(messages: Any) -> None:
 # ---- building the backend -------------------------------------------------------------------
 
 
-def _byte_level_bpe(md: dict, tokens: list[str], name: str) -> tokenizers.Tokenizer:
+def _byte_level_bpe(md: dict, tokens: list[str], where: str) -> tokenizers.Tokenizer:
     pre = md.get("tokenizer.ggml.pre", "gpt2")
     split = BPE_SPLITS.get(pre)
     if split is None:
-        raise ModelError(f"{name}: pre-tokenizer {pre!r} is not supported (known: {', '.join(BPE_SPLITS)}); "
-                         "its text would be split differently from training. Use a Qwen2 or Llama 3 GGUF.")
+        raise ModelError(f"{where}: pre-tokenizer {shown(pre)} (metadata tokenizer.ggml.pre) is not supported "
+                         f"(known: {', '.join(BPE_SPLITS)}); its text would be split differently from "
+                         "training. Use a Qwen2 or Llama 3 GGUF.")
     merges = md.get("tokenizer.ggml.merges")
     if not merges:
-        raise ModelError(f"{name}: a byte-level BPE file must list tokenizer.ggml.merges; re-convert the model.")
+        raise ModelError(f"{where}: a byte-level BPE file must list tokenizer.ggml.merges; re-convert the model.")
     vocab = {tok: i for i, tok in enumerate(tokens)}
-    backend = tokenizers.Tokenizer(BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges],
+    backend = tokenizers.Tokenizer(BPE(vocab=vocab, merges=merge_pairs(merges, vocab, where),
                                        fuse_unk=False, byte_fallback=False))
     backend.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(split), behavior="isolated"),
@@ -310,14 +314,14 @@ def _byte_level_bpe(md: dict, tokens: list[str], name: str) -> tokenizers.Tokeni
     return backend
 
 
-def _sentencepiece_bpe(md: dict, tokens: list[str]) -> tokenizers.Tokenizer:
+def _sentencepiece_bpe(md: dict, tokens: list[str], where: str) -> tokenizers.Tokenizer:
     """SentencePiece BPE: spaces become ▁, unknown characters fall back to <0xNN> byte tokens."""
     # Gemma files store pieces made only of spaces with real spaces; the text they match has ▁ instead.
     tokens = [SPIECE_SPACE * len(t) if t and not t.strip(" ") else t for t in tokens]
     vocab = {tok: i for i, tok in enumerate(tokens)}
     merges = md.get("tokenizer.ggml.merges")
     if merges:
-        merges = [tuple(m.split(" ", 1)) for m in merges]
+        merges = merge_pairs(merges, vocab, where)
     else:
         # Gemma's scores do not follow the order its merges were learned in; its vocabulary order does.
         by_position = str(md.get("general.architecture", "")).startswith("gemma")
