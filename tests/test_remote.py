@@ -214,15 +214,21 @@ def test_an_abort_right_behind_its_submit_still_finishes_the_request(tiny_model_
 
     async def submit_then_abort():
         import httpx
-        worker.client = httpx.AsyncClient(base_url=worker.url)   # never reached: the task never runs
-        worker.ready = True
+
+        from engine.remote.probe import Connection
+        from engine.remote.stream import Forwarder
+        client = httpx.AsyncClient(base_url=worker.url)   # never reached: the task never runs
+        worker.conn = Connection(worker.cfg, worker.url, client, worker.secret)
+        worker.fwd = Forwarder(worker.index, worker.conn, worker.tokenizer, worker.emit,
+                               worker._mark_down, worker._mark_degraded)
+        worker.state = "ready"
         worker._handle(msg.Submit("r1", (1, 2, 3), SamplingParams(max_tokens=4), time.monotonic()))
         worker._handle(msg.Abort("r1"))
         for _ in range(5):
             await asyncio.sleep(0)
-        await worker.client.aclose()
+        await client.aclose()
 
     asyncio.run(submit_then_abort())
     finished = [f for e in list(events.queue) if isinstance(e, msg.StepEvents) for f in e.finished]
     assert [(f.request_id, f.reason) for f in finished] == [("r1", "abort")]
-    assert not worker.tasks and not worker.streamed and not worker.prompt_len   # nothing left behind
+    assert not worker.tasks and not worker.fwd.streamed and not worker.fwd.prompt_len   # nothing left behind
