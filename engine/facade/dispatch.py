@@ -165,6 +165,7 @@ class Dispatcher:
                 rec.state = RequestState.of_finish(f.reason)
                 rec.finished_at = time.monotonic()
                 self.engine.requests.finished(rec)
+                self.engine.latency.add_finished(rec)
                 deliveries.append((rec.id, f))
                 if f.reason == "error":
                     self.engine._log_line("error", f"{rec.id}: {f.error}", locked=True)

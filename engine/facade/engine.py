@@ -23,6 +23,7 @@ from engine import messages as msg
 from engine.config import SPEC_MODES, EngineConfig, SamplingParams, WorkerConfig, check_scheduler_policy
 from engine.facade.limits import check_memory, check_model_limits
 from engine.facade.dispatch import Dispatcher
+from engine.facade.latency import LatencyWindow, live_samples_of
 from engine.errors import ConfigError, InvalidRequest, TokentopError, describe_error
 from engine.models.catalog import resolve_model
 from engine.models.tokenizer import Tokenizer
@@ -88,6 +89,7 @@ class Engine:
         self._ids = itertools.count(1)
         self.spec_mode = ""   # speculation of new requests that do not choose: "" = the workers' default
         self.requests = RequestTable()
+        self.latency = LatencyWindow()   # percentiles over time, fed by the dispatcher
         self._routing: deque[RouteDecision] = deque(maxlen=50)
         self._log: deque[LogLine] = deque(maxlen=200)
         self._log_groups: dict[tuple, tuple[float, int, LogLine]] = {}   # key -> first, count, line
@@ -499,8 +501,11 @@ class Engine:
             workers = tuple(self._worker_view(w) for w in self._workers)
             reqs = tuple(self._request_view(r, now) for r in self.requests.records.values())
             uptime = now - self._started_at if self._started_at is not None else 0.0
-            return EngineSnapshot(time.time(), workers, reqs, tuple(self._routing),
+            live = live_samples_of(self.requests.records.values(), now)
+            snap = EngineSnapshot(time.time(), workers, reqs, tuple(self._routing),
                                   self.router.policy, tuple(self._log), self.tracing, uptime)
+        # worked out after the facade's lock is released: the window has its own
+        return replace(snap, latency=self.latency.views(now, live))
 
     def _worker_view(self, w: _WorkerSlot) -> WorkerView:
         s, info = w.stats, w.info or msg.WorkerInfo.before_ready(w.cfg)

@@ -132,3 +132,4 @@ class EngineSnapshot:
     log: tuple[LogLine, ...]
     tracing: bool
     uptime: float = 0.0                # seconds since the engine started
+    latency: dict = field(default_factory=dict)   # window name -> LatencyView (engine/facade/latency.py)
