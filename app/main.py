@@ -35,7 +35,8 @@ from app.screens.prompt import PromptDialog
 from app.settings import load_settings, save_settings
 from app.widgets.backend import BackendPanel
 from app.widgets.event_log import EventLog
-from app.widgets.fmt import fmt_rate, fmt_uptime
+from app.widgets.fmt import fmt_rate, fmt_seconds, fmt_uptime
+from app.widgets.latency import LatencyPanel
 from app.widgets.line import Line
 from app.widgets.panel import Panel
 from app.widgets.requests import RequestsTable
@@ -45,12 +46,14 @@ from app.widgets.streams import StreamsPanel
 from engine.config import ROUTER_POLICIES, SCHED_POLICIES, EngineConfig, SamplingParams
 from engine.facade.engine import Engine
 from engine.errors import TokentopError, describe_error
+from engine.facade.latency import WINDOWS as LATENCY_WINDOWS
 from engine.facade.snapshot import EngineSnapshot
 from themes import KV_DEFAULTS, STYLESHEET, THEMES
 
 REFRESH_S = 0.2              # 5 Hz, as often as workers report their stats
 SHUTDOWN_TIMEOUT_S = 2.0     # per worker join before the engine terminates it
 SPEC_PANEL_MIN_WIDTH = 120   # terminal columns from which the speculation panel is shown
+ROUTING_PANEL_MIN_WIDTH = 120   # ... and the routing panel (below, the latency panel has its place)
 THEME_CYCLE = tuple(t.name for t in THEMES)
 # Dashboard keys. The footer, the help screen and the command palette are generated from them.
 ACTIONS = (
@@ -60,6 +63,8 @@ ACTIONS = (
     Binding("r", "cycle_router", "Router", tooltip=f"Cycle the router policy ({', '.join(ROUTER_POLICIES)})"),
     Binding("s", "cycle_spec", "Spec", tooltip="Cycle speculative decoding of new requests "
                                                "(off, ngram, draft when a draft model is loaded)"),
+    Binding("w", "cycle_window", "Window", show=False, tooltip="Cycle the latency window: last 10 s, last 60 s, "
+                                                     "the whole session"),
     Binding("x,delete", "abort", "Abort", tooltip="Abort the request selected in the request table"),
     Binding("enter", "request_detail", "Detail", show=False, tooltip="Show the selected request in full"),
     Binding("t", "export_trace", "Trace", tooltip="Write a Perfetto trace (turns tracing on if it is off)"),
@@ -161,6 +166,7 @@ class TokentopApp(App[int]):
         self._shutdown_thread: threading.Thread | None = None
         self._refresh_error: str | None = None
         self.serve_url: str | None = None      # set by --serve
+        self.latency_window = LATENCY_WINDOWS[0][0]   # w cycles it
 
     # --- layout -------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -170,6 +176,7 @@ class TokentopApp(App[int]):
                 yield BackendPanel(i, cfg)
         with Horizontal(id="middle", classes="row"):
             yield Panel("requests", RequestsTable(id="requests"), id="requests-panel")
+            yield Panel(self._latency_title(), LatencyPanel(id="latency"), id="latency-panel")
             yield Panel("routing", RoutingPanel(id="routing"), id="routing-panel")
         with Horizontal(id="bottom", classes="row"):
             yield Panel("streams", StreamsPanel(id="streams"), id="streams-panel")
@@ -192,6 +199,9 @@ class TokentopApp(App[int]):
         self._streams = self.query_one(StreamsPanel)
         self._spec = self.query_one(SpecPanel)
         self._spec_panel = self.query_one("#spec-panel")
+        self._latency = self.query_one(LatencyPanel)
+        self._latency_panel = self.query_one("#latency-panel")
+        self._routing_panel = self.query_one("#routing-panel")
         self._log = self.query_one(EventLog)
         self._status = self.query_one("#status", Line)
         self._requests.focus()
@@ -261,13 +271,16 @@ class TokentopApp(App[int]):
                 panel.show_view(view)
         names = {w.index: w.name for w in snap.workers}
         self._requests.show_requests(snap.requests, names)
-        self._routing.show_decisions(snap.routing)
+        self._routing_panel.display = self.size.width >= ROUTING_PANEL_MIN_WIDTH
+        if self._routing_panel.display:
+            self._routing.show_decisions(snap.routing)
         self._streams.show_streams(snap.requests, names)
         # the speculation panel needs room: below SPEC_PANEL_MIN_WIDTH columns the request
         # table's spec column and the help carry it (z zooms a panel)
         self._spec_panel.display = self.size.width >= SPEC_PANEL_MIN_WIDTH
         if self._spec_panel.display:
             self._spec.show_spec(snap.workers, snap.requests, self.engine.spec_mode)
+        self._latency.show_latency(snap.latency.get(self.latency_window), names)
         self._log.show_lines(snap.log)
         self._show_status()
 
@@ -293,6 +306,7 @@ class TokentopApp(App[int]):
             live = [w for w in workers if w.state == "ready"]
             parts.append((2, f"decode {fmt_rate(sum(w.decode_tps for w in live))} tok/s"))
             parts.append((5, f"prefill {fmt_rate(sum(w.prefill_tps for w in live))} tok/s"))
+            parts += self._latency_parts(snap)
         parts += [(3, f"router [b]{self.router_policy}[/]"), (3, f"sched [b]{self.scheduler_policy}[/]"),
                   (3, f"trace {tracing}")]
         if self.serve_url:
@@ -300,6 +314,22 @@ class TokentopApp(App[int]):
         if snap is not None and snap.uptime:
             parts.append((4, f"up {fmt_uptime(snap.uptime)}"))
         self._status.set_parts(parts, prefix=" ")
+
+    def _latency_parts(self, snap: EngineSnapshot) -> list[tuple[int, str]]:
+        """The latency panel's headline figures, for the header: p50 and p99 of TTFT and ITL,
+        then e2e, over the panel's window."""
+        view = snap.latency.get(self.latency_window)
+        if view is None:
+            return []
+        parts = []
+        for priority, metric, label in ((2, "ttft", "TTFT"), (3, "itl", "ITL"), (6, "e2e", "e2e")):
+            s = view.summary(metric)
+            if s.count:
+                parts.append((priority, f"{label} p50 {fmt_seconds(s.p50)} p99 {fmt_seconds(s.p99)}"))
+        return parts
+
+    def _latency_title(self) -> str:
+        return f"latency · {self.latency_window} (w)"
 
     def _finish_bursts(self) -> None:
         for run in [r for r in self.bursts if r.done]:
@@ -398,6 +428,12 @@ class TokentopApp(App[int]):
         mode = _next(modes, current)
         self.engine.set_spec_mode(mode)
         self.notify(f"speculative decoding of new requests: {mode}")
+
+    def action_cycle_window(self) -> None:
+        self.latency_window = _next([name for name, _ in LATENCY_WINDOWS], self.latency_window)
+        self._latency_panel.border_title = self._latency_title()
+        if self.last_snapshot is not None:
+            self.show_snapshot(self.last_snapshot)
 
     def action_abort(self) -> None:
         rid = self._requests.selected_id

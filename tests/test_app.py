@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import time
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from engine.config import EngineConfig, SamplingParams, WorkerConfig
 from engine import messages as msg
 from engine.facade import procstat
 from engine.facade.devices import parse_devices
+from engine.facade.latency import LatencyWindow
 from engine.facade.router import Candidate, RouteDecision
 from engine.facade.snapshot import EngineSnapshot, LogLine, RequestView, WorkerView
 from tests.trace_checks import check_nesting
@@ -641,7 +643,19 @@ def fixture_snapshot(dead: bool = False) -> EngineSnapshot:
              LogLine(t0 + 2, "error", "r2: model step failed"),
              LogLine(t0 + 3, "info", "burst mixed#0 done: 8 requests (8 ok, 0 failed, 0 aborted), "
                                      "TTFT mean 42 ms p95 80 ms, 812 tok/s aggregate over 1.2 s")),
-        tracing=False, uptime=125.0)
+        tracing=False, uptime=125.0, latency=fixture_latency(dead))
+
+
+def fixture_latency(dead: bool = False) -> dict:
+    """Percentiles of 40 made-up requests over the last minute, seeded: the same every run."""
+    rng = random.Random(7)
+    window = LatencyWindow()
+    for i in range(40):
+        worker, t = i % 2, 1000.0 - rng.uniform(0, 55)
+        queue, ttft, itl = rng.lognormvariate(-6, 1), rng.lognormvariate(-3.5, 0.6), rng.lognormvariate(-4.5, 0.3)
+        window.add([("queue", worker, t, queue), ("ttft", worker, t, ttft), ("itl", worker, t, itl),
+                    ("e2e", worker, t, ttft + 63 * itl)])
+    return window.views(1000.0)
 
 
 @pytest.fixture

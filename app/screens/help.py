@@ -18,9 +18,13 @@ PANELS = """\
   requests  what the engine remembers, newest first; the cursor follows
             the newest live request until you move it (↑ ↓); end: the
             finish reason or the error
-  routing   recent decisions, newest first: what the policy compared (cost:
-            estimated seconds; round-robin compares nothing), then the
-            load it counted; [$success]✓[/] on the chosen one
+  latency   p50 / p95 / p99 and count of TTFT, ITL (each request's mean
+            gap between tokens), e2e and queue time over the last 10 s,
+            60 s or the session (w), from the engine's request records;
+            a log-scale histogram per metric; each worker's p99
+  routing   recent decisions, newest first (from 120 columns): what the
+            policy compared (cost: estimated seconds; round-robin compares
+            nothing), then the load it counted; [$success]✓[/] on the chosen one
   streams   live text of the active requests, one colour per request
   log       errors, preemptions, worker deaths, policy changes, bursts"""
 

@@ -1,0 +1,70 @@
+"""The latency panel and the header's latency figures (app/widgets/latency.py), live on
+simulated workers and on hand-built summaries."""
+from __future__ import annotations
+
+from textual.content import Content
+
+from app.widgets.fmt import fmt_seconds
+from app.widgets.latency import MIN_SPAN, hist_bars, latency_markup, metric_line
+from engine.facade.latency import HIST_BINS, HIST_EDGES, LatencyView, Summary
+from tests.test_app import fire_burst, make_app, tiny_model, wait_for, wait_ready  # noqa: F401 (a fixture)
+
+
+def plain(markup: str) -> str:
+    return Content.from_markup(markup).plain
+
+
+def test_histogram_spans_its_samples_and_merges_bins_to_fit():
+    hist = [0] * HIST_BINS
+    hist[30], hist[31], hist[45] = 4, 8, 2
+    bars, lo, hi = hist_bars(tuple(hist), 40)
+    assert (lo, hi) == (30, 45) and len(bars) == 16          # one column per bin
+    assert bars[1] == "█" and bars[0] == "▄" and bars[-1] == "▂" and set(bars[2:-1]) == {" "}
+    merged, lo2, hi2 = hist_bars(tuple(hist), 4)
+    assert len(merged) == 4 and (lo2, hi2) == (30, 45) and merged[0] == "█"   # bins of 4: 12, 0, 0, 2
+    one = [0] * HIST_BINS
+    one[20] = 1
+    bars, lo, hi = hist_bars(tuple(one), 40)
+    assert len(bars) == MIN_SPAN and bars.count("█") == 1     # one decade at least
+    assert hist_bars((0,) * HIST_BINS, 40) == ("", 0, 0)
+
+
+def test_table_drops_p95_then_the_histogram_when_narrow():
+    s = Summary(12, 0.031, 0.047, 0.052, tuple([0] * 30 + [3, 9] + [0] * (HIST_BINS - 32)))
+    wide = plain(metric_line("ttft", s, 70))
+    assert wide.split()[:5] == ["TTFT", "31ms", "47ms", "52ms", "12"]
+    _, lo, hi = hist_bars(s.hist, 70)
+    assert "▃█" in wide and f"{fmt_seconds(HIST_EDGES[lo])}–{fmt_seconds(HIST_EDGES[hi + 1])}" in wide
+    narrow = plain(metric_line("ttft", s, 23))
+    assert narrow.split() == ["TTFT", "31ms", "52ms", "12"] and len(narrow) <= 23
+    view = LatencyView("10s", 10.0, {"ttft": s}, {0: {"ttft": s}})
+    text = plain(latency_markup(view, {0: "sim:gpu0", 1: "sim:gpu1"}, 23))
+    assert all(len(line) <= 23 for line in text.splitlines())
+    assert "gpu0   TTFT 52ms" in text and "gpu1   —" in text
+    assert "no requests yet" in plain(latency_markup(None, {}, 40))
+
+
+async def test_panel_and_header_show_the_engines_figures_and_w_cycles_the_window(tiny_model, tmp_path):
+    app = make_app(tiny_model, tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_ready(pilot, app)
+        await fire_burst(pilot, app, count="6", interval="0", max_tokens="8")
+        await wait_for(pilot, lambda: app.last_snapshot.latency["10s"].summary("e2e").count == 6,
+                       "six finished requests in the 10 s window")
+        await pilot.pause(0.3)
+        snap = app.last_snapshot
+        ttft = snap.latency["10s"].summary("ttft")
+        text = plain(app._latency._shown)
+        row = next(line for line in text.splitlines() if line.startswith("TTFT"))
+        assert row.split()[:3] == ["TTFT", fmt_seconds(ttft.p50), fmt_seconds(ttft.p99)]
+        assert row.split()[3] == str(ttft.count)
+        assert next(line for line in text.splitlines() if line.startswith("e2e")).split()[3] == "6"
+        assert f"TTFT p50 {fmt_seconds(ttft.p50)} p99 {fmt_seconds(ttft.p99)}" in str(app._status.render())
+        panel = app.query_one("#latency-panel")
+        assert str(panel.border_title).startswith("latency · 10s")
+        for window in ("60s", "session", "10s"):
+            await pilot.press("w")
+            assert app.latency_window == window and str(panel.border_title).startswith(f"latency · {window}")
+        await pilot.press("w")
+        await pilot.pause(0.3)
+        assert "6" in next(line for line in plain(app._latency._shown).splitlines() if line.startswith("e2e"))
