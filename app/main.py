@@ -21,6 +21,7 @@ import platformdirs
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal, HorizontalScroll
+from textual.markup import escape
 from textual.screen import Screen
 from textual.widgets import Footer
 
@@ -35,7 +36,7 @@ from app.screens.prompt import PromptDialog
 from app.settings import load_settings, save_settings
 from app.widgets.backend import BackendPanel
 from app.widgets.event_log import EventLog
-from app.widgets.fmt import fmt_rate, fmt_seconds, fmt_uptime
+from app.widgets.fmt import fmt_rate, fmt_seconds, fmt_uptime, short_worker
 from app.widgets.latency import LatencyPanel
 from app.widgets.line import Line
 from app.widgets.panel import Panel
@@ -299,6 +300,8 @@ class TokentopApp(App[int]):
         active = sum(r.state.live for r in snap.requests) if snap else 0
         tracing = "[b $success]on[/]" if self.engine.tracing else "off"
         parts = [(0, "[b $accent]tokentop[/]")]
+        if snap is not None and snap.alerts:
+            parts.append((0, alert_badge(snap.alerts)))
         for run in self.bursts:
             parts.append((0, f"burst {run.name} {run.submitted}/{run.spec.count}"))
         parts += [(1, f"{ready}/{len(self.config.workers)} ready"), (1, f"{active} active")]
@@ -520,6 +523,14 @@ class TokentopApp(App[int]):
             if binding.action != "quit":
                 yield SystemCommand(f"{binding.description} ({self.key_display(binding)})",
                                     binding.tooltip, lambda a=binding.action: self.run_action(a))
+
+
+def alert_badge(alerts) -> str:
+    """The header's badge: the one alert active, or how many (the log says what each is)."""
+    if len(alerts) == 1:
+        a = alerts[0]
+        return f"[b reverse $error] ⚠ {a.kind} {escape(short_worker(a.worker_name))} [/]"
+    return f"[b reverse $error] ⚠ {len(alerts)} alerts [/]"
 
 
 def _next(options: Iterable[str], current: str) -> str:

@@ -12,6 +12,9 @@ from app.widgets.kv_grid import FREE, GLYPHS, STATE_NAMES
 
 PANELS = """\
 [b]Panels[/b]
+  header    workers ready, requests active, throughput, latency p50 / p99;
+            [b reverse $error] ⚠ [/] the alerts active now: stall, kv-pressure, imbalance,
+            worker-dead, remote-down (each logged once when it starts)
   backends  per worker: state, running / waiting, CPU% (100 = one core),
             resident memory, prefill / decode tok/s (history and profiled
             rate), KV page grid; a dead worker is greyed, its figures cleared

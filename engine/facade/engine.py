@@ -22,6 +22,7 @@ from typing import Callable
 from engine import messages as msg
 from engine.config import SPEC_MODES, EngineConfig, SamplingParams, WorkerConfig, check_scheduler_policy
 from engine.facade.limits import check_memory, check_model_limits
+from engine.facade.alerts import AlertWatcher
 from engine.facade.dispatch import Dispatcher
 from engine.facade.latency import LatencyWindow, live_samples_of
 from engine.errors import ConfigError, InvalidRequest, TokentopError, describe_error
@@ -90,6 +91,7 @@ class Engine:
         self.spec_mode = ""   # speculation of new requests that do not choose: "" = the workers' default
         self.requests = RequestTable()
         self.latency = LatencyWindow()   # percentiles over time, fed by the dispatcher
+        self.alerts = AlertWatcher(self)   # stall, KV pressure, imbalance, dead or down workers
         self._routing: deque[RouteDecision] = deque(maxlen=50)
         self._log: deque[LogLine] = deque(maxlen=200)
         self._log_groups: dict[tuple, tuple[float, int, LogLine]] = {}   # key -> first, count, line
@@ -154,6 +156,7 @@ class Engine:
             proc.start()
         self.dispatcher.start()
         self._dispatch_started = True
+        self.alerts.start()
         if wait:
             self.wait_ready(timeout)
         return self
@@ -180,6 +183,7 @@ class Engine:
         if self._stopping:
             return
         self._stopping = True
+        self.alerts.stop()     # workers stopping on purpose are no alert
         for w in self._workers:
             if w.state not in ("dead",):
                 try:
@@ -505,7 +509,8 @@ class Engine:
             snap = EngineSnapshot(time.time(), workers, reqs, tuple(self._routing),
                                   self.router.policy, tuple(self._log), self.tracing, uptime)
         # worked out after the facade's lock is released: the window has its own
-        return replace(snap, latency=self.latency.views(now, live))
+        return replace(snap, latency=self.latency.views(now, live), alerts=self.alerts.active(),
+                       alert_counts=self.alerts.totals())
 
     def _worker_view(self, w: _WorkerSlot) -> WorkerView:
         s, info = w.stats, w.info or msg.WorkerInfo.before_ready(w.cfg)

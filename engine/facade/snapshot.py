@@ -133,3 +133,5 @@ class EngineSnapshot:
     tracing: bool
     uptime: float = 0.0                # seconds since the engine started
     latency: dict = field(default_factory=dict)   # window name -> LatencyView (engine/facade/latency.py)
+    alerts: tuple = ()                 # the Alerts active now (engine/facade/alerts.py)
+    alert_counts: dict = field(default_factory=dict)   # (kind, worker name) -> episodes so far

@@ -1,13 +1,17 @@
-"""The latency panel and the header's latency figures (app/widgets/latency.py), live on
-simulated workers and on hand-built summaries."""
+"""What the dashboard shows over time: the latency panel and the header's latency figures
+(app/widgets/latency.py), the alert badge; live on simulated workers and on hand-built snapshots."""
 from __future__ import annotations
+
+from dataclasses import replace
 
 from textual.content import Content
 
 from app.widgets.fmt import fmt_seconds
 from app.widgets.latency import MIN_SPAN, hist_bars, latency_markup, metric_line
 from engine.facade.latency import HIST_BINS, HIST_EDGES, LatencyView, Summary
-from tests.test_app import fire_burst, make_app, tiny_model, wait_for, wait_ready  # noqa: F401 (a fixture)
+from engine.facade.alerts import Alert
+from tests.test_app import (fire_burst, fixture_snapshot, frozen_app, make_app, tiny_model,  # noqa: F401 (fixtures)
+                            wait_for, wait_ready)
 
 
 def plain(markup: str) -> str:
@@ -68,3 +72,19 @@ async def test_panel_and_header_show_the_engines_figures_and_w_cycles_the_window
         await pilot.press("w")
         await pilot.pause(0.3)
         assert "6" in next(line for line in plain(app._latency._shown).splitlines() if line.startswith("e2e"))
+
+
+async def test_the_header_badge_names_the_alert_or_counts_them(frozen_app):
+    stall = Alert("stall", 1, "sim:gpu1", 0.0, "worker 1 (sim:gpu1) stalled: ...")
+    dead = Alert("worker-dead", 0, "sim:gpu0", 0.0, "worker 0 (sim:gpu0) died: ...")
+    async with frozen_app.run_test(size=(80, 24)) as pilot:
+        frozen_app.show_snapshot(fixture_snapshot())
+        await pilot.pause()
+        assert "⚠" not in str(frozen_app._status.render())
+        frozen_app.show_snapshot(replace(fixture_snapshot(), alerts=(stall,)))
+        await pilot.pause()
+        header = str(frozen_app._status.render())
+        assert header.startswith(" tokentop ·  ⚠ stall gpu1  · 2/2 ready") and len(header) <= 80
+        frozen_app.show_snapshot(replace(fixture_snapshot(), alerts=(stall, dead)))
+        await pilot.pause()
+        assert "⚠ 2 alerts" in str(frozen_app._status.render())
