@@ -20,7 +20,7 @@ from typing import Callable, Iterable
 import platformdirs
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
-from textual.containers import Horizontal, HorizontalScroll
+from textual.containers import Horizontal
 from textual.markup import escape
 from textual.screen import Screen
 from textual.widgets import Footer
@@ -34,7 +34,7 @@ from app.screens.detail import RequestDetail
 from app.screens.help import HelpScreen
 from app.screens.prompt import PromptDialog
 from app.settings import load_settings, save_settings
-from app.widgets.backend import BackendPanel
+from app.widgets.workers import WorkersRow
 from app.widgets.event_log import EventLog
 from app.widgets.fmt import fmt_rate, fmt_seconds, fmt_uptime, short_worker
 from app.widgets.latency import LatencyPanel
@@ -66,6 +66,8 @@ ACTIONS = (
                                                "(off, ngram, draft when a draft model is loaded)"),
     Binding("w", "cycle_window", "Window", show=False, tooltip="Cycle the latency window: last 10 s, last 60 s, "
                                                      "the whole session"),
+    Binding("e", "expand_worker", "Expand", show=False,
+            tooltip="Where the workers are one line each: show the next one in full (after the last: none)"),
     Binding("x,delete", "abort", "Abort", tooltip="Abort the request selected in the request table"),
     Binding("enter", "request_detail", "Detail", show=False, tooltip="Show the selected request in full"),
     Binding("t", "export_trace", "Trace", tooltip="Write a Perfetto trace (turns tracing on if it is off)"),
@@ -172,9 +174,7 @@ class TokentopApp(App[int]):
     # --- layout -------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
         yield Line(id="status")
-        with HorizontalScroll(id="backends"):
-            for i, cfg in enumerate(self.config.workers):
-                yield BackendPanel(i, cfg)
+        yield WorkersRow(self.config.workers, id="workers")
         with Horizontal(id="middle", classes="row"):
             yield Panel("requests", RequestsTable(id="requests"), id="requests-panel")
             yield Panel(self._latency_title(), LatencyPanel(id="latency"), id="latency-panel")
@@ -194,7 +194,7 @@ class TokentopApp(App[int]):
         self.theme = self.settings.theme if self.settings.theme in self.available_themes else THEME_CYCLE[0]
         self.theme_changed_signal.subscribe(self, self._remember_theme)
         # Widgets are looked up once: queries on the app search the top screen, a dialog included.
-        self._backends = list(self.query(BackendPanel))
+        self._workers_row = self.query_one(WorkersRow)
         self._requests = self.query_one(RequestsTable)
         self._routing = self.query_one(RoutingPanel)
         self._streams = self.query_one(StreamsPanel)
@@ -259,17 +259,8 @@ class TokentopApp(App[int]):
 
     def show_snapshot(self, snap: EngineSnapshot) -> None:
         self.last_snapshot = snap
-        views = {w.index: w for w in snap.workers}
-        for panel in self._backends:
-            view = views.get(panel.index)
-            loading = view is None or view.state in ("starting", "loading")
-            done, total = self._assembly.get(panel.cfg.model, (0, 0))
-            if loading and self._start_error:
-                panel.show_failure(self._start_error)
-            elif loading and done < total:
-                panel.show_assembly(done, total)
-            elif view is not None:
-                panel.show_view(view)
+        self._workers_row.fit(self.size.width, self.size.height)
+        self._workers_row.show({w.index: w for w in snap.workers}, self._assembly, self._start_error)
         names = {w.index: w.name for w in snap.workers}
         self._requests.show_requests(snap.requests, names)
         self._routing_panel.display = self.size.width >= ROUTING_PANEL_MIN_WIDTH
@@ -431,6 +422,16 @@ class TokentopApp(App[int]):
         mode = _next(modes, current)
         self.engine.set_spec_mode(mode)
         self.notify(f"speculative decoding of new requests: {mode}")
+
+    def action_expand_worker(self) -> None:
+        row = self._workers_row
+        if not row.compact:
+            self.notify("every worker's panel is already shown in full", severity="information")
+            return
+        index = row.expand_next()
+        if self.last_snapshot is not None:
+            self.show_snapshot(self.last_snapshot)
+        self.notify(f"worker {index} in full" if index is not None else "every worker on one line")
 
     def action_cycle_window(self) -> None:
         self.latency_window = _next([name for name, _ in LATENCY_WINDOWS], self.latency_window)

@@ -1,10 +1,22 @@
 """What the dashboard shows over time: the latency panel and the header's latency figures
-(app/widgets/latency.py), the alert badge; live on simulated workers and on hand-built snapshots."""
+(app/widgets/latency.py), the alert badge, every worker on screen however many there are
+(app/widgets/workers.py); live on simulated workers and on hand-built snapshots."""
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
+import pytest
 from textual.content import Content
+
+from app.main import TokentopApp
+from app.widgets import event_log
+from app.widgets.worker import WorkerPanel
+from app.widgets.worker_line import WorkerLine
+from app.widgets.workers import WorkersRow
+from engine.config import EngineConfig, WorkerConfig
+from engine.facade.devices import parse_devices
+from engine.facade.snapshot import EngineSnapshot
 
 from app.widgets.fmt import fmt_seconds
 from app.widgets.latency import MIN_SPAN, hist_bars, latency_markup, metric_line
@@ -88,3 +100,95 @@ async def test_the_header_badge_names_the_alert_or_counts_them(frozen_app):
         frozen_app.show_snapshot(replace(fixture_snapshot(), alerts=(stall, dead)))
         await pilot.pause()
         assert "⚠ 2 alerts" in str(frozen_app._status.render())
+
+
+# --- every worker on screen ------------------------------------------------------------------
+def many_workers(n: int, model) -> tuple:
+    """fixture_snapshot's busy moment with n workers (alternately like its two), and their config."""
+    base = fixture_snapshot()
+    workers = tuple(replace(base.workers[i % 2], index=i, name=f"sim:gpu{i}", device=f"sim:gpu{i}",
+                            cpu_percent=90.0 + i, decode_tps=398.0 - 30 * i) for i in range(n))
+    config = EngineConfig(workers=parse_devices([f"sim:gpu{i}" for i in range(n)], WorkerConfig(model=str(model))),
+                          worker_mode="thread")
+    return replace(base, workers=workers), config
+
+
+def frozen_many(n: int, model, tmp_path, monkeypatch) -> tuple[TokentopApp, EngineSnapshot]:
+    monkeypatch.setattr(event_log, "format_clock", lambda t: time.strftime("%H:%M:%S", time.gmtime(t)))
+    snap, config = many_workers(n, model)
+    return TokentopApp(config, settings_path=tmp_path / "settings.json", live=False), snap
+
+
+def shown(snap):
+    async def show(pilot):
+        pilot.app.show_snapshot(snap)
+        await pilot.pause()
+    return show
+
+
+def press_and_show(snap, *keys):
+    async def run(pilot):
+        pilot.app.show_snapshot(snap)
+        await pilot.pause()
+        for key in keys:
+            await pilot.press(key)
+        await pilot.pause()
+    return run
+
+
+def test_snapshot_three_workers_80x24_are_one_line_each(tiny_model, tmp_path, monkeypatch, snap_compare):
+    app, snap = frozen_many(3, tiny_model, tmp_path, monkeypatch)
+    assert snap_compare(app, terminal_size=(80, 24), run_before=shown(snap))
+
+
+def test_snapshot_six_workers_80x24_one_expanded(tiny_model, tmp_path, monkeypatch, snap_compare):
+    app, snap = frozen_many(6, tiny_model, tmp_path, monkeypatch)
+    assert snap_compare(app, terminal_size=(80, 24), run_before=press_and_show(snap, "e", "e"))
+
+
+def test_snapshot_six_workers_200x50(tiny_model, tmp_path, monkeypatch, snap_compare):
+    app, snap = frozen_many(6, tiny_model, tmp_path, monkeypatch)
+    assert snap_compare(app, terminal_size=(200, 50), run_before=shown(snap))
+
+
+@pytest.mark.parametrize("n, size", [(3, (80, 24)), (6, (80, 24)), (6, (200, 50)), (12, (80, 24))])
+async def test_every_worker_is_on_screen_without_scrolling(tiny_model, tmp_path, monkeypatch, n, size):
+    app, snap = frozen_many(n, tiny_model, tmp_path, monkeypatch)
+    async with app.run_test(size=size) as pilot:
+        app.show_snapshot(snap)
+        await pilot.pause()
+        row = app.query_one(WorkersRow)
+        assert row.compact
+        lines = app.query(WorkerLine)
+        screen = app.screen.region
+        for line in lines:
+            region = line.region
+            assert region.width > 20 and screen.contains_region(region), (line.index, region)
+            text = str(line.render())
+            assert text.startswith(f"w{line.index} gpu{line.index}") and "run " in text and "wait " in text
+        assert len({(line.region.x, line.region.y) for line in lines}) == n      # none on top of another
+        assert not any(p.display for p in app.query(WorkerPanel))
+        # e shows each in full in turn, beside the lines, then none; a click picks one
+        for index in [*range(n), None]:
+            await pilot.press("e")
+            assert row.expanded == index
+            assert [p.index for p in app.query(WorkerPanel) if p.display] == ([] if index is None else [index])
+            assert all(line.region.height == 1 and screen.contains_region(line.region) for line in lines)
+        await pilot.click(f"#worker-line-{n - 1}")
+        assert row.expanded == n - 1
+        await pilot.click(f"#worker-line-{n - 1}")
+        assert row.expanded is None
+
+
+async def test_workers_that_fit_keep_their_panels(frozen_app):
+    async with frozen_app.run_test(size=(80, 24)) as pilot:
+        frozen_app.show_snapshot(fixture_snapshot(dead=True))
+        await pilot.pause()
+        row = frozen_app.query_one(WorkersRow)
+        assert not row.compact and all(p.display for p in frozen_app.query(WorkerPanel))
+        await pilot.press("e")
+        assert row.expanded is None and any("already shown in full" in n.message
+                                            for n in frozen_app._notifications)
+        # the dead worker's line (shown once the panels no longer fit) says so too
+        line = frozen_app.query(WorkerLine)[1]
+        assert "● dead" in str(line.render()) and "exit code -9" in str(line.render())

@@ -15,9 +15,11 @@ PANELS = """\
   header    workers ready, requests active, throughput, latency p50 / p99;
             [b reverse $error] ⚠ [/] the alerts active now: stall, kv-pressure, imbalance,
             worker-dead, remote-down (each logged once when it starts)
-  backends  per worker: state, running / waiting, CPU% (100 = one core),
+  workers   per worker: state, running / waiting, CPU% (100 = one core),
             resident memory, prefill / decode tok/s (history and profiled
-            rate), KV page grid; a dead worker is greyed, its figures cleared
+            rate), KV page grid; a dead worker is greyed, its figures cleared;
+            too many for their panels: one line each (decode meter scaled
+            to its recent peak, KV meter), e shows one in full
   requests  what the engine remembers, newest first; the cursor follows
             the newest live request until you move it (↑ ↓); end: the
             finish reason or the error
