@@ -22,6 +22,7 @@ from engine.facade.engine import Engine, RequestFailed
 from engine.errors import InvalidRequest, TokentopError, describe_error
 from engine.serve import protocol as P
 from engine.serve.metrics import CONTENT_TYPE, EngineMetrics
+from engine.serve.snapshot_json import snapshot_json
 
 LONG_PROMPT_CHARS = 20_000
 
@@ -30,7 +31,7 @@ LONG_PROMPT_CHARS = 20_000
 class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None            # Bearer token for /v1/* (health and metrics stay open)
+    api_key: str | None = None            # Bearer token for /v1/*, /tokenize and /snapshot (health and metrics stay open)
     max_queue: int = 256                  # requests waiting beyond what the workers can run at once
     max_body: int = 4 * 2**20             # bytes
 
@@ -55,6 +56,7 @@ class OpenAIServer:
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
+            Route("/snapshot", self.snapshot, methods=["GET"]),
         ], exception_handlers={404: self._not_found, 405: self._not_allowed, Exception: self._internal})
 
     # --- small endpoints ----------------------------------------------------------------
@@ -68,6 +70,14 @@ class OpenAIServer:
 
     async def prometheus(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+    async def snapshot(self, request: Request) -> Response:
+        """The engine's snapshot as versioned JSON (engine/serve/snapshot_json.py, docs/snapshot.md)."""
+        try:
+            self._auth(request)
+        except P.ApiError as exc:
+            return self._error(exc)
+        return JSONResponse(snapshot_json(self.engine.snapshot()))
 
     async def models(self, request: Request) -> Response:
         try:
@@ -112,7 +122,8 @@ class OpenAIServer:
     async def _not_found(self, request: Request, exc) -> Response:
         return self._error(P.ApiError(404, f"no route {request.url.path}; this server offers POST "
                                            "/v1/completions, POST /v1/chat/completions, GET /v1/models, "
-                                           "POST /tokenize, GET /health and GET /metrics", code="not_found"))
+                                           "POST /tokenize, GET /snapshot, GET /health and GET /metrics",
+                                           code="not_found"))
 
     async def _internal(self, request: Request, exc: Exception) -> Response:
         # a bug here must still answer in the API's shape, and show in the engine's log
