@@ -43,6 +43,7 @@ from app.widgets.panel import Panel
 from app.widgets.requests import RequestsTable
 from app.widgets.routing import RoutingPanel
 from app.widgets.spec import SpecPanel
+from app.widgets.timeline import TimelinePanel
 from app.widgets.streams import StreamsPanel
 from engine.config import ROUTER_POLICIES, SCHED_POLICIES, EngineConfig, SamplingParams
 from engine.facade.engine import Engine
@@ -69,6 +70,8 @@ ACTIONS = (
     Binding("e", "expand_worker", "Expand", show=False,
             tooltip="Where the workers are one line each: show the next one in full (after the last: none)"),
     Binding("x,delete", "abort", "Abort", tooltip="Abort the request selected in the request table"),
+    Binding("g", "toggle_timeline", "Timeline", show=False,
+            tooltip="Switch the request table and the request timeline (lanes of phases over time)"),
     Binding("enter", "request_detail", "Detail", show=False, tooltip="Show the selected request in full"),
     Binding("t", "export_trace", "Trace", tooltip="Write a Perfetto trace (turns tracing on if it is off)"),
     Binding("T", "toggle_tracing", "Tracing", show=False, tooltip="Turn trace collection on or off"),
@@ -176,7 +179,8 @@ class TokentopApp(App[int]):
         yield Line(id="status")
         yield WorkersRow(self.config.workers, id="workers")
         with Horizontal(id="middle", classes="row"):
-            yield Panel("requests", RequestsTable(id="requests"), id="requests-panel")
+            yield Panel("requests", RequestsTable(id="requests"), TimelinePanel(id="timeline"),
+                        id="requests-panel")
             yield Panel(self._latency_title(), LatencyPanel(id="latency"), id="latency-panel")
             yield Panel("routing", RoutingPanel(id="routing"), id="routing-panel")
         with Horizontal(id="bottom", classes="row"):
@@ -196,6 +200,9 @@ class TokentopApp(App[int]):
         # Widgets are looked up once: queries on the app search the top screen, a dialog included.
         self._workers_row = self.query_one(WorkersRow)
         self._requests = self.query_one(RequestsTable)
+        self._timeline = self.query_one(TimelinePanel)
+        self._timeline.display = False
+        self._requests_panel = self.query_one("#requests-panel")
         self._routing = self.query_one(RoutingPanel)
         self._streams = self.query_one(StreamsPanel)
         self._spec = self.query_one(SpecPanel)
@@ -262,7 +269,10 @@ class TokentopApp(App[int]):
         self._workers_row.fit(self.size.width, self.size.height)
         self._workers_row.show({w.index: w for w in snap.workers}, self._assembly, self._start_error)
         names = {w.index: w.name for w in snap.workers}
-        self._requests.show_requests(snap.requests, names)
+        if self._timeline.display:
+            self._timeline.show_snapshot(snap)
+        else:
+            self._requests.show_requests(snap.requests, names)
         self._routing_panel.display = self.size.width >= ROUTING_PANEL_MIN_WIDTH
         if self._routing_panel.display:
             self._routing.show_decisions(snap.routing)
@@ -439,8 +449,28 @@ class TokentopApp(App[int]):
         if self.last_snapshot is not None:
             self.show_snapshot(self.last_snapshot)
 
+    def action_toggle_timeline(self) -> None:
+        showing = not self._timeline.display
+        self._timeline.display = showing
+        self._requests.display = not showing
+        (self._timeline if showing else self._requests).focus()
+        self._title_requests()
+        if self.last_snapshot is not None:
+            self.show_snapshot(self.last_snapshot)
+
+    def on_timeline_panel_changed(self, event: TimelinePanel.Changed) -> None:
+        self._title_requests()
+
+    def _title_requests(self) -> None:
+        self._requests_panel.border_title = (self._timeline.title() if self._timeline.display
+                                             else "requests")
+
+    def _selected_request(self) -> str | None:
+        """The request the table's, or the timeline's, cursor is on: whichever is shown."""
+        return self._timeline.selected_id if self._timeline.display else self._requests.selected_id
+
     def action_abort(self) -> None:
-        rid = self._requests.selected_id
+        rid = self._selected_request()
         if rid is None:
             self.notify("no request selected: pick one in the request table", severity="warning")
         else:
@@ -454,7 +484,7 @@ class TokentopApp(App[int]):
             self.notify(f"{rid} has already finished", severity="warning")
 
     def action_request_detail(self) -> None:
-        rid = self._requests.selected_id
+        rid = self._selected_request()
         if rid is None:
             self.notify("no request selected: pick one in the request table", severity="warning")
         else:

@@ -153,6 +153,8 @@ class StepEvents:
     # prefix cache keys (8-byte prefixes) published (True) / evicted (False), in order:
     # the facade's picture of this worker's cache, for routing estimates
     cache_delta: tuple[tuple[bool, bytes], ...] = ()
+    # (request id, prompt tokens) of each prefill chunk computed in the step: the timeline's chunks
+    prefilled: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """What the dashboard shows over time: the latency panel and the header's latency figures
 (app/widgets/latency.py), the alert badge, every worker on screen however many there are
-(app/widgets/workers.py); live on simulated workers and on hand-built snapshots."""
+(app/widgets/workers.py), the request timeline (app/widgets/timeline.py); live on simulated
+workers and on hand-built snapshots."""
 from __future__ import annotations
 
 import time
@@ -11,12 +12,15 @@ from textual.content import Content
 
 from app.main import TokentopApp
 from app.widgets import event_log
+from app.screens.detail import RequestDetail
+from app.widgets.timeline import TimelinePanel, axis_text, lane_cells
 from app.widgets.worker import WorkerPanel
 from app.widgets.worker_line import WorkerLine
 from app.widgets.workers import WorkersRow
 from engine.config import EngineConfig, WorkerConfig
 from engine.facade.devices import parse_devices
 from engine.facade.snapshot import EngineSnapshot
+from engine.facade.timeline import Timeline
 
 from app.widgets.fmt import fmt_seconds
 from app.widgets.latency import MIN_SPAN, hist_bars, latency_markup, metric_line
@@ -192,3 +196,122 @@ async def test_workers_that_fit_keep_their_panels(frozen_app):
         # the dead worker's line (shown once the panels no longer fit) says so too
         line = frozen_app.query(WorkerLine)[1]
         assert "● dead" in str(line.render()) and "exit code -9" in str(line.render())
+
+
+# --- the request timeline --------------------------------------------------------------------
+def fixture_timelines(clock: float = 1000.0) -> dict:
+    """Lanes for fixture_snapshot's six requests: every phase, chunk and verify-round ticks, every end."""
+    c = clock
+    return {
+        "r1": Timeline((("queued", c - 9.0), ("prefill", c - 8.9), ("decode", c - 8.5)), ("finished", c - 2.0),
+                       (("prefill", c - 8.5),)),
+        "r2": Timeline((("queued", c - 8.0), ("prefill", c - 7.9), ("decode", c - 7.6)), ("error", c - 6.0)),
+        "r3": Timeline((("queued", c - 7.0), ("prefill", c - 6.5), ("decode", c - 6.0), ("preempted", c - 4.0),
+                        ("prefill", c - 3.0), ("decode", c - 2.5)), ("aborted", c - 1.0),
+                       (("prefill", c - 6.2), ("prefill", c - 6.0), ("prefill", c - 2.7), ("prefill", c - 2.5))),
+        "r4": Timeline((("queued", c - 6.0), ("prefill", c - 5.8), ("decode", c - 5.0)), None,
+                       tuple(("spec", c - 5.0 + 0.5 * i) for i in range(10))),
+        "r5": Timeline((("queued", c - 3.0), ("prefill", c - 1.0)), None, (("prefill", c - 0.5),)),
+        "r6": Timeline((("queued", c - 2.5), ("waiting-on-leader", c - 2.4))),
+    }
+
+
+def timeline_snapshot() -> EngineSnapshot:
+    return replace(fixture_snapshot(), clock=1000.0, timelines=fixture_timelines())
+
+
+def test_lane_columns_show_phases_ticks_and_the_end():
+    t = fixture_timelines()["r3"]
+    cells = "".join(g for g, _ in lane_cells(t, 992.0, 0.5, 16))     # 992 .. 1000 s, half a second each
+    assert cells == "  ·▓████░░▓███⊘ "       # the chunk ending as decode starts is no verify round
+    assert [c for _, c in lane_cells(t, 992.0, 0.5, 16)][9] == "error"       # preempted: the error colour
+    r4 = "".join(g for g, _ in lane_cells(fixture_timelines()["r4"], 994.0, 0.25, 24))
+    assert r4 == "·▒▒▒▓█▓█▓█▓█▓█▓█▓█▓█▓█▓█"        # a verify round every 0.5 s
+    follower = "".join(g for g, _ in lane_cells(fixture_timelines()["r6"], 997.0, 1.0, 3))
+    assert follower == "·~~"                                              # still waiting, up to now
+    assert axis_text(30.0, 41) == "-30s      -22.5s    -15s      -7.5s   now"
+
+
+def test_snapshot_timeline(frozen_app, snap_compare):
+    async def show(pilot):
+        frozen_app.show_snapshot(timeline_snapshot())
+        await pilot.pause()
+        await pilot.press("g", "plus")        # 30 s -> 10 s
+        await pilot.pause()
+    assert snap_compare(frozen_app, terminal_size=(120, 30), run_before=show)
+
+
+async def test_g_shows_the_timeline_enter_opens_a_lane_and_space_pauses(frozen_app):
+    async with frozen_app.run_test(size=(120, 30)) as pilot:
+        frozen_app.show_snapshot(timeline_snapshot())
+        await pilot.press("g")
+        timeline = frozen_app.query_one(TimelinePanel)
+        assert timeline.display and timeline.has_focus and not frozen_app.query_one("#requests").display
+        assert [lane[0] for lane in timeline._lanes] == ["r6", "r5", "r4", "r3", "r2", "r1"]   # newest on top
+        panel = frozen_app.query_one("#requests-panel")
+        assert str(panel.border_title).startswith("timeline · 30 s · live")
+        await pilot.press("down", "down", "enter")
+        assert isinstance(frozen_app.screen, RequestDetail) and frozen_app.screen.request_id == "r4"
+        await pilot.press("escape")
+        await pilot.press("space")
+        assert timeline.paused and "paused" in str(panel.border_title)
+        later = replace(timeline_snapshot(), clock=1005.0)
+        frozen_app.show_snapshot(later)
+        assert timeline._clock == 1000.0                   # paused: the axis stands still
+        await pilot.press("space", "minus")
+        frozen_app.show_snapshot(later)
+        assert timeline._clock == 1005.0 and timeline.span == 60.0 and "60 s · live" in str(panel.border_title)
+        await pilot.press("g")
+        assert frozen_app.query_one("#requests").display and str(panel.border_title) == "requests"
+
+
+async def test_z_zooms_a_panel_to_the_screen_not_beyond(frozen_app):
+    async with frozen_app.run_test(size=(80, 24)) as pilot:
+        frozen_app.show_snapshot(fixture_snapshot())
+        await pilot.press("z")
+        panel = frozen_app.query_one("#requests-panel")
+        assert frozen_app.screen.maximized is panel and panel.region.width == 80
+
+
+async def test_only_the_lanes_on_screen_are_drawn(frozen_app, monkeypatch):
+    """200 live requests: a refresh works out the visible lanes, not all of them."""
+    from app.widgets import timeline as timeline_module
+
+    base = fixture_snapshot()
+    reqs = tuple(replace(base.requests[3], id=f"r{i}") for i in range(1, 201))
+    lanes = {r.id: Timeline((("queued", 990.0 + i * 0.01), ("prefill", 991.0 + i * 0.01), ("decode", 992.0)),
+                            None, tuple(("spec", 992.0 + k * 0.1) for k in range(80)))
+             for i, r in enumerate(reqs)}
+    snap = replace(base, requests=reqs, clock=1000.0, timelines=lanes)
+    calls = []
+    real = timeline_module.lane_cells
+    monkeypatch.setattr(timeline_module, "lane_cells", lambda *a: calls.append(a) or real(*a))
+    async with frozen_app.run_test(size=(200, 50)) as pilot:
+        await pilot.press("g")
+        frozen_app.show_snapshot(snap)
+        await pilot.pause()
+        timeline = frozen_app.query_one(TimelinePanel)
+        assert timeline.lane_count == 200
+        calls.clear()
+        started = time.perf_counter()
+        for _ in range(5):
+            frozen_app.show_snapshot(replace(snap, clock=snap.clock + 0.2))
+            await pilot.pause()
+        took = (time.perf_counter() - started) / 5
+        assert 0 < len(calls) <= 5 * timeline.size.height
+        assert took < 0.25, f"{took * 1000:.0f} ms a refresh"
+
+
+async def test_a_burst_runs_across_the_live_timeline(tiny_model, tmp_path):
+    app = make_app(tiny_model, tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_ready(pilot, app)
+        await pilot.press("g")
+        await fire_burst(pilot, app, count="4", interval="0", max_tokens="200")
+        timeline = app.query_one(TimelinePanel)
+        await wait_for(pilot, lambda: timeline.lane_count == 4, "four lanes")
+        await wait_for(pilot, lambda: any(g == "█" for lane in timeline._lanes
+                                          for g, _ in lane_cells(lane[3], timeline._clock - 5, 0.1, 50)),
+                       "decode on a lane")
+        line = timeline.render_line(1)
+        assert line.text.startswith("r4") and any(g in line.text for g in "▒▓█")

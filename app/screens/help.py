@@ -23,6 +23,10 @@ PANELS = """\
   requests  what the engine remembers, newest first; the cursor follows
             the newest live request until you move it (↑ ↓); end: the
             finish reason or the error
+  timeline  (g) one lane per request, newest on top, over the last 30 s
+            (+ - zoom, space pauses): · queued  ~ waiting-on-leader
+            ▒ prefill  █ decode  ░ preempted  ▓ a prefill chunk or a
+            verify round ended there  ✓ finished  ⊘ aborted  ✗ error
   latency   p50 / p95 / p99 and count of TTFT, ITL (each request's mean
             gap between tokens), e2e and queue time over the last 10 s,
             60 s or the session (w), from the engine's request records;

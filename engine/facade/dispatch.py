@@ -128,6 +128,7 @@ class Dispatcher:
     def on_step(self, event: msg.StepEvents) -> None:
         deliveries = []
         with self.engine._lock:
+            self.engine.timelines.on_step(event, time.monotonic(), self.engine.requests.records)
             if event.cache_delta:
                 keys = self.engine._workers[event.worker].cache_keys
                 for added, key in event.cache_delta:

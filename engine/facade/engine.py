@@ -25,6 +25,7 @@ from engine.facade.limits import check_memory, check_model_limits
 from engine.facade.alerts import AlertWatcher
 from engine.facade.dispatch import Dispatcher
 from engine.facade.latency import LatencyWindow, live_samples_of
+from engine.facade.timeline import TimelineStore
 from engine.errors import ConfigError, InvalidRequest, TokentopError, describe_error
 from engine.models.catalog import resolve_model
 from engine.models.tokenizer import Tokenizer
@@ -92,6 +93,7 @@ class Engine:
         self.requests = RequestTable()
         self.latency = LatencyWindow()   # percentiles over time, fed by the dispatcher
         self.alerts = AlertWatcher(self)   # stall, KV pressure, imbalance, dead or down workers
+        self.timelines = TimelineStore()   # each request's phases, for the dashboard's timeline
         self._routing: deque[RouteDecision] = deque(maxlen=50)
         self._log: deque[LogLine] = deque(maxlen=200)
         self._log_groups: dict[tuple, tuple[float, int, LogLine]] = {}   # key -> first, count, line
@@ -506,8 +508,10 @@ class Engine:
             reqs = tuple(self._request_view(r, now) for r in self.requests.records.values())
             uptime = now - self._started_at if self._started_at is not None else 0.0
             live = live_samples_of(self.requests.records.values(), now)
+            timelines = self.timelines.timelines(self.requests.records)
             snap = EngineSnapshot(time.time(), workers, reqs, tuple(self._routing),
-                                  self.router.policy, tuple(self._log), self.tracing, uptime)
+                                  self.router.policy, tuple(self._log), self.tracing, uptime,
+                                  clock=now, timelines=timelines)
         # worked out after the facade's lock is released: the window has its own
         return replace(snap, latency=self.latency.views(now, live), alerts=self.alerts.active(),
                        alert_counts=self.alerts.totals())

@@ -135,3 +135,5 @@ class EngineSnapshot:
     latency: dict = field(default_factory=dict)   # window name -> LatencyView (engine/facade/latency.py)
     alerts: tuple = ()                 # the Alerts active now (engine/facade/alerts.py)
     alert_counts: dict = field(default_factory=dict)   # (kind, worker name) -> episodes so far
+    clock: float = 0.0                 # time.monotonic() when taken: the timelines' "now"
+    timelines: dict = field(default_factory=dict)   # request id -> Timeline (engine/facade/timeline.py)
