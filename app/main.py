@@ -35,6 +35,7 @@ from app.screens.help import HelpScreen
 from app.screens.prompt import PromptDialog
 from app.settings import load_settings, save_settings
 from app.widgets.workers import WorkersRow
+from app.widgets.charts import HistoryCharts, window_label
 from app.widgets.event_log import EventLog
 from app.widgets.fmt import fmt_rate, fmt_seconds, fmt_uptime, short_worker
 from app.widgets.latency import LatencyPanel
@@ -72,6 +73,10 @@ ACTIONS = (
     Binding("x,delete", "abort", "Abort", tooltip="Abort the request selected in the request table"),
     Binding("g", "toggle_timeline", "Timeline", show=False,
             tooltip="Switch the request table and the request timeline (lanes of phases over time)"),
+    Binding("h", "toggle_charts", "History", show=False,
+            tooltip="Switch the token streams and the history charts (tok/s, running / waiting, KV usage)"),
+    Binding("m", "cycle_chart_window", "Minutes", show=False,
+            tooltip="Cycle the history charts' span: the last 1, 5 or 15 minutes"),
     Binding("enter", "request_detail", "Detail", show=False, tooltip="Show the selected request in full"),
     Binding("t", "export_trace", "Trace", tooltip="Write a Perfetto trace (turns tracing on if it is off)"),
     Binding("T", "toggle_tracing", "Tracing", show=False, tooltip="Turn trace collection on or off"),
@@ -184,7 +189,7 @@ class TokentopApp(App[int]):
             yield Panel(self._latency_title(), LatencyPanel(id="latency"), id="latency-panel")
             yield Panel("routing", RoutingPanel(id="routing"), id="routing-panel")
         with Horizontal(id="bottom", classes="row"):
-            yield Panel("streams", StreamsPanel(id="streams"), id="streams-panel")
+            yield Panel("streams", StreamsPanel(id="streams"), HistoryCharts(id="charts"), id="streams-panel")
             yield Panel("speculation", SpecPanel(id="spec"), id="spec-panel")
             yield Panel("log", EventLog(id="log"), id="log-panel")
         yield Footer(compact=True)
@@ -203,6 +208,9 @@ class TokentopApp(App[int]):
         self._timeline = self.query_one(TimelinePanel)
         self._timeline.display = False
         self._requests_panel = self.query_one("#requests-panel")
+        self._charts = self.query_one(HistoryCharts)
+        self._charts.display = False
+        self._streams_panel = self.query_one("#streams-panel")
         self._routing = self.query_one(RoutingPanel)
         self._streams = self.query_one(StreamsPanel)
         self._spec = self.query_one(SpecPanel)
@@ -276,7 +284,10 @@ class TokentopApp(App[int]):
         self._routing_panel.display = self.size.width >= ROUTING_PANEL_MIN_WIDTH
         if self._routing_panel.display:
             self._routing.show_decisions(snap.routing)
-        self._streams.show_streams(snap.requests, names)
+        if self._charts.display:
+            self._charts.show_history(snap.history, names, snap.clock)
+        else:
+            self._streams.show_streams(snap.requests, names)
         # the speculation panel needs room: below SPEC_PANEL_MIN_WIDTH columns the request
         # table's spec column and the help carry it (z zooms a panel)
         self._spec_panel.display = self.size.width >= SPEC_PANEL_MIN_WIDTH
@@ -457,6 +468,28 @@ class TokentopApp(App[int]):
         self._title_requests()
         if self.last_snapshot is not None:
             self.show_snapshot(self.last_snapshot)
+
+    def action_toggle_charts(self) -> None:
+        showing = not self._charts.display
+        self._charts.display = showing
+        self._streams.display = not showing
+        if showing:
+            self._charts.focus()      # z zooms the focused panel: this one
+        elif self._charts.has_focus:
+            self._requests.focus()
+        self._title_streams()
+        if self.last_snapshot is not None:
+            self.show_snapshot(self.last_snapshot)
+
+    def action_cycle_chart_window(self) -> None:
+        self._charts.cycle_window()
+        self._title_streams()
+        if self.last_snapshot is not None:
+            self.show_snapshot(self.last_snapshot)
+
+    def _title_streams(self) -> None:
+        self._streams_panel.border_title = (f"history · {window_label(self._charts.window)} (m, h: streams)"
+                                            if self._charts.display else "streams")
 
     def on_timeline_panel_changed(self, event: TimelinePanel.Changed) -> None:
         self._title_requests()

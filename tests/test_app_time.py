@@ -1,11 +1,13 @@
 """What the dashboard shows over time: the latency panel and the header's latency figures
 (app/widgets/latency.py), the alert badge, every worker on screen however many there are
-(app/widgets/workers.py), the request timeline (app/widgets/timeline.py); live on simulated
-workers and on hand-built snapshots."""
+(app/widgets/workers.py), the request timeline (app/widgets/timeline.py), the history charts
+(app/widgets/charts.py); live on simulated workers and on hand-built snapshots."""
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 from textual.content import Content
@@ -13,6 +15,8 @@ from textual.content import Content
 from app.main import TokentopApp
 from app.widgets import event_log
 from app.screens.detail import RequestDetail
+from app.widgets.charts import HistoryCharts, chart_series, time_ticks
+from app.widgets.streams import StreamsPanel
 from app.widgets.timeline import TimelinePanel, axis_text, lane_cells
 from app.widgets.worker import WorkerPanel
 from app.widgets.worker_line import WorkerLine
@@ -20,6 +24,7 @@ from app.widgets.workers import WorkersRow
 from engine.config import EngineConfig, WorkerConfig
 from engine.facade.devices import parse_devices
 from engine.facade.snapshot import EngineSnapshot
+from engine.facade.history import History, HistoryStore
 from engine.facade.timeline import Timeline
 
 from app.widgets.fmt import fmt_seconds
@@ -313,5 +318,97 @@ async def test_a_burst_runs_across_the_live_timeline(tiny_model, tmp_path):
         await wait_for(pilot, lambda: any(g == "█" for lane in timeline._lanes
                                           for g, _ in lane_cells(lane[3], timeline._clock - 5, 0.1, 50)),
                        "decode on a lane")
-        line = timeline.render_line(1)
-        assert line.text.startswith("r4") and any(g in line.text for g in "▒▓█")
+        await pilot.pause(0.3)
+        lines = [timeline.render_line(y).text for y in range(1, 5)]     # as painted: newest on top
+        assert [line.split()[0] for line in lines] == ["r4", "r3", "r2", "r1"]
+        assert any(g in line for line in lines for g in "▒▓█")
+
+
+# --- history charts ----------------------------------------------------------------------------
+def fixture_history(clock: float = 1000.0) -> dict:
+    """Five minutes of made-up points for two workers: waves, steps and a filling KV pool."""
+    out = {}
+    for w in range(2):
+        times = tuple(float(int(clock) - 300 + i) for i in range(300))
+        out[w] = History(times, {
+            "prefill_tps": tuple(3000 + 1000 * math.cos(i / 30 + w) for i in range(300)),
+            "decode_tps": tuple(300 + 100 * math.sin(i / 20 + w) for i in range(300)),
+            "running": tuple(float(2 + (i // 40 + w) % 4) for i in range(300)),
+            "waiting": tuple(float((i // 25 + w) % 3) for i in range(300)),
+            "kv_usage": tuple(0.2 + 0.5 * i / 300 + 0.1 * w for i in range(300))})
+    return out
+
+
+def test_history_store_means_each_second_and_keeps_fifteen_minutes():
+    store = HistoryStore(keep_s=3)
+    stats = lambda decode, used=10, kv=None: SimpleNamespace(  # noqa: E731
+        prefill_tps=0.0, decode_tps=decode, running=1, waiting=0, pages_used=used, pages_total=100 if kv is None else 0,
+        kv_usage=kv)
+    store.add(0, 10.1, stats(100.0))
+    store.add(0, 10.6, stats(200.0, used=30))
+    assert store.histories() == {}                      # the second is still open
+    store.add(0, 11.0, stats(50.0))
+    h = store.histories()[0]
+    assert h.times == (10.0,) and h.values("decode_tps") == (150.0,) and h.values("kv_usage") == (0.2,)
+    assert store.histories()[0] is h                    # nothing new: the same picture
+    for t in range(12, 17):
+        store.add(0, float(t), stats(float(t)))
+    assert store.histories()[0].times == (13.0, 14.0, 15.0)      # the last keep_s seconds
+    store.add(1, 1.0, stats(5.0, kv=None))
+    store.add(1, 1.5, SimpleNamespace(prefill_tps=0.0, decode_tps=5.0, running=0, waiting=0, pages_used=0,
+                                      pages_total=0, kv_usage=None))
+    store.add(1, 2.0, stats(1.0))
+    assert store.histories()[1].values("kv_usage") == (0.1,)     # a report without KV is left out
+
+
+def test_chart_series_keep_the_window_and_scale():
+    hist = fixture_history()
+    names = {0: "sim:gpu0", 1: "sim:gpu1"}
+    one = chart_series(hist, names, 1000.0, 60, "kv_usage", 100.0)
+    assert [label for label, _, _ in one] == ["gpu0", "gpu1"]
+    assert len(one[0][1]) == 60 and one[0][1][0] == -60.0 and one[0][1][-1] == -1.0
+    assert one[0][2][-1] == pytest.approx(100 * (0.2 + 0.5 * 299 / 300))
+    assert time_ticks(300) == ([-300.0, -225.0, -150.0, -75.0, 0.0], ["-5m", "-3.75m", "-2.5m", "-1.25m", "now"])
+    assert time_ticks(60)[1] == ["-60s", "-45s", "-30s", "-15s", "now"]
+
+
+def test_snapshot_history_charts_zoomed(frozen_app, snap_compare):
+    async def show(pilot):
+        frozen_app.show_snapshot(replace(fixture_snapshot(), clock=1000.0, history=fixture_history()))
+        await pilot.pause()
+        await pilot.press("h", "z")
+        await pilot.pause()
+    assert snap_compare(frozen_app, terminal_size=(120, 40), run_before=show)
+
+
+async def test_h_shows_the_charts_and_m_cycles_their_span(frozen_app):
+    async with frozen_app.run_test(size=(120, 40)) as pilot:
+        snap = replace(fixture_snapshot(), clock=1000.0, history=fixture_history())
+        frozen_app.show_snapshot(snap)
+        await pilot.press("h")
+        charts = frozen_app.query_one(HistoryCharts)
+        panel = frozen_app.query_one("#streams-panel")
+        assert charts.display and not frozen_app.query_one(StreamsPanel).display
+        assert str(panel.border_title).startswith("history · 5 min")
+        assert [label for label, _, _ in charts.plotted["decode"]] == ["gpu0", "gpu1"]
+        assert [label for label, _, _ in charts.plotted["load"]] == ["gpu0", "gpu1", "gpu0 wait", "gpu1 wait"]
+        assert len(charts.plotted["decode"][0][1]) == 300
+        await pilot.press("m")                                    # 5 -> 15 minutes
+        assert charts.window == 900 and "15 min" in str(panel.border_title)
+        await pilot.press("m")                                    # -> 1 minute
+        assert charts.window == 60 and len(charts.plotted["decode"][0][1]) == 60
+        await pilot.press("h")
+        assert frozen_app.query_one(StreamsPanel).display and str(panel.border_title) == "streams"
+
+
+async def test_live_workers_fill_the_history(tiny_model, tmp_path):
+    app = make_app(tiny_model, tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_ready(pilot, app)
+        await pilot.press("h")
+        await fire_burst(pilot, app, count="4", interval="0", max_tokens="400")
+        charts = app.query_one(HistoryCharts)
+        await wait_for(pilot, lambda: any(max(ys, default=0) > 0 for _, _, ys in charts.plotted.get("decode", [])),
+                       "decode tok/s on the chart")
+        history = app.last_snapshot.history
+        assert set(history) == {0, 1} and all(len(h.times) >= 1 for h in history.values())

@@ -35,6 +35,9 @@ PANELS = """\
             policy compared (cost: estimated seconds; round-robin compares
             nothing), then the load it counted; [$success]✓[/] on the chosen one
   streams   live text of the active requests, one colour per request
+  history   (h, in the streams' place) decode and prefill tok/s, running
+            and waiting (dotted), KV usage per worker over the last 1, 5
+            or 15 minutes (m); z zooms them to the full screen
   log       errors, preemptions, worker deaths, policy changes, bursts"""
 
 

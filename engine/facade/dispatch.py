@@ -188,6 +188,7 @@ class Dispatcher:
         with self.engine._lock:
             w = self.engine._workers[s.worker]
             w.stats = s
+            self.engine.history.add(s.worker, time.monotonic(), s)
             w.prefill_hist.append(s.prefill_tps)
             w.decode_hist.append(s.decode_tps)
             if s.spec is not None:

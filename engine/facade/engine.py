@@ -24,6 +24,7 @@ from engine.config import SPEC_MODES, EngineConfig, SamplingParams, WorkerConfig
 from engine.facade.limits import check_memory, check_model_limits
 from engine.facade.alerts import AlertWatcher
 from engine.facade.dispatch import Dispatcher
+from engine.facade.history import HistoryStore
 from engine.facade.latency import LatencyWindow, live_samples_of
 from engine.facade.timeline import TimelineStore
 from engine.errors import ConfigError, InvalidRequest, TokentopError, describe_error
@@ -94,6 +95,7 @@ class Engine:
         self.latency = LatencyWindow()   # percentiles over time, fed by the dispatcher
         self.alerts = AlertWatcher(self)   # stall, KV pressure, imbalance, dead or down workers
         self.timelines = TimelineStore()   # each request's phases, for the dashboard's timeline
+        self.history = HistoryStore()      # each worker's last 15 minutes, one point a second
         self._routing: deque[RouteDecision] = deque(maxlen=50)
         self._log: deque[LogLine] = deque(maxlen=200)
         self._log_groups: dict[tuple, tuple[float, int, LogLine]] = {}   # key -> first, count, line
@@ -514,7 +516,7 @@ class Engine:
                                   clock=now, timelines=timelines)
         # worked out after the facade's lock is released: the window has its own
         return replace(snap, latency=self.latency.views(now, live), alerts=self.alerts.active(),
-                       alert_counts=self.alerts.totals())
+                       alert_counts=self.alerts.totals(), history=self.history.histories())
 
     def _worker_view(self, w: _WorkerSlot) -> WorkerView:
         s, info = w.stats, w.info or msg.WorkerInfo.before_ready(w.cfg)

@@ -137,3 +137,4 @@ class EngineSnapshot:
     alert_counts: dict = field(default_factory=dict)   # (kind, worker name) -> episodes so far
     clock: float = 0.0                 # time.monotonic() when taken: the timelines' "now"
     timelines: dict = field(default_factory=dict)   # request id -> Timeline (engine/facade/timeline.py)
+    history: dict = field(default_factory=dict)     # worker index -> History (engine/facade/history.py)
