@@ -1,6 +1,6 @@
 """The whole command line: `tokentop` (the dashboard, app/main.py), `tokentop generate`,
-`tokentop bench SCENARIO`, `tokentop serve`, `tokentop watch`, `tokentop models`, and the engine flags
-they share.
+`tokentop bench SCENARIO`, `tokentop serve`, `tokentop watch`, `tokentop models`, `tokentop status`
+(app/status.py), and the engine flags they share.
 
 The engine (engine/) is a library with no command line of its own: this module turns flags
 into its settings (EngineConfig, SamplingParams, ServeConfig). Every user error is one line on
@@ -27,7 +27,8 @@ from engine.trace import DETAILS, check_trace_dir
 
 EXIT_USAGE = 2
 MAX_PROMPT_FILE_BYTES = 8 * 2**20   # ~8 million characters: far beyond any model's context
-COMMANDS = ("generate", "bench", "models", "serve", "replay", "compare", "watch")   # anything else: the dashboard's flags
+LATENCY_WINDOW_NAMES = ("10s", "60s", "session")   # engine/facade/latency.py WINDOWS, as /snapshot names them
+COMMANDS = ("generate", "bench", "models", "serve", "replay", "compare", "watch", "status")   # else: the dashboard's
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -280,6 +281,14 @@ def build_parser() -> OneLineParser:
 
     m = sub.add_parser("models", help="list bundled models and whether they are installed")
     m.add_argument("--json", action="store_true")
+
+    st = sub.add_parser("status", help="a running server's workers, latency and alerts, once (GET /snapshot)")
+    st.add_argument("url", nargs="?", default="http://127.0.0.1:8000",
+                    help="the server's address (default http://127.0.0.1:8000)")
+    st.add_argument("--json", action="store_true", help="print the snapshot's JSON as the server sent it")
+    st.add_argument("--api-key", default=None, help="the server's --api-key, if it has one")
+    st.add_argument("--window", choices=LATENCY_WINDOW_NAMES, default="60s", help="latency window shown")
+    st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
     return p
 
 
@@ -338,6 +347,9 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"--interval must be a positive number of seconds, got {args.interval:g}")
             from app.watch import run_watch
             return run_watch(args.urls, args.interval, args.once, args.json)
+        if args.command == "status":
+            from app.status import cmd_status
+            return cmd_status(args)
         build_parser().print_help()
         return EXIT_USAGE
     except TokentopError as exc:
@@ -480,7 +492,7 @@ def add_serve_flags(p) -> None:
                    help="address to listen on (default: loopback only)")
     g.add_argument("--port", type=int, default=SERVER_FLAG_DEFAULTS["--port"])
     g.add_argument("--api-key", default=SERVER_FLAG_DEFAULTS["--api-key"],
-                   help="require Authorization: Bearer KEY on /v1/*")
+                   help="require Authorization: Bearer KEY on /v1/*, /tokenize and /snapshot")
     g.add_argument("--max-queue", type=int, default=SERVER_FLAG_DEFAULTS["--max-queue"],
                    help="answer 429 when this many requests wait beyond what the workers can run")
     g.add_argument("--max-body", default=SERVER_FLAG_DEFAULTS["--max-body"], help="largest request body accepted")

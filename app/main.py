@@ -20,7 +20,8 @@ from typing import Callable, Iterable
 import platformdirs
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
-from textual.containers import Horizontal, HorizontalScroll
+from textual.containers import Horizontal
+from textual.markup import escape
 from textual.screen import Screen
 from textual.widgets import Footer
 
@@ -35,24 +36,29 @@ from app.screens.detail import RequestDetail
 from app.screens.help import HelpScreen
 from app.screens.prompt import PromptDialog
 from app.settings import load_settings, save_settings
-from app.widgets.backend import BackendPanel
+from app.widgets.workers import WorkersRow
+from app.widgets.charts import HistoryCharts, window_label
 from app.widgets.event_log import EventLog
-from app.widgets.fmt import fmt_rate, fmt_uptime
+from app.widgets.fmt import fmt_rate, fmt_seconds, fmt_uptime, short_worker
+from app.widgets.latency import LatencyPanel
 from app.widgets.line import Line
 from app.widgets.panel import Panel
 from app.widgets.requests import RequestsTable
 from app.widgets.routing import RoutingPanel
 from app.widgets.spec import SpecPanel
+from app.widgets.timeline import TimelinePanel
 from app.widgets.streams import StreamsPanel
 from engine.config import ROUTER_POLICIES, SCHED_POLICIES, EngineConfig, SamplingParams
 from engine.facade.engine import Engine
 from engine.errors import TokentopError
+from engine.facade.latency import WINDOWS as LATENCY_WINDOWS
 from engine.facade.snapshot import EngineSnapshot
 from themes import KV_DEFAULTS, STYLESHEET, THEMES
 
 REFRESH_S = 0.2              # 5 Hz, as often as workers report their stats
 SHUTDOWN_TIMEOUT_S = 2.0     # per worker join before the engine terminates it
 SPEC_PANEL_MIN_WIDTH = 120   # terminal columns from which the speculation panel is shown
+ROUTING_PANEL_MIN_WIDTH = 120   # ... and the routing panel (below, the latency panel has its place)
 THEME_CYCLE = tuple(t.name for t in THEMES)
 # Dashboard keys. The footer, the help screen and the command palette are generated from them.
 ACTIONS = (
@@ -62,7 +68,17 @@ ACTIONS = (
     Binding("r", "cycle_router", "Router", tooltip=f"Cycle the router policy ({', '.join(ROUTER_POLICIES)})"),
     Binding("s", "cycle_spec", "Spec", tooltip="Cycle speculative decoding of new requests "
                                                "(off, ngram, draft when a draft model is loaded)"),
+    Binding("w", "cycle_window", "Window", show=False, tooltip="Cycle the latency window: last 10 s, last 60 s, "
+                                                     "the whole session"),
+    Binding("e", "expand_worker", "Expand", show=False,
+            tooltip="Where the workers are one line each: show the next one in full (after the last: none)"),
     Binding("x,delete", "abort", "Abort", tooltip="Abort the request selected in the request table"),
+    Binding("g", "toggle_timeline", "Timeline", show=False,
+            tooltip="Switch the request table and the request timeline (lanes of phases over time)"),
+    Binding("h", "toggle_charts", "History", show=False,
+            tooltip="Switch the token streams and the history charts (tok/s, running / waiting, KV usage)"),
+    Binding("m", "cycle_chart_window", "Minutes", show=False,
+            tooltip="Cycle the history charts' span: the last 1, 5 or 15 minutes"),
     Binding("enter", "request_detail", "Detail", show=False, tooltip="Show the selected request in full"),
     Binding("t", "export_trace", "Trace", tooltip="Write what the flight recorder kept (the last 120 s by "
                                                   "default, every worker) as one Perfetto trace"),
@@ -172,18 +188,19 @@ class TokentopApp(App[int]):
         self._refresh_error: str | None = None
         self.serve_url: str | None = None      # set by --serve
         self._compare: threading.Thread | None = None
+        self.latency_window = LATENCY_WINDOWS[0][0]   # w cycles it
 
     # --- layout -------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
         yield Line(id="status")
-        with HorizontalScroll(id="backends"):
-            for i, cfg in enumerate(self.config.workers):
-                yield BackendPanel(i, cfg)
+        yield WorkersRow(self.config.workers, id="workers")
         with Horizontal(id="middle", classes="row"):
-            yield Panel("requests", RequestsTable(id="requests"), id="requests-panel")
+            yield Panel("requests", RequestsTable(id="requests"), TimelinePanel(id="timeline"),
+                        id="requests-panel")
+            yield Panel(self._latency_title(), LatencyPanel(id="latency"), id="latency-panel")
             yield Panel("routing", RoutingPanel(id="routing"), id="routing-panel")
         with Horizontal(id="bottom", classes="row"):
-            yield Panel("streams", StreamsPanel(id="streams"), id="streams-panel")
+            yield Panel("streams", StreamsPanel(id="streams"), HistoryCharts(id="charts"), id="streams-panel")
             yield Panel("speculation", SpecPanel(id="spec"), id="spec-panel")
             yield Panel("log", EventLog(id="log"), id="log-panel")
         yield Footer(compact=True)
@@ -197,12 +214,21 @@ class TokentopApp(App[int]):
         self.theme = self.settings.theme if self.settings.theme in self.available_themes else THEME_CYCLE[0]
         self.theme_changed_signal.subscribe(self, self._remember_theme)
         # Widgets are looked up once: queries on the app search the top screen, a dialog included.
-        self._backends = list(self.query(BackendPanel))
+        self._workers_row = self.query_one(WorkersRow)
         self._requests = self.query_one(RequestsTable)
+        self._timeline = self.query_one(TimelinePanel)
+        self._timeline.display = False
+        self._requests_panel = self.query_one("#requests-panel")
+        self._charts = self.query_one(HistoryCharts)
+        self._charts.display = False
+        self._streams_panel = self.query_one("#streams-panel")
         self._routing = self.query_one(RoutingPanel)
         self._streams = self.query_one(StreamsPanel)
         self._spec = self.query_one(SpecPanel)
         self._spec_panel = self.query_one("#spec-panel")
+        self._latency = self.query_one(LatencyPanel)
+        self._latency_panel = self.query_one("#latency-panel")
+        self._routing_panel = self.query_one("#routing-panel")
         self._log = self.query_one(EventLog)
         self._status = self.query_one("#status", Line)
         self._requests.focus()
@@ -259,26 +285,26 @@ class TokentopApp(App[int]):
 
     def show_snapshot(self, snap: EngineSnapshot) -> None:
         self.last_snapshot = snap
-        views = {w.index: w for w in snap.workers}
-        for panel in self._backends:
-            view = views.get(panel.index)
-            loading = view is None or view.state in ("starting", "loading")
-            done, total = self._assembly.get(panel.cfg.model, (0, 0))
-            if loading and self._start_error:
-                panel.show_failure(self._start_error)
-            elif loading and done < total:
-                panel.show_assembly(done, total)
-            elif view is not None:
-                panel.show_view(view)
+        self._workers_row.fit(self.size.width, self.size.height)
+        self._workers_row.show({w.index: w for w in snap.workers}, self._assembly, self._start_error)
         names = {w.index: w.name for w in snap.workers}
-        self._requests.show_requests(snap.requests, names)
-        self._routing.show_decisions(snap.routing)
-        self._streams.show_streams(snap.requests, names)
+        if self._timeline.display:
+            self._timeline.show_snapshot(snap)
+        else:
+            self._requests.show_requests(snap.requests, names)
+        self._routing_panel.display = self.size.width >= ROUTING_PANEL_MIN_WIDTH
+        if self._routing_panel.display:
+            self._routing.show_decisions(snap.routing)
+        if self._charts.display:
+            self._charts.show_history(snap.history, names, snap.clock)
+        else:
+            self._streams.show_streams(snap.requests, names)
         # the speculation panel needs room: below SPEC_PANEL_MIN_WIDTH columns the request
         # table's spec column and the help carry it (z zooms a panel)
         self._spec_panel.display = self.size.width >= SPEC_PANEL_MIN_WIDTH
         if self._spec_panel.display:
             self._spec.show_spec(snap.workers, snap.requests, self.engine.spec_mode)
+        self._latency.show_latency(snap.latency.get(self.latency_window), names)
         self._log.show_lines(snap.log)
         self._show_status()
 
@@ -299,6 +325,8 @@ class TokentopApp(App[int]):
         detail = self.engine.recorder.detail if self.live or snap is None else snap.trace_detail
         tracing = "[b $success]full[/]" if detail == "full" else detail
         parts = [(0, "[b $accent]tokentop[/]")]
+        if snap is not None and snap.alerts:
+            parts.append((0, alert_badge(snap.alerts)))
         for run in self.bursts:
             parts.append((0, f"burst {run.name} {run.submitted}/{run.spec.count}"))
         parts += [(1, f"{ready}/{len(self.config.workers)} ready"), (1, f"{active} active")]
@@ -306,6 +334,7 @@ class TokentopApp(App[int]):
             live = [w for w in workers if w.state == "ready"]
             parts.append((2, f"decode {fmt_rate(sum(w.decode_tps for w in live))} tok/s"))
             parts.append((5, f"prefill {fmt_rate(sum(w.prefill_tps for w in live))} tok/s"))
+            parts += self._latency_parts(snap)
         parts += [(3, f"router [b]{self.router_policy}[/]"), (3, f"sched [b]{self.scheduler_policy}[/]"),
                   (3, f"trace {tracing}")]
         if self.serve_url:
@@ -313,6 +342,22 @@ class TokentopApp(App[int]):
         if snap is not None and snap.uptime:
             parts.append((4, f"up {fmt_uptime(snap.uptime)}"))
         self._status.set_parts(parts, prefix=" ")
+
+    def _latency_parts(self, snap: EngineSnapshot) -> list[tuple[int, str]]:
+        """The latency panel's headline figures, for the header: p50 and p99 of TTFT and ITL,
+        then e2e, over the panel's window."""
+        view = snap.latency.get(self.latency_window)
+        if view is None:
+            return []
+        parts = []
+        for priority, metric, label in ((2, "ttft", "TTFT"), (3, "itl", "ITL"), (6, "e2e", "e2e")):
+            s = view.summary(metric)
+            if s.count:
+                parts.append((priority, f"{label} p50 {fmt_seconds(s.p50)} p99 {fmt_seconds(s.p99)}"))
+        return parts
+
+    def _latency_title(self) -> str:
+        return f"latency · {self.latency_window} (w)"
 
     def _finish_bursts(self) -> None:
         for run in [r for r in self.bursts if r.done]:
@@ -450,8 +495,66 @@ class TokentopApp(App[int]):
         self.engine.set_spec_mode(mode)
         self.notify(f"speculative decoding of new requests: {mode}")
 
+    def action_expand_worker(self) -> None:
+        row = self._workers_row
+        if not row.compact:
+            self.notify("every worker's panel is already shown in full", severity="information")
+            return
+        index = row.expand_next()
+        if self.last_snapshot is not None:
+            self.show_snapshot(self.last_snapshot)
+        self.notify(f"worker {index} in full" if index is not None else "every worker on one line")
+
+    def action_cycle_window(self) -> None:
+        self.latency_window = _next([name for name, _ in LATENCY_WINDOWS], self.latency_window)
+        self._latency_panel.border_title = self._latency_title()
+        if self.last_snapshot is not None:
+            self.show_snapshot(self.last_snapshot)
+
+    def action_toggle_timeline(self) -> None:
+        showing = not self._timeline.display
+        self._timeline.display = showing
+        self._requests.display = not showing
+        (self._timeline if showing else self._requests).focus()
+        self._title_requests()
+        if self.last_snapshot is not None:
+            self.show_snapshot(self.last_snapshot)
+
+    def action_toggle_charts(self) -> None:
+        showing = not self._charts.display
+        self._charts.display = showing
+        self._streams.display = not showing
+        if showing:
+            self._charts.focus()      # z zooms the focused panel: this one
+        elif self._charts.has_focus:
+            self._requests.focus()
+        self._title_streams()
+        if self.last_snapshot is not None:
+            self.show_snapshot(self.last_snapshot)
+
+    def action_cycle_chart_window(self) -> None:
+        self._charts.cycle_window()
+        self._title_streams()
+        if self.last_snapshot is not None:
+            self.show_snapshot(self.last_snapshot)
+
+    def _title_streams(self) -> None:
+        self._streams_panel.border_title = (f"history · {window_label(self._charts.window)} (m, h: streams)"
+                                            if self._charts.display else "streams")
+
+    def on_timeline_panel_changed(self, event: TimelinePanel.Changed) -> None:
+        self._title_requests()
+
+    def _title_requests(self) -> None:
+        self._requests_panel.border_title = (self._timeline.title() if self._timeline.display
+                                             else "requests")
+
+    def _selected_request(self) -> str | None:
+        """The request the table's, or the timeline's, cursor is on: whichever is shown."""
+        return self._timeline.selected_id if self._timeline.display else self._requests.selected_id
+
     def action_abort(self) -> None:
-        rid = self._requests.selected_id
+        rid = self._selected_request()
         if rid is None:
             self.notify("no request selected: pick one in the request table", severity="warning")
         else:
@@ -465,7 +568,7 @@ class TokentopApp(App[int]):
             self.notify(f"{rid} has already finished", severity="warning")
 
     def action_request_detail(self) -> None:
-        rid = self._requests.selected_id
+        rid = self._selected_request()
         if rid is None:
             self.notify("no request selected: pick one in the request table", severity="warning")
         else:
@@ -529,6 +632,14 @@ class TokentopApp(App[int]):
             if binding.action != "quit":
                 yield SystemCommand(f"{binding.description} ({self.key_display(binding)})",
                                     binding.tooltip, lambda a=binding.action: self.run_action(a))
+
+
+def alert_badge(alerts) -> str:
+    """The header's badge: the one alert active, or how many (the log says what each is)."""
+    if len(alerts) == 1:
+        a = alerts[0]
+        return f"[b reverse $error] ⚠ {a.kind} {escape(short_worker(a.worker_name))} [/]"
+    return f"[b reverse $error] ⚠ {len(alerts)} alerts [/]"
 
 
 def _next(options: Iterable[str], current: str) -> str:

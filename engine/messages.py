@@ -158,6 +158,8 @@ class StepEvents:
     # the same pages in full for KV events (engine/serve/kv_events.py), in order: (key prefix,
     # parent's key prefix or None, page tokens) published, (key prefix, None, None) evicted
     kv_blocks: tuple[tuple[bytes, bytes | None, tuple[int, ...] | None], ...] = ()
+    # (request id, prompt tokens) of each prefill chunk computed in the step: the timeline's chunks
+    prefilled: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import time
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from app.screens.detail import RequestDetail, detail_markup, prompt_markup
 from app.screens.prompt import PromptDialog
 from app.settings import Settings, load_settings, save_settings
 from app.widgets import event_log
-from app.widgets.backend import BackendPanel
+from app.widgets.worker import WorkerPanel
 from app.widgets.kv_grid import CACHED, FREE, SHARED, USED, downsample, pages_per_cell
 from app.widgets.line import Line
 from app.widgets.requests import RequestsTable
@@ -35,6 +36,7 @@ from engine.config import EngineConfig, SamplingParams, WorkerConfig
 from engine import messages as msg
 from engine.facade import procstat
 from engine.facade.devices import parse_devices
+from engine.facade.latency import LatencyWindow
 from engine.facade.router import Candidate, RouteDecision
 from engine.facade.snapshot import EngineSnapshot, LogLine, RequestView, WorkerView
 from tests.trace_checks import check_nesting
@@ -92,13 +94,13 @@ async def test_burst_fills_table_grid_streams_and_log(tiny_model, tmp_path):
     app = make_app(tiny_model, tmp_path)
     async with app.run_test(size=SIZE) as pilot:
         await wait_ready(pilot, app)
-        grids_before = [p._grid._states for p in app.query(BackendPanel)]
+        grids_before = [p._grid._states for p in app.query(WorkerPanel)]
         assert all(set(states) == {FREE} for states in grids_before)
 
         await fire_burst(pilot, app, count="8", interval="20")
         table = app.query_one(RequestsTable)
         await wait_for(pilot, lambda: table.row_count == 8, "8 rows in the request table")
-        await wait_for(pilot, lambda: any(set(p._grid._states) - {FREE} for p in app.query(BackendPanel)),
+        await wait_for(pilot, lambda: any(set(p._grid._states) - {FREE} for p in app.query(WorkerPanel)),
                        "KV pages in use")
         await wait_for(pilot, lambda: len(app.query_one(StreamsPanel)._shown) > 0, "a token stream")
         assert "burst mixed#1" in str(app._status.render())
@@ -109,9 +111,9 @@ async def test_burst_fills_table_grid_streams_and_log(tiny_model, tmp_path):
         await wait_for(pilot, lambda: any("burst mixed#1 done: 8 requests (8 ok" in line.text
                                           for line in app.last_snapshot.log), "the burst summary", timeout=30)
         # no page in use; the burst's published pages stay cached (reusable), drawn apart
-        await wait_for(pilot, lambda: all(set(p._grid._states) <= {FREE, CACHED} for p in app.query(BackendPanel)),
+        await wait_for(pilot, lambda: all(set(p._grid._states) <= {FREE, CACHED} for p in app.query(WorkerPanel)),
                        "every KV page free or cached again")
-        assert any(CACHED in p._grid._states for p in app.query(BackendPanel))
+        assert any(CACHED in p._grid._states for p in app.query(WorkerPanel))
         summary = next(line.text for line in app.last_snapshot.log if "done:" in line.text)
         assert "TTFT mean" in summary and "p95" in summary and "tok/s aggregate" in summary
         assert any("done:" in line.text for line in app._log.lines)
@@ -299,7 +301,7 @@ async def test_engine_start_failure_is_shown(tmp_path):
                                    worker_mode="thread"), settings_path=tmp_path / "settings.json")
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: any(s == "error" for s, _ in notices(app)), "an error notification")
-        panel = app.query_one(BackendPanel)
+        panel = app.query_one(WorkerPanel)
         await wait_for(pilot, lambda: panel.has_class("-dead"), "the panel marked dead")
         await pilot.press("b", "enter")
         assert any("nope.gguf" in m for _, m in notices(app))
@@ -311,7 +313,7 @@ async def test_model_assembly_progress_is_shown(tiny_model, tmp_path):
         app._on_progress(str(tiny_model), 100 * 2**20, 400 * 2**20)     # the engine's progress callback
         app.show_snapshot(app.engine.snapshot())                        # not started: no workers yet
         await pilot.pause()
-        for panel in app.query(BackendPanel):
+        for panel in app.query(WorkerPanel):
             # the model's name on the first line, the progress on its own line (never cut at 80 columns)
             assert "loading" in str(panel._identity_line.render()) and "tiny.gguf" in str(panel._identity_line.render())
             assert str(panel._load.render()) == "assembling the model file: 100/400 MiB"
@@ -397,7 +399,7 @@ async def test_dead_worker_greys_its_panel_and_its_failed_requests_keep_their_fi
         on_w1 = lambda: [r for r in app.last_snapshot.requests if r.worker == 1]  # noqa: E731
         await wait_for(pilot, lambda: on_w1() and all(r.output_tokens > 2 for r in on_w1()), "tokens on worker 1")
         app.engine.workers[1].send(msg.Stop())   # its loop ends: to the engine, a worker that died
-        panel = app.query(BackendPanel)[1]
+        panel = app.query(WorkerPanel)[1]
         await wait_for(pilot, lambda: panel.has_class("-dead"), "worker 1's panel marked dead")
         await pilot.pause(0.3)
         failed = [r for r in app.last_snapshot.requests if r.worker == 1]
@@ -504,7 +506,7 @@ async def test_narrow_terminal_keeps_burst_progress_in_the_header(tiny_model, tm
         assert "burst mixed#1" in header and "/50" in header and "…" not in header
         assert len(header) <= 80
         # Worker panels: a unit on every rate; CPU% measured for each worker.
-        panel = app.query(BackendPanel)[0]
+        panel = app.query(WorkerPanel)[0]
         assert str(panel._decode_label.render()).endswith("tok/s")
         await wait_for(pilot, lambda: all(w.cpu_percent is not None for w in app.last_snapshot.workers),
                        "CPU% of every worker")
@@ -518,10 +520,10 @@ async def test_loading_message_is_not_cut_at_80_columns(tiny_model, tmp_path):
         loading = replace(ready, index=1, state="loading", message=message)
         app.show_snapshot(replace(fixture_snapshot(), workers=(ready, loading)))
         await pilot.pause()
-        panel = app.query(BackendPanel)[1]
+        panel = app.query(WorkerPanel)[1]
         assert str(panel._load.render()) == message
         assert panel._load.size.height == 2 and len(message) <= 2 * panel._load.size.width
-        assert app.query(BackendPanel)[0]._load.size.height == 1      # a ready worker's figures: one line
+        assert app.query(WorkerPanel)[0]._load.size.height == 1      # a ready worker's figures: one line
 
 
 def test_cpu_percent_and_rss_come_from_proc(tmp_path, monkeypatch):
@@ -601,7 +603,7 @@ async def test_dashboard_trace_has_lifecycles_preemptions_and_routing(tiny_model
         late = [app.engine.submit(f"request {i} " * 10, params=params) for i in range(4)]
         await wait_for(pilot, lambda: any("preempted" in l.text for l in app.last_snapshot.log), "a preemption")
         # the worker's panel shows the tokens it had to compute again
-        panel = app.query_one(BackendPanel)
+        panel = app.query_one(WorkerPanel)
         await wait_for(pilot, lambda: "recomputed" in str(panel._load.render()), "recomputed tokens in the panel")
         await pilot.press("t")
         await wait_for(pilot, lambda: any(m.startswith("trace written to") for _, m in notices(app)),
@@ -680,7 +682,19 @@ def fixture_snapshot(dead: bool = False) -> EngineSnapshot:
              LogLine(t0 + 2, "error", "r2: model step failed"),
              LogLine(t0 + 3, "info", "burst mixed#0 done: 8 requests (8 ok, 0 failed, 0 aborted), "
                                      "TTFT mean 42 ms p95 80 ms, 812 tok/s aggregate over 1.2 s")),
-        tracing=False, uptime=125.0)
+        tracing=False, uptime=125.0, latency=fixture_latency(dead))
+
+
+def fixture_latency(dead: bool = False) -> dict:
+    """Percentiles of 40 made-up requests over the last minute, seeded: the same every run."""
+    rng = random.Random(7)
+    window = LatencyWindow()
+    for i in range(40):
+        worker, t = i % 2, 1000.0 - rng.uniform(0, 55)
+        queue, ttft, itl = rng.lognormvariate(-6, 1), rng.lognormvariate(-3.5, 0.6), rng.lognormvariate(-4.5, 0.3)
+        window.add([("queue", worker, t, queue), ("ttft", worker, t, ttft), ("itl", worker, t, itl),
+                    ("e2e", worker, t, ttft + 63 * itl)])
+    return window.views(1000.0)
 
 
 @pytest.fixture

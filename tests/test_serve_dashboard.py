@@ -9,7 +9,7 @@ import httpx
 
 from app.cli import build_dashboard_parser
 from app.main import TokentopApp, _start_http
-from app.widgets.backend import BackendPanel
+from app.widgets.worker import WorkerPanel
 from engine.config import EngineConfig, WorkerConfig
 from engine.facade.devices import parse_devices
 from engine.facade.snapshot import EngineSnapshot, WorkerView
@@ -63,7 +63,7 @@ async def test_remote_worker_panel_shows_url_and_no_kv_grid(tmp_path):
         snap = EngineSnapshot(time.time(), (remote_view(url),), (), (), "cost", (), False)
         app.show_snapshot(snap)
         await pilot.pause()
-        panel = app.query_one(BackendPanel)
+        panel = app.query_one(WorkerPanel)
         text = " ".join(str(line.render()) for line in panel.query("Line"))
         assert "remote" in text and url in text
         assert "no KV grid, KV 25% (scraped)" in text

@@ -12,16 +12,32 @@ from app.widgets.kv_grid import FREE, GLYPHS, STATE_NAMES
 
 PANELS = """\
 [b]Panels[/b]
-  backends  per worker: state, running / waiting, CPU% (100 = one core),
+  header    workers ready, requests active, throughput, latency p50 / p99;
+            [b reverse $error] ⚠ [/] the alerts active now: stall, kv-pressure, imbalance,
+            worker-dead, remote-down (each logged once when it starts)
+  workers   per worker: state, running / waiting, CPU% (100 = one core),
             resident memory, prefill / decode tok/s (history and profiled
-            rate), KV page grid; a dead worker is greyed, its figures cleared
+            rate), KV page grid; a dead worker is greyed, its figures cleared;
+            too many for their panels: one line each (decode meter scaled
+            to its recent peak, KV meter), e shows one in full
   requests  what the engine remembers, newest first; the cursor follows
             the newest live request until you move it (↑ ↓); end: the
             finish reason or the error
-  routing   recent decisions, newest first: what the policy compared (cost:
-            estimated seconds; round-robin compares nothing), then the
-            load it counted; [$success]✓[/] on the chosen one
+  timeline  (g) one lane per request, newest on top, over the last 30 s
+            (+ - zoom, space pauses): · queued  ~ waiting-on-leader
+            ▒ prefill  █ decode  ░ preempted  ▓ a prefill chunk or a
+            verify round ended there  ✓ finished  ⊘ aborted  ✗ error
+  latency   p50 / p95 / p99 and count of TTFT, ITL (each request's mean
+            gap between tokens), e2e and queue time over the last 10 s,
+            60 s or the session (w), from the engine's request records;
+            a log-scale histogram per metric; each worker's p99
+  routing   recent decisions, newest first (from 120 columns): what the
+            policy compared (cost: estimated seconds; round-robin compares
+            nothing), then the load it counted; [$success]✓[/] on the chosen one
   streams   live text of the active requests, one colour per request
+  history   (h, in the streams' place) decode and prefill tok/s, running
+            and waiting (dotted), KV usage per worker over the last 1, 5
+            or 15 minutes (m); z zooms them to the full screen
   log       errors, preemptions, worker deaths, policy changes, bursts"""
 
 

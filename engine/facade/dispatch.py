@@ -148,6 +148,7 @@ class Dispatcher:
     def on_step(self, event: msg.StepEvents) -> None:
         deliveries = []
         with self.engine.lock:
+            self.engine.timelines.on_step(event, time.monotonic(), self.engine.requests.records)
             if event.cache_delta:
                 keys = self.engine.workers[event.worker].cache_keys
                 for added, key in event.cache_delta:
@@ -185,6 +186,7 @@ class Dispatcher:
                 rec.state = RequestState.of_finish(f.reason)
                 rec.finished_at = time.monotonic()
                 self.engine.requests.finished(rec)
+                self.engine.latency.add_finished(rec)
                 deliveries.append((rec.id, f))
                 if f.reason == "error":
                     self.engine.log("error", f"{rec.id}: {f.error}")
@@ -209,6 +211,7 @@ class Dispatcher:
             if w.state == WorkerState.DEAD:
                 return   # a report its process sent just before it died
             w.stats = s
+            self.engine.history.add(s.worker, time.monotonic(), s)
             w.prefill_hist.append(s.prefill_tps)
             w.decode_hist.append(s.decode_tps)
             if s.spec is not None:

@@ -19,7 +19,11 @@ from typing import Callable
 from engine import messages as msg
 from engine.config import SPEC_MODES, EngineConfig, SamplingParams, check_scheduler_policy
 from engine.facade.limits import check_memory, check_model_limits
+from engine.facade.alerts import AlertWatcher
 from engine.facade.dispatch import Dispatcher
+from engine.facade.history import HistoryStore
+from engine.facade.latency import LatencyWindow, live_samples_of
+from engine.facade.timeline import TimelineStore
 from engine.errors import ConfigError, InvalidRequest, TokentopError, describe_error
 from engine.models.catalog import resolve_model
 from engine.models.tokenizer import Tokenizer
@@ -70,6 +74,10 @@ class Engine:
         self.recorder = FlightRecorder(self)   # the trace ring and `t` (engine/facade/recorder.py)
         self.workers = WorkerSet(config.workers, worker_mode=config.worker_mode,
                                  trace_settings=self.recorder.worker_settings, worker_log=config.worker_log)
+        self.latency = LatencyWindow()   # percentiles over time, fed by the dispatcher
+        self.alerts = AlertWatcher(self)   # stall, KV pressure, imbalance, dead or down workers
+        self.timelines = TimelineStore()   # each request's phases, for the dashboard's timeline
+        self.history = HistoryStore()      # each worker's last 15 minutes, one point a second
         self.dispatcher = Dispatcher(self)
         self._dispatch_started = False
         self.stopping = False
@@ -98,6 +106,7 @@ class Engine:
         self.workers.spawn_all(paths, self._remote_lengths.counters)
         self.dispatcher.start()
         self._dispatch_started = True
+        self.alerts.start()
         if wait:
             self.wait_ready(timeout)
         return self
@@ -124,6 +133,7 @@ class Engine:
         if self.stopping:
             return
         self.stopping = True
+        self.alerts.stop()     # workers stopping on purpose are no alert
         self.workers.stop_all(timeout, lambda w, exc: self.log(
             "warning", f"worker {w.index}: stop not delivered ({exc}); it is terminated after the timeout"))
         if self._dispatch_started:
@@ -316,9 +326,14 @@ class Engine:
             reqs = tuple(request_view(r, now) for r in self.requests.records.values())
             uptime = now - self._started_at if self._started_at is not None else 0.0
             routes = tuple(self.routes)
-        return EngineSnapshot(time.time(), workers, reqs, routes, self.router.policy,
+            live = live_samples_of(self.requests.records.values(), now)
+            timelines = self.timelines.timelines(self.requests.records)
+        snap = EngineSnapshot(time.time(), workers, reqs, routes, self.router.policy,
                               self.event_log.lines(), self.tracing, uptime,
-                              trace_detail=self.recorder.detail)
+                              trace_detail=self.recorder.detail, clock=now, timelines=timelines)
+        # worked out after the facade's lock is released: the window has its own
+        return replace(snap, latency=self.latency.views(now, live), alerts=self.alerts.active(),
+                       alert_counts=self.alerts.totals(), history=self.history.histories())
 
     # --- traces (engine/facade/recorder.py) ------------------------------------------------
     @property

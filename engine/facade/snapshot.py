@@ -137,3 +137,9 @@ class EngineSnapshot:
     tracing: bool
     uptime: float = 0.0                # seconds since the engine started
     trace_detail: str = "light"        # what the flight recorder records: off | light | full
+    latency: dict = field(default_factory=dict)   # window name -> LatencyView (engine/facade/latency.py)
+    alerts: tuple = ()                 # the Alerts active now (engine/facade/alerts.py)
+    alert_counts: dict = field(default_factory=dict)   # (kind, worker name) -> episodes so far
+    clock: float = 0.0                 # time.monotonic() when taken: the timelines' "now"
+    timelines: dict = field(default_factory=dict)   # request id -> Timeline (engine/facade/timeline.py)
+    history: dict = field(default_factory=dict)     # worker index -> History (engine/facade/history.py)

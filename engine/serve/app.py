@@ -23,6 +23,7 @@ from engine.errors import InvalidRequest, TokentopError, describe_error
 from engine.serve import protocol as P
 from engine.serve.metrics import CONTENT_TYPE, EngineMetrics
 from engine.serve.router_api import RouterApi
+from engine.serve.snapshot_json import snapshot_json
 
 LONG_PROMPT_CHARS = 20_000
 
@@ -31,7 +32,7 @@ LONG_PROMPT_CHARS = 20_000
 class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None            # Bearer token for /v1/* (health and metrics stay open)
+    api_key: str | None = None            # Bearer token for /v1/*, /tokenize and /snapshot (health and metrics stay open)
     max_queue: int = 256                  # requests waiting beyond what the workers can run at once
     max_body: int = 4 * 2**20             # bytes
 
@@ -58,6 +59,7 @@ class OpenAIServer:
             Route("/metrics", self.prometheus, methods=["GET"]),
             Route("/trace", self.write_trace, methods=["POST"]),
             *RouterApi(self).routes(),     # what vllm-router and SGLang's gateway ask a worker
+            Route("/snapshot", self.snapshot, methods=["GET"]),
         ], exception_handlers={404: self._not_found, 405: self._not_allowed, Exception: self._internal})
 
     # --- small endpoints ----------------------------------------------------------------
@@ -86,6 +88,14 @@ class OpenAIServer:
             return self._error(exc)
         self.engine.log("info", f"trace written to {path} (POST /trace)")
         return JSONResponse({"path": path})
+
+    async def snapshot(self, request: Request) -> Response:
+        """The engine's snapshot as versioned JSON (engine/serve/snapshot_json.py, docs/snapshot.md)."""
+        try:
+            self._auth(request)
+        except P.ApiError as exc:
+            return self._error(exc)
+        return JSONResponse(snapshot_json(self.engine.snapshot()))
 
     async def models(self, request: Request) -> Response:
         try:
@@ -130,7 +140,8 @@ class OpenAIServer:
     async def _not_found(self, request: Request, exc) -> Response:
         return self._error(P.ApiError(404, f"no route {request.url.path}; this server offers POST "
                                            "/v1/completions, POST /v1/chat/completions, GET /v1/models, "
-                                           "POST /tokenize, GET /health, GET /metrics and POST /trace", code="not_found"))
+                                           "POST /tokenize, GET /snapshot, GET /health, GET /metrics and POST /trace",
+                                           code="not_found"))
 
     async def _internal(self, request: Request, exc: Exception) -> Response:
         # a bug here must still answer in the API's shape, and show in the engine's log

@@ -144,12 +144,18 @@ class _GaugeCollector:
             if w.prefix:
                 prefix_q.add_metric([self.m.model, w.name], w.prefix["prefix_cache_queries"])
                 prefix_h.add_metric([self.m.model, w.name], w.prefix["prefix_cache_hits"])
+        alerts = CounterMetricFamily("tokentop:alerts", "Alert episodes (engine/facade/alerts.py) by kind "
+                                     "(stall, kv-pressure, imbalance, worker-dead, remote-down) and worker.",
+                                     labels=["model_name", "kind", "worker"])
+        for (kind, worker), count in sorted(snap.alert_counts.items()):
+            alerts.add_metric([self.m.model, kind, worker], count)
         spec = self._spec_families(snap, lab)
         outstanding = GaugeMetricFamily("tokentop:requests_outstanding",
                                         "Requests submitted and not finished, all workers.",
                                         labels=["model_name"])
         outstanding.add_metric([self.m.model], sum(r.state.live for r in snap.requests))
-        return [running, waiting, kv, pages, state, info, prefill, decode, outstanding, prefix_q, prefix_h, *spec]
+        return [running, waiting, kv, pages, state, info, prefill, decode, outstanding, prefix_q, prefix_h, alerts,
+                *spec]
 
     def _spec_families(self, snap, lab: list[str]) -> list:
         """Speculative decoding totals under vLLM's spec_decode_* names (engine/speculative/stats.py)."""

@@ -240,6 +240,8 @@ class Worker:
             self._end([(item.seq, "error", reason) for item in plan.items])
             return
         decode = plan.num_decode
+        chunks = tuple((i.seq.id, i.num_tokens) for i in plan.items
+                       if i.seq.state != SeqState.DECODE and i.seq.id not in errors)
         self.scheduler.advance(plan)
         if self.reuse is not None:
             self.reuse.publish(plan, errors)
@@ -263,7 +265,7 @@ class Worker:
                 tokens += deltas
                 if reason:
                     ends.append((seq, reason, None))
-        self._end(ends, tokens, tuple(s.id for s in plan.preempted))
+        self._end(ends, tokens, tuple(s.id for s in plan.preempted), prefilled=chunks)
 
     def _cache_delta(self) -> tuple:
         return self.reuse.cache.take_delta() if self.reuse is not None else ()
@@ -271,7 +273,8 @@ class Worker:
     def _kv_blocks(self) -> tuple:
         return self.reuse.cache.take_blocks() if self.reuse is not None else ()
 
-    def _end(self, ends, tokens=(), preempted: tuple[str, ...] = (), emit: bool = True) -> None:
+    def _end(self, ends, tokens=(), preempted: tuple[str, ...] = (), emit: bool = True,
+             prefilled: tuple[tuple[str, int], ...] = ()) -> None:
         """The one way requests finish: each (seq, reason, error) leaves the scheduler, gives
         its pages back and becomes a Finished event, emitted in one StepEvents with `tokens`.
         A request refused at submission never entered the scheduler: it only gets its event."""
@@ -287,9 +290,9 @@ class Worker:
             seq.finished_at = time.monotonic()
             self.seqs.pop(seq.id, None)
             finished.append(self.output.finished_event(seq))
-        if emit and (tokens or finished or preempted):
+        if emit and (tokens or finished or preempted or prefilled):
             self.emit(msg.StepEvents(self.index, tuple(tokens), tuple(finished), preempted,
-                                     self._cache_delta(), self._kv_blocks()))
+                                     self._cache_delta(), self._kv_blocks(), prefilled))
 
     def _append_spec(self, item, result, now: float, tokens: list) -> str | None:
         """A speculating request: roll back what was rejected, then process the emitted tokens

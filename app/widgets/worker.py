@@ -24,9 +24,9 @@ STATE_STYLE = {"ready": "$success", "loading": "$warning", "starting": "$warning
                "dead": "$error", "down": "$error", "degraded": "$warning", "stopped": "$text-muted"}
 
 
-class BackendPanel(Vertical):
+class WorkerPanel(Vertical):
     def __init__(self, index: int, cfg: WorkerConfig) -> None:
-        super().__init__(id=f"backend-{index}", classes="panel")
+        super().__init__(id=f"worker-{index}", classes="panel")
         self.index = index
         self.cfg = cfg
         self.border_title = escape(f"w{index} {cfg.name or cfg.device}")

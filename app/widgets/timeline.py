@@ -1,0 +1,210 @@
+"""The request timeline: one lane per request, newest on top, on a time axis shared by all.
+
+Each lane shows the request's phases (engine/facade/timeline.py; the names of its trace
+lifecycle and of RequestState) across the last `span` seconds, the worker it runs on, and
+how it ended. A column where a prefill chunk or a speculative verify round ended is drawn
+denser. The axis follows the engine's clock, or stands still while paused (space), so a
+moment can be read; + and - zoom. Only the lanes on screen are drawn: a line is worked out
+when Textual paints it, so hundreds of requests cost what the visible ones do.
+"""
+from __future__ import annotations
+
+from rich.segment import Segment
+from rich.style import Style
+from textual.binding import Binding
+from textual.events import Click
+from textual.geometry import Region, Size
+from textual.message import Message
+from textual.scroll_view import ScrollView
+from textual.strip import Strip
+
+from app.widgets.fmt import short_worker
+from app.widgets.requests import request_number
+from engine.facade.snapshot import EngineSnapshot, RequestState
+from engine.facade.timeline import Timeline
+
+# phase -> (glyph, theme colour); a tick (chunk or verify round) in a column -> the dense glyph
+PHASE_LOOK = {"queued": ("·", "text-muted"), "waiting-on-leader": ("~", "accent"), "prefill": ("▒", "warning"),
+              "decode": ("█", "success"), "preempted": ("░", "error")}
+TICK_GLYPH = "▓"
+TICK_OF = {"prefill": "prefill", "spec": "decode"}     # a tick kind -> the phase it shows in
+END_LOOK = {"finished": ("✓", "success"), "aborted": ("⊘", "text-muted"), "error": ("✗", "error")}
+SPANS = (5.0, 10.0, 30.0, 60.0, 120.0, 300.0)      # seconds across the lanes (+ and - step through)
+LABEL = 12       # "r123  gpu0  "
+
+
+def lane_cells(t: Timeline, start: float, step: float, width: int) -> list[tuple[str, str]]:
+    """(glyph, colour) per column, column i covering [start + i*step, start + (i+1)*step): the
+    phase in force at its middle, denser where a tick of that phase (a prefill chunk in prefill,
+    a verify round in decode) falls in it, the end's mark in the column where it ended."""
+    cells: list[tuple[str, str]] = []
+    phases, ticks = t.phases, t.ticks
+    p = k = 0
+    for col in range(width):
+        lo, hi = start + col * step, start + (col + 1) * step
+        mid = (lo + hi) / 2
+        if t.end is not None and lo <= t.end[1] < hi:
+            cells.append(END_LOOK.get(t.end[0], ("|", "text")))
+            continue
+        if not phases or mid < phases[0][1] or (t.end is not None and lo > t.end[1]):
+            cells.append((" ", ""))
+            continue
+        while p + 1 < len(phases) and phases[p + 1][1] <= mid:
+            p += 1
+        while k < len(ticks) and ticks[k][1] < lo:
+            k += 1
+        phase = phases[p][0]
+        glyph, colour = PHASE_LOOK.get(phase, ("?", "text"))
+        j = k
+        while j < len(ticks) and ticks[j][1] < hi:
+            if TICK_OF.get(ticks[j][0]) == phase:
+                glyph = TICK_GLYPH
+                break
+            j += 1
+        cells.append((glyph, colour))
+    return cells
+
+
+def axis_text(span: float, width: int) -> str:
+    """The time axis over the lanes: the age of a few columns, 'now' at the right."""
+    line = [" "] * width
+    marks = 4 if width >= 40 else 2
+    for i in range(marks + 1):
+        col = round(i * (width - 1) / marks)
+        label = "now" if i == marks else f"-{span * (1 - i / marks):g}s"
+        at = max(0, min(width - len(label), col - (len(label) - 1 if i == marks else 0)))
+        if all(c == " " for c in line[max(0, at - 1):at + len(label)]):
+            line[at:at + len(label)] = label
+    return "".join(line)
+
+
+class TimelinePanel(ScrollView, can_focus=True):
+    COMPONENT_CLASSES = {"timeline--header", "timeline--cursor"}
+    BINDINGS = [
+        Binding("up", "cursor(-1)", "Up", show=False),
+        Binding("down", "cursor(1)", "Down", show=False),
+        Binding("pageup", "page(-1)", "Page up", show=False),
+        Binding("pagedown", "page(1)", "Page down", show=False),
+        Binding("home", "cursor(-1000000)", "First", show=False),
+        Binding("end", "cursor(1000000)", "Last", show=False),
+        Binding("space", "pause", "Pause", show=False),
+        Binding("plus,equals_sign", "zoom(-1)", "Zoom in", show=False),
+        Binding("minus", "zoom(1)", "Zoom out", show=False),
+    ]
+
+    class Changed(Message):
+        """Paused, resumed or zoomed: the panel's title says so."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.span = 30.0
+        self.paused = False
+        self._lanes: list[tuple[str, str, RequestState, Timeline]] = []   # id, worker, state, timeline
+        self._clock = 0.0
+        self._cursor = 0
+        self._selected: str | None = None
+
+    # --- data -------------------------------------------------------------------------------
+    @property
+    def lane_count(self) -> int:
+        return len(self._lanes)
+
+    @property
+    def selected_id(self) -> str | None:
+        return self._lanes[self._cursor][0] if self._lanes else None
+
+    def title(self) -> str:
+        return f"timeline · {self.span:g} s · {'paused' if self.paused else 'live'} (space, + -, g: table)"
+
+    def show_snapshot(self, snap: EngineSnapshot) -> None:
+        """Lanes from the snapshot's requests and timelines, unless paused."""
+        if self.paused:
+            return
+        names = {w.index: w.name for w in snap.workers}
+        lanes = []
+        for r in snap.requests:
+            t = snap.timelines.get(r.id)
+            if t is not None:
+                worker = "-" if r.worker is None else short_worker(names.get(r.worker, str(r.worker)))
+                lanes.append((r.id, worker, r.state, t))
+        lanes.sort(key=lambda lane: -request_number(lane[0]))
+        count_changed = len(lanes) != len(self._lanes)
+        self._lanes, self._clock = lanes, snap.clock
+        ids = [lane[0] for lane in lanes]
+        self._cursor = ids.index(self._selected) if self._selected in ids else 0
+        self._selected = self.selected_id
+        if count_changed:
+            self.virtual_size = Size(self.size.width, len(lanes) + 1)
+        self._scroll_to_cursor()
+        self.refresh()
+
+    # --- keys -------------------------------------------------------------------------------
+    def action_pause(self) -> None:
+        self.paused = not self.paused
+        self.post_message(self.Changed())
+
+    def action_zoom(self, direction: int) -> None:
+        i = min(range(len(SPANS)), key=lambda j: abs(SPANS[j] - self.span))
+        self.span = SPANS[max(0, min(len(SPANS) - 1, i + direction))]
+        self.post_message(self.Changed())
+        self.refresh()
+
+    def action_cursor(self, delta: int) -> None:
+        self.move_cursor(self._cursor + delta)
+
+    def action_page(self, direction: int) -> None:
+        self.move_cursor(self._cursor + direction * max(1, self.size.height - 1))
+
+    def move_cursor(self, row: int) -> None:
+        if not self._lanes:
+            return
+        self._cursor = max(0, min(row, len(self._lanes) - 1))
+        self._selected = self.selected_id
+        self._scroll_to_cursor()
+        self.refresh()
+
+    def _scroll_to_cursor(self) -> None:
+        visible = max(1, self.size.height - 1)          # minus the axis line
+        top = int(self.scroll_y)
+        if self._cursor < top:
+            self.scroll_to(y=self._cursor, animate=False, immediate=True)
+        elif self._cursor >= top + visible:
+            self.scroll_to(y=self._cursor - visible + 1, animate=False, immediate=True)
+
+    def on_click(self, event: Click) -> None:
+        if event.y >= 1:
+            self.move_cursor(int(self.scroll_y) + event.y - 1)
+
+    # --- drawing ----------------------------------------------------------------------------
+    def render_lines(self, crop: Region) -> list[Strip]:
+        colours = self.app.theme_variables
+        looks = {name: Style(color=colours[name]) for name in ("accent", "warning", "success", "error")}
+        looks["text-muted"] = Style(dim=True)      # a blend ("auto 60%"), not a colour Rich can parse
+        self._styles = (self.rich_style, self.get_component_rich_style("timeline--header"),
+                        self.get_component_rich_style("timeline--cursor"), looks)
+        return super().render_lines(crop)
+
+    def render_line(self, y: int) -> Strip:
+        base, header, cursor, looks = self._styles
+        width = self.scrollable_content_region.width
+        bars = max(0, width - LABEL)
+        if y == 0:
+            return Strip([Segment(" " * LABEL + axis_text(self.span, bars), base + header)]).crop_extend(0, width, base)
+        index = int(self.scroll_y) + y - 1
+        if index >= len(self._lanes):
+            return Strip.blank(width, base)
+        rid, worker, state, timeline = self._lanes[index]
+        if index == self._cursor:
+            base += cursor
+        segments = [Segment(f"{rid:<6}{worker[:5]:<6}"[:LABEL], base)]
+        step = self.span / bars if bars else self.span
+        run_text, run_colour = "", None
+        for glyph, colour in lane_cells(timeline, self._clock - self.span, step, bars):
+            if colour != run_colour and run_text:
+                segments.append(Segment(run_text, base + looks.get(run_colour, Style())))
+                run_text = ""
+            run_text += glyph
+            run_colour = colour
+        if run_text:
+            segments.append(Segment(run_text, base + looks.get(run_colour, Style())))
+        return Strip(segments).crop_extend(0, width, base)
