@@ -742,3 +742,23 @@ def test_snapshot_burst_dialog(frozen_app, snap_compare):
 
 def test_snapshot_help_screen(frozen_app, snap_compare):
     assert snap_compare(frozen_app, terminal_size=SIZE, press=["question_mark"])
+
+
+async def test_the_worker_panel_says_which_path_runs_and_when_the_kernels_took_over(frozen_app):
+    """First use: the worker serves on torch matmuls while its kernels build, and says so; once
+    they take over, the panel says since when."""
+    snap = fixture_snapshot()
+    real = replace(snap.workers[0], simulated=False, dtype="bfloat16", kernels="dense-bfloat16",
+                   kernels_building=True)
+    async with frozen_app.run_test(size=SIZE) as pilot:
+        frozen_app.show_snapshot(replace(snap, workers=(real, snap.workers[1])))
+        await pilot.pause()
+        panel = frozen_app.query(WorkerPanel)[0]
+        text = " ".join(str(line.render()) for line in panel.query(Line))
+        assert "torch matmuls" in text and "kernels building" in text
+        switched = time.mktime((2026, 1, 1, 12, 34, 56, 0, 0, -1))
+        frozen_app.show_snapshot(replace(snap, workers=(replace(real, kernels="gguf-avx512", kernels_building=False,
+                                                                kernels_since=switched), snap.workers[1])))
+        await pilot.pause()
+        text = " ".join(str(line.render()) for line in panel.query(Line))
+        assert "kernels since 12:34:56" in text and "kernels building" not in text

@@ -8,6 +8,8 @@ drop out by priority (Line.set_parts), so an 80-column terminal still reads.
 """
 from __future__ import annotations
 
+import time
+
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.markup import escape
@@ -170,8 +172,21 @@ class WorkerPanel(Vertical):
             parts.append((0, escape(short_model(self.cfg.model))))
         if w is not None and not w.simulated and not self.cfg.remote and w.dtype != "?":
             parts.append((2, escape(w.dtype)))
+            path = kernel_path(w)
+            if path:
+                parts.append((0 if w.kernels_building else 1, path))
         line = getattr(self, "_identity_line", None)
         return fit_parts(parts, line.size.width if line is not None and line.size.width else 10_000, sep=" ")
+
+
+def kernel_path(w: WorkerView) -> str:
+    """Which path the linear layers run: the torch fallback while the kernels build (first use),
+    the kernels and when they took over from it, or nothing once that is old news."""
+    if w.kernels_building:
+        return "[reverse $warning] torch matmuls [/] kernels building"
+    if w.kernels_since:
+        return f"kernels since {time.strftime('%H:%M:%S', time.localtime(w.kernels_since))}"
+    return ""
 
 
 def prefix_parts(w: WorkerView) -> list[tuple[int, str]]:
