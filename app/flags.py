@@ -21,5 +21,6 @@ def worker_from_flags(flags) -> WorkerConfig:
         spec_k=flags.spec_k, spec_tv_budget=flags.spec_tv_budget, spec_bonus=not flags.no_spec_bonus,
         ngram_min=flags.ngram_min, ngram_max=flags.ngram_max,
         prefix_cache=flags.prefix_cache, single_flight=flags.single_flight,
+        cuda_graphs=flags.cuda_graphs or "on", cuda_graphs_asked=flags.cuda_graphs is not None,
         # a speed profile only matters when a router has a choice to make
         calibrate=len(flags.device or ["cpu"]) > 1 or flags.recalibrate)

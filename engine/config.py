@@ -72,6 +72,7 @@ SCHED_POLICIES = ("fcfs", "spf")
 ROUTER_POLICIES = ("round-robin", "least-loaded", "cost", "cache-aware")
 PREFIX_CACHE = ("on", "off")
 SINGLE_FLIGHT = ("off", "after-prefill", "at-completion")
+CUDA_GRAPHS = ("on", "off")
 
 
 def check_scheduler_policy(policy: str) -> str:
@@ -117,6 +118,8 @@ class WorkerConfig:
     ngram_max: int = 4
     prefix_cache: str = "on"              # on | off (paged KV only)
     single_flight: str = "after-prefill"  # off | after-prefill | at-completion
+    cuda_graphs: str = "on"               # on | off: decode steps replay captured CUDA graphs (CUDA only)
+    cuda_graphs_asked: bool = False       # --cuda-graphs was given: a CPU worker says it ignores it
     # simulated workers only
     sim_prefill_tps: float = 0.0
     sim_decode_tps: float = 0.0
@@ -154,6 +157,8 @@ class WorkerConfig:
         if self.single_flight not in SINGLE_FLIGHT:
             raise ConfigError(f"--single-flight must be one of {', '.join(SINGLE_FLIGHT)}, "
                               f"got {self.single_flight!r}")
+        if self.cuda_graphs not in CUDA_GRAPHS:
+            raise ConfigError(f"--cuda-graphs must be on or off, got {self.cuda_graphs!r}")
         if self.kv_cache_memory <= 0:
             raise ConfigError("--kv-cache-memory must be positive, e.g. 256MiB")
         # what the model needs per page is checked once its header is read (facade.limits.check_model_limits)
