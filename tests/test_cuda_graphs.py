@@ -534,8 +534,9 @@ def test_gpu_graphs_give_the_eager_greedy_ids_on_the_real_model(gpu_real_model, 
 
 @needs_gpu
 def test_gpu_captured_step_makes_no_host_sync(tiny_model_path):
-    """Replaying a step synchronizes nothing (CUDA's sync debug mode raises on a sync); the
-    one sync is reading the picked ids afterwards."""
+    """Replaying a step synchronizes nothing that torch's sync debug mode sees (it raises on
+    a sync); the one sync is reading the picked ids afterwards. (The replay's wait on the
+    previous step's input copy is an event that has passed by then: that step's ids were read.)"""
     model = tiny_model(tiny_model_path("qwen2", hidden=256, head_dim=64, ffn=512), "cuda:0", torch.bfloat16)
     graphs, _ = _gpu_graphs(model, pages=40, max_context=256)
     batch = make_batch([([5], 9, [1]), ([6], 3, [2]), ([7], 20, [3, 4])])

@@ -92,8 +92,9 @@ class TorchCudaGraphs:
     def copied(self):
         """An event after the work queued so far (the input copy): the host buffer is free again
         once it has passed."""
-        event = torch.cuda.Event()
-        event.record()
+        with torch.cuda.device(self.device):
+            event = torch.cuda.Event()
+            event.record()
         return event
 
     def memory_reserved(self) -> int:
