@@ -118,3 +118,15 @@ def test_cuda_decoder_matches_cpu_fp32(tiny_model_path):
                               prompts, 16)
     for r, g in zip(ref, got):
         assert (r - g).abs().max() < 1e-2
+
+
+def test_gpu_check_refuses_an_unknown_dtype_with_a_model_error():
+    """_round_np named ModelError without importing it: the refusal was a NameError."""
+    import numpy as np
+
+    from engine.errors import ModelError
+    from tools.gpu_check import _round_np
+
+    assert _round_np(np.array([1.0, 2.5], np.float32), torch.float16).tolist() == [1.0, 2.5]
+    with pytest.raises(ModelError, match="activation dtype torch.int8 is not supported"):
+        _round_np(np.zeros(2, np.float32), torch.int8)
