@@ -98,6 +98,9 @@ class TorchCudaGraphs:
         return event
 
     def memory_reserved(self) -> int:
+        """GPU memory the allocator holds, its unused cache released first: across the captures
+        the difference is what the graphs keep (their private pool) and what they set up."""
+        torch.cuda.empty_cache()
         return torch.cuda.memory_reserved(self.device)
 
     def pinned(self, shape, dtype) -> torch.Tensor:
@@ -162,11 +165,11 @@ class DecodeGraphs:
                     self.graphs[(b, k)] = self.api.capture(self._step_fn(b, k))
         finally:
             set_tracer(previous)
-        self.graph_bytes = self.api.memory_reserved() - before
+        self.graph_bytes = max(0, self.api.memory_reserved() - before)
         self.static_bytes = sum(t.numel() * t.element_size() for t in (self.inputs, self.out_logits, self.out_picked))
         self.summary = (f"captured {len(self.graphs)} decode graphs (batch {','.join(map(str, BATCH_BUCKETS))} "
                         f"x keys {','.join(map(str, self.key_buckets))}) in {time.perf_counter() - t0:.1f} s; "
-                        f"GPU memory: {format_size(self.graph_bytes)} reserved during capture, "
+                        f"GPU memory: {format_size(self.graph_bytes)} added by the capture, "
                         f"{format_size(self.static_bytes)} of static buffers")
         if self.skipped:
             self.summary += (f"; not captured (past {MAX_GRAPH_KEYS} gathered keys, run eagerly): "
