@@ -17,8 +17,8 @@ import sys
 import threading
 from dataclasses import replace
 
-from engine.config import (KV_DTYPES, KV_MODES, PREFIX_CACHE, ROUTER_POLICIES, SCHED_POLICIES, SINGLE_FLIGHT, SPEC_MODES,
-                           EngineConfig, SamplingParams)
+from engine.config import (CUDA_GRAPHS, KV_DTYPES, KV_MODES, PREFIX_CACHE, ROUTER_POLICIES, SCHED_POLICIES,
+                           SINGLE_FLIGHT, SPEC_MODES, EngineConfig, SamplingParams)
 from engine.facade.devices import parse_devices
 from engine.config import parse_size
 from app.flags import as_flags, describe_error, worker_from_flags
@@ -153,6 +153,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--deterministic", action="store_true",
                    help="batch-invariant greedy output (fixed kernels and prefill chunks)")
     g.add_argument("--activation-dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto")
+    g.add_argument("--cuda-graphs", choices=CUDA_GRAPHS, default=None,
+                   help="CUDA workers replay decode steps of up to 32 sequences as captured CUDA graphs "
+                        "(default: on; CPU workers ignore it)")
     g.add_argument("--worker-mode", choices=["process", "thread"], default=None,
                    help="run each worker in its own process (default for several workers) or a thread")
     g.add_argument("--recalibrate", action="store_true",

@@ -22,7 +22,7 @@ FIELD_FLAGS = {
     # EngineConfig: its workers are the --device specs
     "workers": "--device", "router_policy": "--router-policy", "trace_dir": "--trace-dir",
     "routing_log": "--routing-log", "worker_mode": "--worker-mode", "trace_detail": "--trace-detail",
-    "trace_window_s": "--trace-window", "trace_memory": "--trace-memory",
+    "trace_window_s": "--trace-window", "trace_memory": "--trace-memory", "cuda_graphs": "--cuda-graphs",
     # ServeConfig: the server flags
     "host": "--host", "port": "--port", "api_key": "--api-key", "max_queue": "--max-queue",
     "max_body": "--max-body",
@@ -63,5 +63,6 @@ def worker_from_flags(flags) -> WorkerConfig:
         spec_k=flags.spec_k, spec_tv_budget=flags.spec_tv_budget, spec_bonus=not flags.no_spec_bonus,
         ngram_min=flags.ngram_min, ngram_max=flags.ngram_max,
         prefix_cache=flags.prefix_cache, single_flight=flags.single_flight,
+        cuda_graphs=flags.cuda_graphs or "on", cuda_graphs_asked=flags.cuda_graphs is not None,
         # a speed profile only matters when a router has a choice to make
         calibrate=len(flags.device or ["cpu"]) > 1 or flags.recalibrate)

@@ -72,6 +72,7 @@ SCHED_POLICIES = ("fcfs", "spf")
 ROUTER_POLICIES = ("round-robin", "least-loaded", "cost", "cache-aware")
 PREFIX_CACHE = ("on", "off")
 SINGLE_FLIGHT = ("off", "after-prefill", "at-completion")
+CUDA_GRAPHS = ("on", "off")
 
 
 def check_scheduler_policy(policy: str) -> str:
@@ -126,6 +127,8 @@ class WorkerConfig:
     ngram_max: int = 4
     prefix_cache: str = "on"              # on | off (paged KV only)
     single_flight: str = "after-prefill"  # off | after-prefill | at-completion
+    cuda_graphs: str = "on"               # on | off: decode steps replay captured CUDA graphs (CUDA only)
+    cuda_graphs_asked: bool = False       # --cuda-graphs was given: a CPU worker says it ignores it
     # simulated workers only
     sim_prefill_tps: float = 0.0
     sim_decode_tps: float = 0.0
@@ -164,6 +167,8 @@ class WorkerConfig:
         if self.single_flight not in SINGLE_FLIGHT:
             raise ConfigError(f"`single_flight` must be one of {', '.join(SINGLE_FLIGHT)}, "
                               f"got {self.single_flight!r}")
+        if self.cuda_graphs not in CUDA_GRAPHS:
+            raise ConfigError(f"`cuda_graphs` must be on or off, got {self.cuda_graphs!r}")
         if self.kv_cache_memory <= 0:
             raise ConfigError("`kv_cache_memory` must be positive, e.g. `kv_cache_memory=256MiB`")
         # what the model needs per page is checked once its header is read (facade.limits.check_model_limits)

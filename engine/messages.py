@@ -87,6 +87,7 @@ class WorkerInfo:
     kernels: str = ""              # which weight forms its linear layers use, when it says
     kernels_building: bool = False  # on the torch fallback while its kernels build (first use)
     kernels_since: float = 0.0     # wall time it switched from that fallback to the kernels
+    cuda_graphs: str = ""          # its captured decode graphs (buckets, memory), or why none
     note: str = ""
     summary: str = ""              # the ready line for the log, when the default one does not fit
 

@@ -75,11 +75,11 @@ def test_logprobs_are_reported(tiny_model_path):
 def test_fault_in_one_requests_sampling_fails_only_it(tiny_model_path, monkeypatch):
     real_sample = sampling.sample
 
-    def poisoned(logits, samplers):
+    def poisoned(logits, samplers, picked=None):
         for row, s in enumerate(samplers):
             if s.params.seed == 666:
                 logits[row] = float("nan")
-        return real_sample(logits, samplers)
+        return real_sample(logits, samplers, picked)
 
     monkeypatch.setattr(runner, "sample", poisoned)   # the name the runner calls
     with start(tiny_model_path("qwen2")) as engine:

@@ -83,11 +83,17 @@ def test_gpu_check_dry_run(tmp_path):
     fp32 path, the kernel comparison, NVTX pushes/pops against the Chrome trace."""
     from tools.gpu_check import main
 
-    main(["--dry-run", "--sections", "env,fidelity,kernels,nvtx,two_gpus", "--out", str(tmp_path)])
+    main(["--dry-run", "--sections", "env,gpu_tests,fidelity,kernels,step,nvtx,two_gpus", "--out", str(tmp_path)])
     res = json.loads((tmp_path / "gpu_check.json").read_text())
     sec = res["sections"]
     assert {k: v["status"] for k, v in sec.items()} == {
-        "env": "ok", "fidelity": "ok", "kernels": "ok", "nvtx": "ok", "two_gpus": "skipped"}
+        "env": "ok", "gpu_tests": "ok", "fidelity": "ok", "kernels": "ok", "step": "ok", "nvtx": "ok",
+        "two_gpus": "skipped"}
+    # without a GPU every CUDA path refuses in one line; the GPU tests are collected and skip
+    assert sec["env"]["cuda_refused"].startswith("refused: `device=cuda:0`: no CUDA GPU is visible")
+    assert sec["env"]["cli_cuda_refused"]["exit"] == 2 and "\n" not in sec["env"]["cli_cuda_refused"]["stderr"]
+    assert "skipped" in sec["gpu_tests"]["summary"] and not sec["gpu_tests"]["failed"]
+    assert sec["step"]["graphs_on"] == {"skipped": "CUDA graphs need a GPU"} and sec["step"]["graphs_off"]["wall_ms"] > 0
     assert sec["fidelity"]["dtypes"]["fp32"]["faithful"] and sec["fidelity"]["dtypes"]["fp32"]["mismatches"] == 0
     assert sec["kernels"]["int4_error"] is None
     exact = [op for op in sec["kernels"]["ops"] if op["int4_ms"] is not None]
@@ -112,3 +118,15 @@ def test_cuda_decoder_matches_cpu_fp32(tiny_model_path):
                               prompts, 16)
     for r, g in zip(ref, got):
         assert (r - g).abs().max() < 1e-2
+
+
+def test_gpu_check_refuses_an_unknown_dtype_with_a_model_error():
+    """_round_np named ModelError without importing it: the refusal was a NameError."""
+    import numpy as np
+
+    from engine.errors import ModelError
+    from tools.gpu_check import _round_np
+
+    assert _round_np(np.array([1.0, 2.5], np.float32), torch.float16).tolist() == [1.0, 2.5]
+    with pytest.raises(ModelError, match="activation dtype torch.int8 is not supported"):
+        _round_np(np.zeros(2, np.float32), torch.int8)

@@ -298,12 +298,17 @@ def sec_gpu() -> str:
             fidelity.append([model, dtype, f"{v['steps'] - v['mismatches']} / {v['steps']}"
                              + (f" ({near} more at a near-tie)" if near else ""), f(v["first_logit_diff"], 3),
                              "faithful" if v["faithful"] else "**not faithful**"])
-        res = s["single"]["results"][0]
-        speed.append([model, f(res["prefill_tok_s_median"], 0), f(res["decode_tok_s_median"])])
+        # one bench single (older reports), or one with CUDA graphs on and one with them off
+        runs = ([("—", s["single"])] if "results" in s["single"] else
+                [(mode, s["single"][f"graphs_{mode}"]) for mode in ("on", "off") if f"graphs_{mode}" in s["single"]])
+        for graphs, data in runs:
+            res = data["results"][0]
+            if "error" not in res:
+                speed.append([model, graphs, f(res["prefill_tok_s_median"], 0), f(res["decode_tok_s_median"])])
     body = ["Greedy ids teacher-forced against transformers' fp32 reference (as tests/test_fidelity.py), "
             "by activation dtype:\n",
             table(["model", "activations", "steps matching", "first-logit diff", "verdict"], fidelity), "",
-            table(["model", "prefill tok/s (500 tokens)", "decode tok/s, one stream"], speed)]
+            table(["model", "CUDA graphs", "prefill tok/s (500 tokens)", "decode tok/s, one stream"], speed)]
     for r in found:
         s = r["sections"]
         if "batching" in s and s["batching"].get("status") == "ok":
@@ -313,9 +318,27 @@ def sec_gpu() -> str:
                         + f"\n\nN = 32 over one stream: **{x(b['aggregate_n32_over_n1'])}**; paged / contiguous K/V "
                           f"{x(kv[1])} at N = 1, {x(kv[8])} at N = 8.")
         if "step" in s and s["step"].get("status") == "ok":
-            st = s["step"]
-            body.append(f"One decode step of one sequence ({st['context']}-token context): {f(st['wall_ms'])} ms of "
-                        f"wall time, of which the GPU is busy {f(st['gpu_ms'], 2)} ms over {st['kernels']} kernel launches.")
+            steps = ([("", s["step"])] if "wall_ms" in s["step"] else
+                     [(f", CUDA graphs {mode}", s["step"][f"graphs_{mode}"]) for mode in ("off", "on")
+                      if "wall_ms" in s["step"].get(f"graphs_{mode}", {})])
+            for label, st in steps:
+                gpu = (f", of which the GPU is busy {f(st['gpu_ms'], 2)} ms over {st['kernels']} kernel launches"
+                       if "gpu_ms" in st else "")
+                body.append(f"One decode step of one sequence ({st['context']}-token context{label}): {f(st['wall_ms'])} "
+                            f"ms of wall time{gpu}.")
+        if "graphs" in s and s["graphs"].get("status") == "ok":
+            g = s["graphs"]
+            rows = [[str(n), f(g["on"]["tok_s"][str(n)], 0), f(g["off"]["tok_s"][str(n)], 0),
+                     x(g["on"]["tok_s"][str(n)] / g["off"]["tok_s"][str(n)])] for n in g["sizes"]]
+            body.append(f"\nDecode through the engine, N concurrent requests of {g['output_tokens']} tokens:\n\n"
+                        + table(["N", "CUDA graphs on, tok/s", "off, tok/s", "on / off"], rows))
+        if "cpu_threads" in s and s["cpu_threads"].get("status") == "ok":
+            c = s["cpu_threads"]
+            rows = [[t, f(r["prefill_tok_s"], 0), f(r["decode_tok_s"]), f(r["n8_tok_s"], 0)]
+                    for t, r in c["threads"].items()]
+            body.append(f"\nThe GPU machine's CPU worker by --threads ({c['prompt_tokens']}-token prefill, "
+                        f"{c['decode_tokens']}-token one-stream decode, 8 requests of {c['n8_tokens_each']} tokens):\n\n"
+                        + table(["threads", "prefill tok/s", "decode tok/s", "N = 8 tok/s"], rows))
         if "kernels" in s and s["kernels"].get("status") == "ok":
             k = s["kernels"]
             cells = [f"M = {m}: dense {f(t['dense'], 2)}, int4 where exact {f(t['int4_where_exact'], 2)} ms"
@@ -323,8 +346,8 @@ def sec_gpu() -> str:
             body.append(f"All linear layers of a step, {k['dtype']} (cuBLAS on dense weights against torch's "
                         f"`_weight_int4pack_mm`): {'; '.join(cells)}.")
         if "routing" in s and s["routing"].get("status") == "ok":
-            body.append(f"Routing over the machine's CPU and the GPU: {workers(s['routing'])}.\n\n"
-                        f"{routing_table(s['routing'])}")
+            body.append(f"Routing over the machine's CPU and the GPU ({len(s['routing']['devices'])} workers): "
+                        f"{workers(s['routing'])}.\n\n{routing_table(s['routing'])}")
     cmds = "\n".join(f"* {r.link}: `{gpu_argv(r)}`" for r in found)
     text = TEXT["gpu"] + f"\n\n{cmds}\n"
     return f"## GPU: {', '.join(sorted(gpus))}\n\n{text}\n" + "\n".join(body) + f"\n\n{BOUNDS['gpu']}\n"
@@ -553,12 +576,13 @@ What bounds them: a disabled scope is one flag check (~0.3 µs with the context 
 step; on, each scope appends to its thread's own ring buffer without a lock, so on is within noise
 of off.""",
     "gpu": """\
-What bounds them: a decode step is mostly host time (Python and kernel launches: wall against GPU
-time above), so the kernel choice moves little; the engine keeps dense bf16 weights on CUDA (int4
-saves ~0.5 ms of 11 at one row, loses from ~32 rows). CUDA graphs, the lever, are not built: the
-attention planning and the lm_head refinement's host copy would first have to move onto the
-device. Routing: `cost`'s offload to the CPU pays under load (48 requests); at 8 the offloaded
-requests were the slowest.""",
+What bounds them: one decode step is mostly host time (wall time against GPU time above): Python
+and kernel launches, so the kernel choice moves little. The engine keeps dense bf16 weights on
+CUDA: the int4 kernel saves ~0.5 ms of an 11 ms step at one row and loses from ~32 rows on. CUDA
+graphs (decode steps captured and replayed, engine/worker/cuda_graphs.py, with the attention plan
+and the lm_head refinement on the device) are the lever; a report without a "CUDA graphs" column
+predates them, and the first report with them is still to be measured. Routing: `cost` offloads to the CPU and that pays under load (48 requests); at 8 the CPU's
+slower decode made the offloaded requests the slowest.""",
 }
 
 

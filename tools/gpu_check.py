@@ -1,4 +1,4 @@
-"""One prepared check of the CUDA workers on a real GPU: fidelity, kernels, benchmarks, NVTX."""
+"""One prepared check of the CUDA workers on a real GPU: fidelity, CUDA graphs, benchmarks, routing, NVTX."""
 from __future__ import annotations
 
 import argparse
@@ -30,34 +30,47 @@ USAGE = """\
     python3 tools/gpu_check.py --dry-run --out DIR    # every step on the CPU (tiny model): the
                                                       # script itself is checked, no GPU figure
 
-Sections (each one's error is recorded and the next one runs; a time budget skips what no
-longer fits):
-  env        torch, CUDA, GPU names, package versions, the model file's sha256
+Sections, in this order by default (each one's error is recorded and the next one runs; a
+time budget skips what no longer fits):
+  env        torch, CUDA, GPU names, package versions, the model file's sha256; without a GPU,
+             that CUDA workers are refused in one clean line
+  gpu_tests  pytest tests/test_cuda_graphs.py tests/test_gpu_paths.py (the CUDA tests skip
+             without a GPU): graphs give the eager path's greedy ids per dtype, tiny and real
+             model; a replayed step makes no host sync
   fidelity   greedy ids teacher-forced against the fp32 references of
              tests/data/greedy_reference.json (as tests/test_fidelity.py), in bf16, fp16
              and fp32 activations on the device; verdict per dtype. With --tiny/--dry-run the
              reference is the CPU fp32 path on the same tiny model (labelled so).
-  kernels    per fused linear of two layers and the lm_head: dense weights + cuBLAS
-             (F.linear, bf16) vs torch's int4 kernel (_weight_int4pack_mm) on exact nibble
-             planes, where the GGUF type allows; error vs fp32 and median time per row count
-  step       one decode step of one sequence (bf16, 128-token context): host wall time vs
-             the GPU's kernel time and kernel count (torch.profiler): how launch-bound it is,
-             i.e. what CUDA graphs could win
-  single     `tokentop bench single --device DEV` (prefill, one-stream decode)
-  batching   `tokentop bench batching --device DEV --sizes 1,8,32 --no-sequential`
+  step       one decode step of one sequence (bf16, 128-token context), CUDA graphs on and
+             off: host wall time vs the GPU's kernel time and kernel count (torch.profiler)
+  graphs     decode tok/s of N = 1, 8, 32 concurrent requests (128 tokens each) through the
+             engine, CUDA graphs on vs off, one engine after the other
+  single     `tokentop bench single --device DEV --cuda-graphs on|off` (prefill, one stream)
+  routing    the three-worker burst `bench routing --device cpu --device DEV --device DEV
+             --policies cost --routing-log`: every routing decision, each worker's rates
+  cpu_threads  the CPU worker at --threads 1,2,4,8,16: 500-token prefill and one-stream
+             decode (as bench single), 8 concurrent requests (as bench batching's N=8)
   nvtx       a short generate on DEV with tracing on; NVTX pushes/pops counted through the
-             `nvtx` package (or nsys if present) and compared with the Chrome trace's scopes
-  routing    `tokentop bench routing --device cpu --device DEV --policies forced-fastest,cost`
+             `nvtx` package and compared with the Chrome trace's scopes; nsys if present
   two_gpus   bench routing over cuda:0 and cuda:1 (only with two GPUs)
+Not run unless named: kernels (dense cuBLAS vs torch's int4 kernel per fused linear) and
+batching (`bench batching --sizes 1,8,32 --no-sequential`).
 
-Writes OUT/gpu_check.json (everything), OUT/gpu_check.txt (the table), OUT/trace-*.json (the
-NVTX section's Chrome trace) and prints the table last.
+The CPU sections need the quantized kernels: their build starts in the background at once
+(a fresh machine has none) and the first CPU section waits for it.
+
+Writes OUT/gpu_check.json (everything), OUT/gpu_check.txt (the table), OUT/routing-log.jsonl,
+OUT/tokentop-*.json (the NVTX section's Chrome trace) and prints the table last.
 """
 
-SECTIONS = ("env", "fidelity", "kernels", "step", "single", "batching", "nvtx", "routing", "two_gpus")
+SECTIONS = ("env", "gpu_tests", "fidelity", "step", "graphs", "single", "routing", "cpu_threads", "nvtx",
+            "two_gpus")
+EXTRA_SECTIONS = ("kernels", "batching")
 # Rough seconds each section needs on an H200 with the 0.5B: a section starts only if it fits.
-ESTIMATE_S = {"env": 5, "fidelity": 60, "kernels": 20, "step": 15, "single": 45, "batching": 60, "nvtx": 20,
-              "routing": 90, "two_gpus": 60}
+ESTIMATE_S = {"env": 5, "gpu_tests": 60, "fidelity": 60, "step": 20, "graphs": 50, "single": 50,
+              "routing": 90, "cpu_threads": 70, "nvtx": 20, "two_gpus": 60, "kernels": 20, "batching": 60}
+CPU_THREADS = (1, 2, 4, 8, 16)
+GRAPH_SIZES = (1, 8, 32)
 REFERENCE = ROOT / "tests" / "data" / "greedy_reference.json"
 PROMPTS_TINY = 4
 NEW_TOKENS = 32
@@ -71,17 +84,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--out", default=os.environ.get("OUT") or "gpu_check_out")
     p.add_argument("--sections", default=",".join(SECTIONS))
-    p.add_argument("--budget", type=float, default=270.0, help="seconds for all sections together")
+    p.add_argument("--budget", type=float, default=450.0, help="seconds for all sections together")
     p.add_argument("--tiny", action="store_true", help="tiny random GGUF model, reference = CPU fp32")
     p.add_argument("--dry-run", action="store_true", help="--tiny on the CPU: checks the script only")
     p.add_argument("--threads", type=int, default=8, help="CPU threads of the routing bench's CPU worker")
     args = p.parse_args(argv)
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = [s for s in sections if s not in SECTIONS + EXTRA_SECTIONS]
+    if unknown:
+        p.error(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS + EXTRA_SECTIONS)}")
+    args.gpu_device = args.device if torch.device(args.device).type == "cuda" else "cuda:0"
+    if not args.dry_run and torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        print(f"gpu_check: no CUDA GPU is visible to torch {torch.__version__}: a dry run on the CPU "
+              "instead (tiny model, no GPU figure)", flush=True)
+        args.dry_run = True
     if args.dry_run:
         args.tiny, args.device = True, "cpu"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     check = Check(args, out)
-    check.run([s.strip() for s in args.sections.split(",") if s.strip()])
+    check.run(sections)
     return 0
 
 
@@ -96,6 +118,19 @@ class Check:
                               "device": args.device, "argv": sys.argv, "sections": {}}
         self.rows: list[tuple[str, str, str]] = []   # (section, what, value) for the table
         self.model_path = self._model_path()
+        self.cuda = torch.device(args.device).type == "cuda"
+        # the benches' cache: profiles of their own, the kernels shared with this process
+        from engine import kernels
+        cache = self.work / "cache"
+        cache.mkdir()
+        kernels.cache_dir().mkdir(parents=True, exist_ok=True)
+        (cache / "kernels").symlink_to(kernels.cache_dir())
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENTOP_CACHE_DIR": str(cache)}
+        # a fresh machine has no kernels: build them while the GPU sections run
+        self.kernel_build = subprocess.Popen(
+            [sys.executable, "-c", KERNEL_BUILD], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, env={**self.env, "MAX_JOBS": str(os.cpu_count() or 2)})
+        self.kernels_state: str | None = None
 
     # --- driver ------------------------------------------------------------------------
     def run(self, sections: list[str]) -> None:
@@ -116,6 +151,12 @@ class Check:
                 self.rows.append((name, "ERROR", res["error"][:110]))
             res["seconds"] = round(time.monotonic() - t, 1)
             self._record(name, res)
+        if self.kernel_build.poll() is None:    # no CPU section waited for it: done soon, or stopped
+            try:
+                self.kernel_build.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.kernel_build.kill()
+                self.kernel_build.communicate()
         self.results["total_seconds"] = round(time.monotonic() - self.t0, 1)
         self._write()
         print(self.table(), flush=True)    # last: the part of the output a remote call shows
@@ -135,7 +176,7 @@ class Check:
                  f"{time.monotonic() - self.t0:.0f} s"]
         width = max([len(w) for _, w, _ in self.rows] + [10])
         for sec, what, value in self.rows:
-            lines.append(f"{sec:9} {what:{width}}  {value}")
+            lines.append(f"{sec:11} {what:{width}}  {value}")
         return "\n".join(lines) + "\n"
 
     # --- helpers -----------------------------------------------------------------------
@@ -162,11 +203,10 @@ class Check:
                "--out", str(report)]
         if self.args.tiny:
             cmd.append("--quick")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENTOP_CACHE_DIR": str(self.work / "cache")}
         left = self.args.budget - (time.monotonic() - self.t0)
         print("$", " ".join(cmd), flush=True)
         try:
-            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+            proc = subprocess.run(cmd, cwd=ROOT, env=self.env, capture_output=True, text=True,
                                   timeout=max(10.0, min(timeout, left)))
         except subprocess.TimeoutExpired as exc:
             tail = (exc.stderr or b"")[-1500:]
@@ -177,6 +217,33 @@ class Check:
         data = json.loads(report.read_text())
         data["stderr_tail"] = proc.stderr.strip()[-800:]
         return data
+
+    def _kernels(self) -> str:
+        """Wait for the background kernel build (CPU sections need it); what it says."""
+        if self.kernels_state is None:
+            left = self.args.budget - (time.monotonic() - self.t0)
+            try:
+                out, _ = self.kernel_build.communicate(timeout=max(30.0, left))
+            except subprocess.TimeoutExpired:
+                self.kernel_build.kill()
+                out = "the build did not finish within the budget"
+            tail = (out or "").strip().splitlines()[-1:] or ["no output"]
+            ok = self.kernel_build.returncode == 0
+            self.kernels_state = ("kernels: " if ok else "kernels unavailable (torch fallback): ") + tail[0][:150]
+            self.results["cpu_kernels"] = self.kernels_state
+            self.rows.append(("env", "CPU kernels", self.kernels_state))
+        return self.kernels_state
+
+    def _cuda_devices(self, specs: list[str]) -> str:
+        """Without a GPU: the error a CUDA device spec gets (one line), for the record."""
+        from engine.config import WorkerConfig
+        from engine.errors import ConfigError
+        from engine.facade.devices import parse_devices
+        try:
+            parse_devices(specs, WorkerConfig())
+        except ConfigError as exc:
+            return f"refused: {exc}"
+        return "NOT refused"
 
     # --- sections ----------------------------------------------------------------------
     def sec_env(self) -> dict:
@@ -206,6 +273,17 @@ class Check:
                               else f"MISMATCH {res['sha256'][:16]} (fidelity is not comparable)"))
         gpu = ", ".join(g["name"] for g in res["gpus"]) or "none"
         self.rows.append(("env", "torch / GPU", f"{torch.__version__} / {gpu}"))
+        if not torch.cuda.is_available():   # every CUDA path refuses cleanly
+            dev = self.args.gpu_device
+            res["cuda_refused"] = self._cuda_devices(["cpu", dev, dev])
+            cli = subprocess.run([sys.executable, "-m", "app.cli", "generate", "hi", "--device", dev,
+                                  "--cuda-graphs", "on", "--model", str(self.model_path)],
+                                 cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=120)
+            res["cli_cuda_refused"] = {"exit": cli.returncode, "stderr": cli.stderr.strip()}
+            one_line = cli.returncode == 2 and cli.stderr.strip().count("\n") == 0
+            self.rows.append(("env", f"--device {dev} without a GPU",
+                              f"{'exit 2, one line' if one_line else 'NOT CLEAN: exit ' + str(cli.returncode)}: "
+                              f"{cli.stderr.strip()[-90:]}"))
         missing = [k for k, v in res["packages"].items() if v is None]
         if missing:
             self.rows.append(("env", "packages absent", ", ".join(missing)))
@@ -284,24 +362,80 @@ class Check:
             self.rows.append(("kernels", "int4 kernel", "ERROR " + res["int4_error"][:90]))
         return res
 
+    def sec_gpu_tests(self) -> dict:
+        """The CUDA tests (they skip without a GPU; a dry run only checks they collect)."""
+        cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "not slow",
+               "tests/test_cuda_graphs.py", "tests/test_gpu_paths.py"]
+        if not self.cuda:
+            cmd += ["-k", "gpu"]
+        # without CPU kernels: their build runs in the background, and no test here needs them
+        env = {**self.env, "TOKENTOP_KERNELS": "off"}
+        if not self.args.tiny:
+            env["TOKENTOP_GPU_MODEL"] = str(self.model_path)
+        print("$", " ".join(cmd), flush=True)
+        left = self.args.budget - (time.monotonic() - self.t0)
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(30.0, left))
+        lines = proc.stdout.strip().splitlines()
+        summary = lines[-1] if lines else proc.stderr.strip()[-200:]
+        res = {"command": " ".join(cmd[2:]), "exit": proc.returncode, "summary": summary,
+               "failed": [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))],
+               "skipped": [ln for ln in lines if ln.startswith("SKIPPED")], "tail": "\n".join(lines[-60:])}
+        self.rows.append(("gpu_tests", "pytest", summary.strip("= ")[:110]))
+        for line in res["failed"][:6]:
+            self.rows.append(("gpu_tests", "failed", line[:110]))
+        if proc.returncode not in (0, 5):
+            res["status"] = "error"
+            res["error"] = f"pytest exit {proc.returncode}: {summary}"
+        return res
+
     def sec_step(self) -> dict:
-        res = decode_step_profile(self.model_path, self.args.device)
-        gpu = f", GPU kernels {res['gpu_ms']:.2f} ms in {res['kernels']} launches" if res.get("gpu_ms") else ""
-        self.rows.append(("step", "1-seq decode step", f"wall {res['wall_ms']:.2f} ms{gpu}"))
+        res = {}
+        for graphs in (False, True):
+            key = "graphs_on" if graphs else "graphs_off"
+            if graphs and not self.cuda:
+                res[key] = {"skipped": "CUDA graphs need a GPU"}
+                self.rows.append(("step", "1-seq decode step, graphs on", "skipped: CUDA graphs need a GPU"))
+                continue
+            r = decode_step_profile(self.model_path, self.args.device, graphs)
+            res[key] = r
+            gpu = f", GPU kernels {r['gpu_ms']:.2f} ms in {r['kernels']} launches" if r.get("gpu_ms") else ""
+            self.rows.append(("step", f"1-seq decode step, graphs {'on' if graphs else 'off'}",
+                              f"wall {r['wall_ms']:.2f} ms{gpu}"))
+            _free_gpu(self.args.device)
+        return res
+
+    def sec_graphs(self) -> dict:
+        """Decode through the engine, N concurrent requests, CUDA graphs on, then off."""
+        out_tokens = 8 if self.args.dry_run else 128
+        res = {"sizes": list(GRAPH_SIZES), "output_tokens": out_tokens, "device": self.args.device}
+        if not self.cuda:
+            res["note"] = "dry run: a CPU worker ignores --cuda-graphs; both runs are the eager CPU path"
+        for mode in ("on", "off"):
+            res[mode] = engine_decode_rates(self.model_path, self.args.device, mode, GRAPH_SIZES, out_tokens)
+            _free_gpu(self.args.device)
+        both = "" if self.cuda else " (CPU dry run: both eager)"
+        for n in GRAPH_SIZES:
+            on, off = res["on"]["tok_s"][str(n)], res["off"]["tok_s"][str(n)]
+            self.rows.append(("graphs", f"N={n} decode on/off", f"{on:.0f} / {off:.0f} tok/s ({on / off:.2f}x){both}"))
+        for line in res["on"]["graphs_log"][:1]:
+            self.rows.append(("graphs", "log", line[-110:]))
         return res
 
     def sec_single(self) -> dict:
-        data = self._bench("single", ["single", "--device", self.args.device, "--models",
-                                      str(self.model_path), "--runs", "3"], 180)
-        for r in data["results"]:
-            if "error" in r:
-                self.rows.append(("single", "error", r["error"][:100]))
-                continue
-            self.rows.append(("single", f"{r['activation_dtype']} prefill (500 tok)",
-                              f"{r['prefill_tok_s_median']:.0f} tok/s"))
-            self.rows.append(("single", f"{r['activation_dtype']} decode 1 stream",
-                              f"{r['decode_tok_s_median']:.1f} tok/s (goal >= 150 on a GPU)"))
-        return data
+        self._kernels()   # bench single's helper times the CPU kernels: not while they build
+        res = {}
+        for mode in ("on", "off"):
+            data = self._bench(f"single-graphs-{mode}", ["single", "--device", self.args.device, "--models",
+                                                         str(self.model_path), "--runs", "2", "--cuda-graphs", mode], 150)
+            res[f"graphs_{mode}"] = data
+            for r in data["results"]:
+                if "error" in r:
+                    self.rows.append(("single", f"graphs {mode} error", r["error"][:100]))
+                    continue
+                self.rows.append(("single", f"graphs {mode} prefill (500 tok)", f"{r['prefill_tok_s_median']:.0f} tok/s"))
+                self.rows.append(("single", f"graphs {mode} decode 1 stream",
+                                  f"{r['decode_tok_s_median']:.1f} tok/s (goal >= 150 on a GPU)"))
+        return res
 
     def sec_batching(self) -> dict:
         data = self._bench("batching", ["batching", "--device", self.args.device, "--sizes", "1,8,32",
@@ -315,12 +449,22 @@ class Check:
         return data
 
     def sec_routing(self) -> dict:
-        if self.args.dry_run:
-            devices = ["--device", "cpu", "--device", "sim:gpu0"]
-        else:
-            devices = ["--device", "cpu", "--device", self.args.device]
-        data = self._bench("routing", ["routing", *devices, "--runs", "1", "--threads", str(self.args.threads),
-                                       "--policies", "forced-fastest,cost", "--recalibrate"], 300)
+        """The three-worker burst behind the cost router: a CPU worker and two on one GPU."""
+        self._kernels()
+        log = self.out / "routing-log.jsonl"
+        log.unlink(missing_ok=True)
+        dev = self.args.device
+        devices = ["cpu", dev, dev] if self.cuda else ["cpu", "sim:gpu0", "sim:gpu1"]
+        data = self._bench("routing", ["routing", *[a for d in devices for a in ("--device", d)], "--runs", "1",
+                                       "--threads", str(self.args.threads), "--policies", "cost",
+                                       "--recalibrate", "--routing-log", str(log)], 300)
+        if not self.cuda:
+            data["note_dry_run"] = ("dry run: two simulated GPU workers stand in for --device cuda:0 twice, which "
+                                    f"is {self._cuda_devices(['cpu', self.args.gpu_device, self.args.gpu_device])}")
+        decisions = [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.exists() else []
+        data["routing_log"] = {"file": log.name, "decisions": len(decisions),
+                               "first": decisions[:2]}
+        self.rows.append(("routing", "routing log", f"{len(decisions)} decisions in {log.name}"))
         return self._routing_rows("routing", data)
 
     def sec_two_gpus(self) -> dict:
@@ -340,8 +484,24 @@ class Check:
         for t in data["table"]:
             self.rows.append((sec, f"{t['requests']} req {t['policy']}",
                               f"{t['completion_s']:.2f} s, {t['throughput_tok_s']:.0f} tok/s, "
-                              f"per worker {t['requests_per_worker']}"))
+                              f"requests per worker {t['requests_per_worker']}"))
         return data
+
+    def sec_cpu_threads(self) -> dict:
+        """The CPU worker at each thread count: prefill and one stream as bench single measures
+        them, 8 concurrent requests as bench batching's N=8 (its timed_burst)."""
+        kernels = self._kernels()
+        threads = (1, 2) if self.args.dry_run else CPU_THREADS
+        prompt, one, eight = (64, 8, 8) if self.args.dry_run else (500, 128, 64)
+        res = {"kernels": kernels, "prompt_tokens": prompt, "decode_tokens": one, "n8_tokens_each": eight,
+               "threads": {}}
+        for t in threads:
+            r = cpu_rates(self.model_path, t, prompt, one, eight)
+            res["threads"][str(t)] = r
+            self.rows.append(("cpu_threads", f"--threads {t}",
+                              f"prefill {r['prefill_tok_s']:.0f}, decode {r['decode_tok_s']:.1f}, "
+                              f"N=8 {r['n8_tok_s']:.0f} tok/s"))
+        return res
 
     def sec_nvtx(self) -> dict:
         res = nvtx_balance(self.model_path, self.args.device, self.out, force=self.args.dry_run)
@@ -421,26 +581,45 @@ def fidelity_of(model_path: Path, device: str, dtype: str, prompts: list[dict],
 
 # --- one decode step ------------------------------------------------------------------------
 
-def decode_step_profile(model_path: Path, device: str, context: int = 128, steps: int = 20) -> dict:
-    """Wall time of one-sequence decode steps, and (on a GPU) the kernels' own time per step."""
+def decode_step_profile(model_path: Path, device: str, graphs: bool, context: int = 128, steps: int = 20) -> dict:
+    """Wall time of one-sequence decode steps (eager, or replaying CUDA graphs), and (on a GPU)
+    the kernels' own time per step."""
+    from engine.models.batch import ForwardBatch, SeqSlice
     from engine.models.decoder import Decoder
     from engine.models.gguf import load_gguf
     from engine.models.quant import LinearPolicy
-    from tests.test_fidelity import flat_batch, paged_slots
 
+    page = 16
     model = Decoder.from_gguf(load_gguf(model_path), LinearPolicy(activation_dtype=torch.bfloat16, device=device))
-    slots = paged_slots(1, context + 2 * steps + 8)
-    kv = model.new_kv_store(len(slots[0]))
+    pages = list(range(-(-(context + 2 * steps + 8) // page)))
+    slots = (torch.tensor(pages)[:, None] * page + torch.arange(page)).reshape(-1)
+    scratch = len(pages) * page
+    kv = model.new_kv_store(scratch + 1)     # + the graphs' scratch slot
+    res = {"context": context, "steps": steps, "cuda_graphs": graphs}
+    runner = None
+    if graphs:
+        from engine.worker.cuda_graphs import DecodeGraphs, TorchCudaGraphs
+        runner = DecodeGraphs(model, kv, page, scratch, scratch, TorchCudaGraphs(torch.device(device)))
+        res["captured"] = runner.capture()
+
+    def batch(ids: list[int], first: int) -> ForwardBatch:
+        ctx = first + len(ids)
+        return ForwardBatch(torch.tensor(ids), torch.arange(first, ctx), slots[first:ctx],
+                            [SeqSlice(0, len(ids), ctx, slots[:ctx], pages=pages)], torch.tensor([len(ids) - 1]))
+
     ids = torch.randint(3, model.config.vocab_size, (context,), generator=torch.Generator().manual_seed(1)).tolist()
-    model(flat_batch([(ids, 0, 0)], slots), kv)
+    with torch.inference_mode():
+        model(batch(ids, 0), kv)
     pos = context
 
-    def step():
+    def step() -> int:
         nonlocal pos
-        logits = model(flat_batch([([ids[pos % context]], pos, 0)], slots), kv)
-        tok = int(logits.argmax())          # the engine samples on the host every step too
+        b = batch([ids[pos % context]], pos)
         pos += 1
-        return tok
+        if runner is not None:
+            return int(runner.run(b).picked[0, 0])     # the one host read of a step
+        with torch.inference_mode():
+            return int(model(b, kv).argmax())            # the engine samples on the host every step too
 
     for _ in range(3):
         step()
@@ -449,7 +628,7 @@ def decode_step_profile(model_path: Path, device: str, context: int = 128, steps
     for _ in range(steps):
         step()
     _sync(device)
-    res = {"context": context, "steps": steps, "wall_ms": (time.perf_counter() - t) * 1e3 / steps}
+    res["wall_ms"] = (time.perf_counter() - t) * 1e3 / steps
     if torch.device(device).type == "cuda":
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -461,9 +640,78 @@ def decode_step_profile(model_path: Path, device: str, context: int = 128, steps
             if str(getattr(evt, "device_type", "")).endswith("CUDA"):
                 gpu_us += evt.time_range.elapsed_us()     # a kernel's (or copy's) own span
                 kernels += 1
-        res.update(gpu_ms=gpu_us / 1e3 / 5, kernels=kernels // 5)
-    del model, kv
+        res.update(gpu_ms=gpu_us / 1e3 / 5, kernels=kernels // 5,
+                   note="kernels: the GPU events torch.profiler saw per step (a replayed graph's "
+                        "kernels as it reports them)")
+    if runner is not None:
+        res["replays"] = sum(runner.replays.values())
     return res
+
+
+def engine_decode_rates(model_path: Path, device: str, graphs: str, sizes: tuple[int, ...], out_tokens: int) -> dict:
+    """Aggregate decode tok/s of n concurrent requests through one engine (bench batching's
+    timed_burst), for each n; and the log lines on CUDA graphs."""
+    from engine.bench.scenarios import start_engine, stop_engine, timed_burst
+    from engine.config import WorkerConfig
+    from engine.facade.devices import parse_devices
+
+    base = WorkerConfig(model=str(model_path), max_active=max(sizes), calibrate=False,
+                        cuda_graphs=graphs, cuda_graphs_asked=True)
+    t = time.monotonic()
+    engine = start_engine(parse_devices([device], base))
+    try:
+        started = time.monotonic() - t
+        timed_burst(engine, 2, 8, True, "warm")
+        timed_burst(engine, 1, 8, True, "warm")
+        rates = {str(n): n * out_tokens / timed_burst(engine, n, out_tokens, True, f"graphs {graphs} {n}")
+                 for n in sizes}
+        log = [line.text for line in engine.snapshot().log]
+    finally:
+        stop_engine(engine)
+    return {"tok_s": rates, "engine_start_s": round(started, 1),
+            "graphs_log": [line for line in log if "CUDA graphs" in line or "cuda-graphs" in line]}
+
+
+def cpu_rates(model_path: Path, threads: int, prompt_tokens: int, decode_tokens: int, n8_tokens: int) -> dict:
+    """One CPU worker (its own process) at `threads`: prefill and one-stream decode as bench
+    single measures them (ttft of a long prompt; the tokens after the first over their time),
+    and 8 concurrent requests as bench batching's N=8."""
+    from engine.bench.scenarios import prompt_of, start_engine, stop_engine, timed_burst
+    from engine.config import SamplingParams, WorkerConfig
+    from engine.facade.devices import parse_devices
+
+    base = WorkerConfig(model=str(model_path), threads=threads, max_active=8, calibrate=False)
+    engine = start_engine(parse_devices(["cpu"], base), mode="process")
+    try:
+        engine.generate(prompt_ids=prompt_of(engine, 64, "warm up "), params=SamplingParams(max_tokens=8, ignore_eos=True))
+        r = engine.generate(prompt_ids=prompt_of(engine, prompt_tokens, f"threads {threads}: "),
+                            params=SamplingParams(max_tokens=1))
+        prefill = prompt_tokens / r.metrics.ttft
+        m = engine.generate(prompt_ids=prompt_of(engine, 16, f"decode {threads}: "),
+                            params=SamplingParams(max_tokens=decode_tokens, ignore_eos=True)).metrics
+        decode = (m.output_tokens - 1) / (m.e2e - m.ttft)
+        n8 = 8 * n8_tokens / timed_burst(engine, 8, n8_tokens, True, f"threads {threads}")
+        kernels = engine.snapshot().workers[0].kernels
+    finally:
+        stop_engine(engine)
+    return {"prefill_tok_s": prefill, "decode_tok_s": decode, "n8_tok_s": n8, "linear_layers": kernels}
+
+
+def _free_gpu(device: str) -> None:
+    import gc
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+KERNEL_BUILD = """
+import sys, time
+t = time.perf_counter()
+from engine import kernels
+ok = kernels.load()
+print(f"{kernels.describe()} (ready after {time.perf_counter() - t:.0f} s)" if ok else kernels.status()["reason"])
+sys.exit(0 if ok else 3)
+"""
 
 
 # --- kernel choice --------------------------------------------------------------------------
@@ -621,7 +869,7 @@ def kernel_choice(model_path: Path, device: str, quick: bool = False) -> dict:
             totals[str(m)]["int4_where_exact"] += int4 * count
             totals[str(m)]["best_of_both"] += min(int4, op["dense_ms"][str(m)]) * count
         res["ops"].append(op)
-        del dense, q4
+        dense = q4 = None   # let the device memory go before the next op
     res["per_token_linears_ms"] = totals
     return res
 
@@ -636,6 +884,9 @@ def _widen_part(part, k: int, planes: int):
 
 import numpy as np  # noqa: E402
 from gguf import GGMLQuantizationType as _T  # noqa: E402
+
+from engine.errors import ModelError  # noqa: E402
+from engine.models.quant import _Codes  # noqa: E402
 
 INT4_EXACT_TYPES = (_T.Q4_0, _T.Q4_K, _T.Q5_0, _T.Q5_K, _T.Q8_0)
 INT4_GROUP = 32

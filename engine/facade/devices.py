@@ -1,7 +1,8 @@
 """Parse repeatable --device specs into WorkerConfigs, refusing bad ones with a fix.
 
   cpu                         a CPU worker
-  cuda | cuda:N               a GPU worker; each bare `cuda` claims the next free index
+  cuda | cuda:N               a GPU worker; each bare `cuda` claims the next free index;
+                              cuda:N given twice: two workers share GPU N (cuda:N, cuda:N#2)
   sim:NAME[:prefill=R,decode=R[,jitter=J]]
                               a simulated worker (no model run; labelled simulated).
                               NAME starting with gpu/cpu uses mini-vllm-rs's published
@@ -32,7 +33,10 @@ def parse_devices(specs: list[str], base: WorkerConfig) -> tuple[WorkerConfig, .
             out.append(replace(base, device="cpu", name=f"cpu{sum(w.device == 'cpu' for w in out) or ''}"))
         elif spec == "cuda" or spec.startswith("cuda:"):
             index = _claim_cuda(spec, claimed)
-            out.append(replace(base, device=f"cuda:{index}", name=f"cuda:{index}"))
+            device = f"cuda:{index}"
+            # cuda:N named again: another worker (its own model copy and KV) on the same GPU
+            same = sum(w.device == device for w in out)
+            out.append(replace(base, device=device, name=f"{device}#{same + 1}" if same else device))
         elif spec.startswith("sim:"):
             out.append(_parse_sim(spec, base))
         elif spec.startswith("remote:"):
@@ -97,8 +101,6 @@ def _claim_cuda(spec: str, claimed: set[int]) -> int:
             raise ConfigError(f"`device={spec}`: write cuda:N with N a GPU index, e.g. cuda:0") from None
         if not 0 <= index < count:
             raise ConfigError(f"`device={spec}`: only GPUs 0..{count - 1} exist")
-        if index in claimed:
-            raise ConfigError(f"`device={spec}`: GPU {index} is already used by another worker")
     claimed.add(index)
     return index
 

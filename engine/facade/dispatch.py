@@ -106,6 +106,12 @@ class Dispatcher:
             too_many = too_many_threads(event.worker, [w.cfg for w in self.engine.workers])
             if too_many:   # logged before "ready": a caller that waits for it finds the warning
                 self.engine.log("warning", f"worker {event.worker} (cpu): {too_many}")
+            # a CUDA worker's graphs get a line of their own (before "ready", as the warning); a
+            # CPU worker asked for them says in its ready line that it ignores the flag
+            device = self.engine.workers[event.worker].cfg.device
+            on_cuda = device.startswith("cuda")
+            if event.info.cuda_graphs and on_cuda:
+                self.engine.log("info", f"worker {event.worker} ({device}) CUDA graphs: {event.info.cuda_graphs}")
             with self.engine.lock:
                 w = self.engine.workers[event.worker]
                 w.state, w.info, w.message = WorkerState.READY, event.info, ""
@@ -116,9 +122,10 @@ class Dispatcher:
                 if info.context_capped_by_kv else ""
             capped += contiguous_room(info)
             kernels = f"; linear layers: {info.kernels}" if info.kernels else ""
+            graphs = f"; {info.cuda_graphs}" if info.cuda_graphs and not on_cuda else ""
             self.engine.log("info", f"worker {event.worker} ({w.cfg.device}) ready: " + (
                 info.summary or f"{info.pages} KV pages of {info.page_size} tokens, "
-                f"context {info.max_context} tokens{capped}") + kernels)
+                f"context {info.max_context} tokens{capped}") + kernels + graphs)
         elif isinstance(event, msg.WorkerDown):
             with self.engine.lock:
                 w = self.engine.workers[event.worker]

@@ -134,6 +134,33 @@ def plan_attention(batch: ForwardBatch, window: int | None, *, batch_decodes: bo
     return _to_device(plan, device) if torch.device(device).type != "cpu" else plan
 
 
+def plan_decode_on_device(block_tables: torch.Tensor, context_lens: torch.Tensor, page_size: int,
+                          num_keys: int, window: int | None, *, fused: bool = False) -> AttentionPlan:
+    """The plan plan_attention makes for a step of B decode rows (rows 0..B-1 in order), as
+    tensor ops on the tensors' own device: no host loop and no host read of a value, so a
+    CUDA graph can capture it and a replay plans the step from whatever the buffers hold.
+
+    block_tables [B, P] int64 (page ids), context_lens [B] int64 (keys after this step's
+    token, >= 1). num_keys: the static width of the key slots, at least the longest row's
+    visible keys. Row b sees positions k0_b .. ctx_b - 1 (k0 > 0 only under a sliding
+    window), gathered to columns 0 .. ctx_b - k0_b - 1, the rest slot 0: the slots and mask
+    plan_attention gives, padded further. fused=True gives lengths instead of a mask.
+    """
+    device = block_tables.device
+    k0 = (context_lens - window).clamp(min=0) if window is not None else torch.zeros_like(context_lens)
+    lengths = context_lens - k0
+    column = torch.arange(num_keys, device=device)
+    positions = k0.unsqueeze(1) + column                                  # [B, num_keys]
+    visible = column < lengths.unsqueeze(1)
+    pages = (positions // page_size).clamp(max=block_tables.shape[1] - 1)
+    slots = block_tables.gather(1, pages) * page_size + positions % page_size
+    slots = torch.where(visible, slots, 0)
+    if fused:
+        return AttentionPlan([], DecodeGroup(None, slots, None, lengths), int(block_tables.shape[0]))
+    mask = torch.zeros(visible.shape, device=device).masked_fill_(~visible, NEG_INF)[:, None, :]
+    return AttentionPlan([], DecodeGroup(None, slots, mask), int(block_tables.shape[0]))
+
+
 def _to_device(plan: AttentionPlan, device) -> AttentionPlan:
     move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
     for s in plan.singles:

@@ -28,6 +28,8 @@ class SeqSlice:
                                          # attention may read a view instead of gathering
     rowwise: bool = False      # speculative verify: attend each new token exactly as a decode
                                # of it would be (greedy speculation == greedy without it)
+    pages: list[int] | None = None  # its block table (slots = page * page_size + offset), when
+                                    # the KV manager gave one: a captured decode step reads it
 
 
 @dataclass

@@ -129,6 +129,14 @@ class Decoder(nn.Module):
         self.head_td = gf.tensor("token_embd.weight" if c.tied_embeddings else "output.weight")
         self.lm_head = make_linear(self.head_td, bias=None, policy=policy)
         self.lm_head.op = "lm-head"
+        # On CUDA the refined candidates' exact rows come from an fp32 copy on the device (for
+        # tied embeddings: the embedding table, already one): gathering them on the host would
+        # sync every step, and could not be captured in a CUDA graph.
+        self.head_rows = None
+        if policy.on_cuda and not self.lm_head.exact:
+            table = self.embed.table
+            self.head_rows = (table if c.tied_embeddings and table is not None and table.dtype == torch.float32
+                              else dequantize(self.head_td).to(self.device))
         self.final_softcap = c.final_logit_softcap
         self._layers = None   # _decode_layers()
 
@@ -162,42 +170,55 @@ class Decoder(nn.Module):
             positions = batch.positions.to(dev)
             write_slots = batch.write_slots.to(dev)
             batch_decodes = not self.policy.deterministic
-            c = self.config
-            ops, fused = self.ops, self.ops is FUSED
-            plans, ropes = {}, {}
+            fused = self.ops is FUSED
             # index tensors and rope rows are made once per step and shared by every layer
-            if self.has_global:
-                plans[False] = plan_attention(batch, None, batch_decodes=batch_decodes, device=dev, fused=fused)
-                ropes[False] = (self.rope_global, *self.rope_global.lookup(positions))
-            if self.has_sliding:
-                plans[True] = plan_attention(batch, c.sliding_window, batch_decodes=batch_decodes, device=dev,
-                                             fused=fused)
-                ropes[True] = (self.rope_local, *self.rope_local.lookup(positions))
-
-            x = self.embed(ids).float()
-            if self.embed_scale != 1.0:
-                x = x * self.embed_scale
-            layers = self._decode_layers() if fused and not tracer.active else None
-            if layers is not None and all(_decode_only(p) for p in plans.values()):
-                # every row a decode row: all layers in one C++ call (same ops, same bits)
-                plan_args = {k: [*ropes[k][1:], plans[k].decode.slots, plans[k].decode.lengths] for k in plans}
-                x = layers.run(x, kv.k, kv.v, write_slots, plan_args.get(False, []), plan_args.get(True, []))
-            else:
-                for block in self.blocks:
-                    with tracer.scope("layer", i=block.layer):
-                        # forward, not __call__: no hooks are used, and __call__'s dispatch costs per layer
-                        x = block.forward(x, kv, write_slots, plans[block.sliding], *ropes[block.sliding], ops)
-
+            plans = {sliding: plan_attention(batch, self.config.sliding_window if sliding else None,
+                                             batch_decodes=batch_decodes, device=dev, fused=fused)
+                     for sliding in self.attention_kinds()}
+            x = self.run_layers(ids, write_slots, plans, self.rope_rows(positions), kv)
             if batch.logits_rows.numel() == 0:   # a prefill chunk that samples nothing
-                return torch.empty(0, c.vocab_size, device=dev)
-            x = x.index_select(0, batch.logits_rows.to(dev))
-            h = ops.add_rms_norm(x, None, self.final_norm, c.norm_eps)
-            logits = self.lm_head(h)
-            if not self.lm_head.exact:
-                logits = self._refine(logits, h)
-            if self.final_softcap is not None:
-                logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
-            return logits
+                return torch.empty(0, self.config.vocab_size, device=dev)
+            return self.logits(x.index_select(0, batch.logits_rows.to(dev)))
+
+    def attention_kinds(self) -> list[bool]:
+        """The kinds of attention layer the model has: False global, True sliding-window."""
+        return [k for k, present in ((False, self.has_global), (True, self.has_sliding)) if present]
+
+    def rope_rows(self, positions: torch.Tensor, *, checked: bool = True) -> dict:
+        """Per attention kind: (table, cos, sin) rows of `positions` (RotaryTable.lookup)."""
+        tables = {False: self.rope_global, True: self.rope_local}
+        return {k: (tables[k], *tables[k].lookup(positions, checked=checked)) for k in self.attention_kinds()}
+
+    def run_layers(self, ids: torch.Tensor, write_slots: torch.Tensor, plans: dict, ropes: dict,
+                   kv: KVStore) -> torch.Tensor:
+        """The residual stream [T, hidden] after every layer: embeddings of `ids`, each new
+        token's K/V written to its slot. plans and ropes per attention kind (attention_kinds)."""
+        tracer = get_tracer()
+        fused = self.ops is FUSED
+        x = self.embed(ids).float()
+        if self.embed_scale != 1.0:
+            x = x * self.embed_scale
+        layers = self._decode_layers() if fused and not tracer.active else None
+        if layers is not None and all(_decode_only(p) for p in plans.values()):
+            # every row a decode row: all layers in one C++ call (same ops, same bits)
+            plan_args = {k: [*ropes[k][1:], plans[k].decode.slots, plans[k].decode.lengths] for k in plans}
+            return layers.run(x, kv.k, kv.v, write_slots, plan_args.get(False, []), plan_args.get(True, []))
+        for block in self.blocks:
+            with tracer.scope("layer", i=block.layer):
+                # forward, not __call__: no hooks are used, and __call__'s dispatch costs per layer
+                x = block.forward(x, kv, write_slots, plans[block.sliding], *ropes[block.sliding], self.ops)
+        return x
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [R, vocab] of residual rows x [R, hidden]."""
+        c = self.config
+        h = self.ops.add_rms_norm(x, None, self.final_norm, c.norm_eps)
+        logits = self.lm_head(h)
+        if not self.lm_head.exact:
+            logits = self._refine(logits, h)
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
 
     def _decode_layers(self):
         """tokentop.DecodeLayers (engine/kernels/decode_layers.cpp) holding every layer, for
@@ -232,10 +253,13 @@ class Decoder(nn.Module):
         if self.ops is FUSED and g is not None and len(g.types) == 1:
             # the C++ op dequantizes each row as ggml does, without numpy's copies
             exact = torch.ops.tokentop.gguf_rows_dot(h.contiguous(), g.tensors[0], g.types[0], cand)
+            return logits.scatter_(1, cand, exact)
+        if self.head_rows is not None:
+            rows = self.head_rows.index_select(0, cand.reshape(-1))
         else:
             rows = dequantize_rows(self.head_td, cand.reshape(-1).cpu()).to(h.device)
-            # multiply-and-sum rather than bmm: each row's result must not depend on R
-            exact = (rows.view(R, REFINED_CANDIDATES, hidden) * h.unsqueeze(1)).sum(-1)
+        # multiply-and-sum rather than bmm: each row's result must not depend on R
+        exact = (rows.view(R, REFINED_CANDIDATES, hidden) * h.unsqueeze(1)).sum(-1)
         return logits.scatter_(1, cand, exact)
 
 

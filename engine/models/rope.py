@@ -62,12 +62,18 @@ class RotaryTable:
             self.cos = torch.cat((cos, cos), dim=-1)
             self.sin_signed = torch.cat((-sin, sin), dim=-1)
 
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin [T, head_dim] of each position (contiguous rows)."""
-        needed = int(positions.max()) + 1 if positions.numel() else 0
-        if needed > self.cos.shape[0]:
+    def reserve(self, capacity: int) -> None:
+        """Grow now to hold positions [0, capacity): lookups below it then never grow the table."""
+        if capacity > self.cos.shape[0]:
             cap = self.cos.shape[0]
-            while cap < needed:
+            while cap < capacity:
                 cap *= 2
             self._grow(cap)
+
+    def lookup(self, positions: torch.Tensor, *, checked: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin [T, head_dim] of each position (contiguous rows). checked=False
+        for positions known to lie below the reserved capacity: no host read of their maximum
+        (a device sync on CUDA, and not capturable in a CUDA graph)."""
+        if checked:
+            self.reserve(int(positions.max()) + 1 if positions.numel() else 0)
         return self.cos[positions], self.sin_signed[positions]

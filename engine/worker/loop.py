@@ -72,6 +72,9 @@ class Worker:
             self.max_context, capped_by_kv = num_pages * cfg.page_size, True
         self.output = OutputProcessor(self.tokenizer.eog_ids, self.max_context)
         self.runner.allocate_kv(num_pages * cfg.page_size)
+        if self.runner.wants_cuda_graphs:
+            emit(msg.WorkerLoading(index, "capturing CUDA graphs"))
+            self.runner.capture_cuda_graphs(cfg.page_size, self.max_context)
         self.pool = PagePool(num_pages, cfg.page_size)
         self.blocks = BlockManager(self.pool, cfg.kv_cache, region_pages)
         self.scheduler = Scheduler(

@@ -99,6 +99,8 @@ def worker_profile(runner, blocks, cfg, model_path: str) -> dict:
     # the kernel forms key it too: rates measured on the torch fallback (while the kernels
     # build on first use) are not the kernels' rates
     forms = runner.info.get("dtype", "?") + "/" + runner.info.get("kernels", "")
+    if getattr(runner, "graphs", None) is not None:   # replayed decode steps: other rates
+        forms += "/cuda-graphs"
     key = profile_key(model_path, cfg.device, forms, cfg.threads or torch.get_num_threads())
     if not cfg.recalibrate:
         cached = load_profiles().get(key)

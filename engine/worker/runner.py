@@ -8,6 +8,7 @@ import torch
 from engine import kernels
 from engine.config import WorkerConfig
 from engine.dtypes import check_activation_dtype, resolve_kv_dtype
+from engine.errors import describe_error
 from engine.kv.pages import BlockManager
 from engine.models.batch import KV_TORCH_DTYPES, ForwardBatch, KVStore, SeqSlice
 from engine.models.catalog import resolve_model
@@ -16,6 +17,7 @@ from engine.models.gguf import load_gguf
 from engine.models.quant import LinearPolicy, QuantLinear
 from engine.models.selfcheck import check_linears
 from engine.models.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.worker.cuda_graphs import DecodeGraphs, TorchCudaGraphs
 from engine.worker.output import SampledToken, StepOutput
 from engine.worker.runner_api import Runner
 from engine.worker.sampling import RequestSampler, SamplingError, sample
@@ -39,6 +41,13 @@ def _kernel_label(model) -> str:
     forms = sorted({f for m in model.modules() if isinstance(m, QuantLinear) for f in m.kernel_forms()})
     return "+".join(f.replace("gguf", f"gguf-{kernels.isa_name()}", 1) if f.startswith("gguf") else f
                     for f in forms)
+
+
+def wants_cuda_graphs(device: torch.device, cfg: WorkerConfig) -> bool:
+    """Decode steps as CUDA graphs (engine/worker/cuda_graphs.py): on CUDA unless turned off.
+    Deterministic mode stays eager: a padded batch's kernels are not the ones the same rows
+    would get unpadded."""
+    return device.type == "cuda" and cfg.cuda_graphs == "on" and not cfg.deterministic
 
 
 @contextlib.contextmanager
@@ -86,10 +95,24 @@ class ModelRunner(Runner):
             self.bytes_per_slot += self.draft.bytes_per_slot
         self.kv: KVStore | None = None
         self.spec_bonus = cfg.spec_bonus
+        self.wants_cuda_graphs = wants_cuda_graphs(self.device, cfg)
+        self.graphs: DecodeGraphs | None = None
+        self.scratch_slot: int | None = None
         self.info = {"model": cfg.model, "arch": gf.config.arch, "dtype": str(dtype).replace("torch.", ""),
                      "kv_dtype": str(self.kv_dtype).replace("torch.", ""),
                      "simulated": False, "layers": gf.config.n_layers,
-                     "kernels": _kernel_label(self.model)}
+                     "kernels": _kernel_label(self.model), "cuda_graphs": self._graphs_note()}
+
+    def _graphs_note(self) -> str:
+        """What the ready line says of CUDA graphs before any capture (empty: nothing to say)."""
+        cfg = self.cfg
+        if self.device.type != "cuda":
+            return "`cuda_graphs` ignored: a CPU worker runs no CUDA graphs" if cfg.cuda_graphs_asked else ""
+        if cfg.cuda_graphs == "off":
+            return "off (`cuda_graphs=off`): every step runs eagerly"
+        if cfg.deterministic:
+            return "off under `deterministic`: every step runs eagerly"
+        return ""
 
     def switch_to_kernels(self) -> str:
         """The model again, on the GGUF kernels a background build has just loaded, checked like
@@ -104,9 +127,29 @@ class ModelRunner(Runner):
         return self.info["kernels"]
 
     def allocate_kv(self, num_slots: int) -> None:
-        self.kv = self.model.new_kv_store(num_slots, dtype=self.kv_dtype)
+        # with CUDA graphs: one slot more, past the pool, for the padded rows of a graph's batch
+        self.scratch_slot = num_slots if self.wants_cuda_graphs else None
+        self.kv = self.model.new_kv_store(num_slots + (1 if self.wants_cuda_graphs else 0), dtype=self.kv_dtype)
         if self.draft is not None:
             self.draft.allocate_kv(num_slots)
+
+    def capture_cuda_graphs(self, page_size: int, max_context: int, api=None) -> str:
+        """Capture the decode graphs over the KV store (after allocate_kv); returns the summary
+        line. `api`: the graph calls (default torch.cuda's; tests pass a stand-in)."""
+        if not self.wants_cuda_graphs or self.kv is None:
+            raise RuntimeError("capture_cuda_graphs needs a CUDA worker with `cuda_graphs=on`, after allocate_kv")
+        try:
+            graphs = DecodeGraphs(self.model, self.kv, page_size, max_context, self.scratch_slot,
+                                  api or TorchCudaGraphs(self.device))
+            with get_tracer().scope("capture cuda graphs"):
+                self.info["cuda_graphs"] = graphs.capture()
+        except Exception as exc:   # a driver or op that refuses capture: the worker serves eagerly
+            self.info["cuda_graphs"] = f"capture failed ({describe_error(exc)}): every step runs eagerly"
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            return self.info["cuda_graphs"]
+        self.graphs = graphs
+        return self.info["cuda_graphs"]
 
     def start_sequence(self, seq) -> None:
         seq.sampler = RequestSampler(seq.params, seq.prompt_ids)
@@ -119,7 +162,11 @@ class ModelRunner(Runner):
     def execute(self, plan: StepPlan, blocks: BlockManager) -> StepOutput:
         """A SampledToken per sampling sequence, a spec Verdict per verifying one; or its error."""
         batch, samplers, sample_ids, verifies = self.build_batch(plan, blocks)
-        if verifies:
+        step = self.graphs.run(batch) if self.graphs is not None and not verifies else None
+        picked = None
+        if step is not None:
+            logits, picked = step.logits, step.picked[:len(sample_ids)]
+        elif verifies:
             with get_tracer().span("verify", requests=len(verifies), tokens=batch.num_tokens):
                 logits = self.model(batch, self.kv)
         else:
@@ -127,7 +174,7 @@ class ModelRunner(Runner):
         sampled, errors = {}, {}
         if sample_ids:
             with get_tracer().span("sampler", rows=len(samplers)):
-                result = sample(logits[:len(sample_ids)], samplers)
+                result = sample(logits[:len(sample_ids)], samplers, picked)
             for row in range(len(sample_ids)):
                 seq_id = sample_ids[row]
                 if row in result.errors:
@@ -166,7 +213,7 @@ class ModelRunner(Runner):
             slots = blocks.slots(seq, 0, start + n)
             write_slots.append(slots[start:])
             seqs.append(SeqSlice(row, n, start + n, slots, blocks.contiguous_start(seq),
-                                 rowwise=item.draft > 0))
+                                 rowwise=item.draft > 0, pages=seq.block_table))
             if item.draft:
                 verify_rows.append((seq, row, n))
             elif item.samples:

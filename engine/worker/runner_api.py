@@ -20,7 +20,14 @@ class Runner(Protocol):
     bytes_per_slot: int        # KV bytes per token position, for sizing the page pool
     info: dict                 # WorkerInfo fields the runner knows (model, arch, dtype, ...)
 
+    wants_cuda_graphs: bool = False   # capture_cuda_graphs should run once the KV store exists
+
     def allocate_kv(self, num_slots: int) -> None: ...
+
+    def capture_cuda_graphs(self, page_size: int, max_context: int) -> str:
+        """Capture the decode steps as CUDA graphs (engine/worker/cuda_graphs.py); returns the
+        summary line for the log."""
+        raise NotImplementedError
 
     def start_sequence(self, seq: Sequence) -> None:
         """Give a new sequence what sampling and detokenization need (seq.sampler, seq.detok)."""
