@@ -27,6 +27,43 @@ def with_dashboard(config, work) -> float:
 RECORD_BURSTS = ("mixed.jsonl", "code_refactor.jsonl")   # 16 requests, their own sampling settings
 
 
+def frame_ms(config, n_live: int, frames: int) -> dict:
+    """One dashboard frame (the snapshot taken, every panel updated, the screen drawn) with
+    `n_live` requests live on the engine, in a headless Textual driver at 200x60: milliseconds
+    per frame, with the request table and with the timeline (g) shown."""
+    import statistics
+    import time
+
+    from app.main import TokentopApp
+    from engine.config import SamplingParams
+
+    app = TokentopApp(config, live=False)
+    times: dict[str, list[float]] = {"table": [], "timeline": []}
+
+    async def drive():
+        async with app.run_test(headless=True, size=(200, 60)) as pilot:
+            await asyncio.to_thread(app.engine.start)   # live=False: no 5 Hz refresh between the timed frames
+            handles = [app.engine.submit(f"frame cost {i}", params=SamplingParams(max_tokens=4000, ignore_eos=True))
+                       for i in range(n_live)]
+            for view in ("table", "timeline"):
+                if view == "timeline":
+                    await pilot.press("g")
+                for _ in range(frames):
+                    t0 = time.perf_counter()
+                    app.show_snapshot(app.engine.snapshot())
+                    await pilot.pause()
+                    times[view].append((time.perf_counter() - t0) * 1e3)
+            live = sum(r.finish_reason is None for r in app.last_snapshot.requests)
+            for h in handles:
+                app.engine.abort(h.id)
+            await pilot.press("q")
+            times["live_at_end"] = live
+    asyncio.run(drive())
+    app.engine.shutdown()
+    return {"live_requests": times.pop("live_at_end"), "frames": frames,
+            **{f"{view}_frame_ms": round(statistics.median(v), 2) for view, v in times.items()}}
+
+
 def app_scenarios() -> dict:
     """The scenarios the command line adds to engine/bench's: those that need the UI or its
     burst files."""
@@ -42,4 +79,4 @@ def _record(bench, args) -> dict:
 
 
 def _dashboard(bench, args) -> dict:
-    return bench(args, with_dashboard)
+    return bench(args, with_dashboard, frame_ms)
