@@ -151,6 +151,7 @@ def test_huge_prompts_are_refused_without_stalling_a_live_stream_or_health(real_
             r = post(server, "/v1/completions", body, timeout=120)
             refusals.append((r.status_code, r.json()["error"]["code"]))
 
+        peak_before = peak_memory_mib(server.proc.pid)
         # 3.9 MB and 250 KB (under 1024 tokens x 256 bytes: these are tokenized), encoded up front
         bodies = [json.dumps({"prompt": "word " * n, "max_tokens": 4}).encode() for n in (780 * 2**10, 50 * 2**10)]
         threads = [threading.Thread(target=stream), threading.Thread(target=poll_health)]
@@ -167,8 +168,18 @@ def test_huge_prompts_are_refused_without_stalling_a_live_stream_or_health(real_
         # bound leaves room for a machine busy with other work
         assert len(gaps) > 100 and max(gaps) < STALL_BOUND, f"the stream stalled {max(gaps):.2f} s"
         assert len(health) > 10 and max(health) < STALL_BOUND, f"/health took {max(health):.2f} s"
+        grown = peak_memory_mib(server.proc.pid) - peak_before
+        assert grown < 160, f"the server's peak memory grew {grown:.0f} MiB"
     finally:
         server.stop()
+
+
+def peak_memory_mib(pid: int) -> float:
+    """The process's peak resident memory (VmHWM)."""
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmHWM in /proc")
 
 
 # --- a hostile chat template ----------------------------------------------------------------------

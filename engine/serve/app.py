@@ -10,7 +10,9 @@ import asyncio
 import hmac
 import ipaddress
 import json
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -30,6 +32,9 @@ from engine.serve.snapshot_json import snapshot_json
 from engine.serve.openapi import openapi_schema
 
 THREAD_JSON_BYTES = 64 * 2**10   # bodies larger than this are decoded off the event loop
+# Prompts are tokenized on a few threads of their own: the BPE of a long prompt needs ~25x its
+# size in memory while it runs, so concurrent ones are bounded by the cores, not the clients
+TOKENIZE_THREADS = min(4, os.cpu_count() or 1)
 
 
 @dataclass(frozen=True)
@@ -126,6 +131,7 @@ class OpenAIServer:
         self.model = self.names[0]
         self.metrics = EngineMetrics(engine, self.model)
         self.schema = openapi_schema(self.names)
+        self._tokenizing = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tokentop-tokenize")
         allowed = allowed_host_names(self.config)
         self.app = Starlette(routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
@@ -140,6 +146,9 @@ class OpenAIServer:
             Route("/openapi.json", self.openapi, methods=["GET"]),
         ], middleware=[Middleware(HostCheck, allowed=allowed, refuse=self._error)] if allowed else [],
             exception_handlers={404: self._not_found, 405: self._not_allowed, Exception: self._internal})
+
+    def close(self) -> None:
+        self._tokenizing.shutdown(wait=False, cancel_futures=True)
 
     # --- small endpoints ----------------------------------------------------------------
     async def health(self, request: Request) -> Response:
@@ -268,8 +277,9 @@ class OpenAIServer:
         return await self._tokenize(p)
 
     async def _tokenize(self, p: P.Parsed) -> list[int]:
-        """The prompt's ids, encoded in a thread (the tokenizer releases the GIL: other streams
-        go on); a text too long for the context by its length alone is refused unread."""
+        """The prompt's ids, encoded on a tokenizing thread (the tokenizer releases the GIL:
+        other streams go on); a text too long for the context by its length alone is refused
+        unread."""
         field = "messages" if p.kind == "chat" else "prompt"
         _, ctx = self.engine.capacity()
         chars = len(p.prompt or "") + sum(len(m["content"]) for m in p.messages or ()
@@ -281,7 +291,8 @@ class OpenAIServer:
                                   f"can hold ({tok.max_token_bytes} bytes a token at most); shorten it",
                              field, code="context_length_exceeded")
         try:
-            return await asyncio.to_thread(self.engine.encode, p.prompt, p.messages, p.prompt_ids)
+            return await asyncio.get_running_loop().run_in_executor(
+                self._tokenizing, self.engine.encode, p.prompt, p.messages, p.prompt_ids)
         except InvalidRequest as exc:
             raise P.ApiError(400, str(exc), field) from None
 
@@ -428,7 +439,7 @@ class OpenAIServer:
         if not body:
             raise P.ApiError(400, "the request body is empty; send a JSON object")
         if len(body) > THREAD_JSON_BYTES:
-            return await asyncio.to_thread(_decode_json, bytes(body))
+            return await asyncio.to_thread(_decode_json, body)
         return _decode_json(body)
 
     def _error(self, exc: P.ApiError) -> Response:
@@ -438,7 +449,7 @@ class OpenAIServer:
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
-def _decode_json(body: bytes):
+def _decode_json(body: bytes | bytearray):
     try:
         value = json.loads(body)
     except RecursionError:

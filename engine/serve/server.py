@@ -153,3 +153,4 @@ class HttpServer:
         self.server.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout)
+        self.api.close()
