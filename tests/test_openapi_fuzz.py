@@ -17,7 +17,10 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, seed, settings
 from schemathesis.checks import not_a_server_error
-from schemathesis.specs.openapi.checks import content_type_conformance, status_code_conformance
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    status_code_conformance,
+)
 
 from engine.serve.openapi import openapi_schema
 from tests.fixtures.tiny_gguf import write_tiny_model
