@@ -628,7 +628,7 @@ def cmd_serve(args) -> int:
     print(f"tokentop: listening on {http.url} (GET /health answers 503 until the model is loaded)",
           file=sys.stderr, flush=True)
     if serve_config.exposure_warning():
-        print(f"tokentop: warning: {serve_config.exposure_warning()}", file=sys.stderr, flush=True)
+        print(f"tokentop: warning: {as_flags(serve_config.exposure_warning())}", file=sys.stderr, flush=True)
     threading.Thread(target=start_engine, name="tokentop-start", daemon=True).start()
     signal.signal(signal.SIGTERM, lambda *_: setattr(http.server, "should_exit", True))
     # kill -USR1: write the flight recorder, off the signal handler (it waits on the workers)

@@ -50,8 +50,8 @@ class ServeConfig:
 
     def check(self) -> "ServeConfig":
         if self.api_key is not None and not self.api_key.strip():
-            raise ConfigError("`api_key` is empty: give the key clients must send, or none to serve "
-                              "without one")
+            raise ConfigError("`api_key` is empty: give the key clients must send, or leave it out to "
+                              "serve without one")
         if not self.host.strip():
             raise ConfigError("`host` is empty (that would listen on every address): give one, e.g. "
                               "127.0.0.1, or 0.0.0.0 to listen on all of them on purpose")
