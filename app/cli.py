@@ -486,7 +486,7 @@ def cmd_models(args) -> int:
 # --- serve -------------------------------------------------------------------------------
 # the server flags' defaults (also: which flags were given; the dashboard uses them with --serve only)
 SERVER_FLAG_DEFAULTS = {"--port": 8000, "--host": "127.0.0.1", "--api-key": None, "--max-queue": 256,
-                        "--max-body": "4MiB"}
+                        "--max-body": "4MiB", "--allowed-host": None}
 
 
 def add_serve_flags(p) -> None:
@@ -499,6 +499,9 @@ def add_serve_flags(p) -> None:
     g.add_argument("--max-queue", type=int, default=SERVER_FLAG_DEFAULTS["--max-queue"],
                    help="answer 429 when this many requests wait beyond what the workers can run")
     g.add_argument("--max-body", default=SERVER_FLAG_DEFAULTS["--max-body"], help="largest request body accepted")
+    g.add_argument("--allowed-host", action="append", default=SERVER_FLAG_DEFAULTS["--allowed-host"],
+                   metavar="NAME", help="on loopback, also answer requests whose Host header is NAME "
+                                        "(repeatable; localhost and the bound address always are)")
 
 
 def check_dashboard_server_flags(args) -> None:
@@ -523,8 +526,9 @@ def serve_config_from(args, host: str | None = None, port: int | None = None):
         raise ConfigError("--max-queue must be >= 0")
     if port is None and not 0 <= args.port <= 65535:
         raise ConfigError(f"--port {args.port}: the port must be 0..65535 (0 picks a free one), e.g. --port 8000")
-    return ServeConfig(host=host or args.host, port=args.port if port is None else port, api_key=args.api_key,
-                       max_queue=args.max_queue, max_body=parse_size(args.max_body))
+    return ServeConfig(host=args.host if host is None else host, port=args.port if port is None else port,
+                       api_key=args.api_key, max_queue=args.max_queue, max_body=parse_size(args.max_body),
+                       allowed_hosts=tuple(args.allowed_host or ())).check()
 
 
 def start_recording(engine, path: str | None):
@@ -626,6 +630,8 @@ def cmd_serve(args) -> int:
 
     print(f"tokentop: listening on {http.url} (GET /health answers 503 until the model is loaded)",
           file=sys.stderr, flush=True)
+    if serve_config.exposure_warning():
+        print(f"tokentop: warning: {as_flags(serve_config.exposure_warning())}", file=sys.stderr, flush=True)
     threading.Thread(target=start_engine, name="tokentop-start", daemon=True).start()
     signal.signal(signal.SIGTERM, lambda *_: setattr(http.server, "should_exit", True))
     # kill -USR1: write the flight recorder, off the signal handler (it waits on the workers)

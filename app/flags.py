@@ -25,7 +25,7 @@ FIELD_FLAGS = {
     "trace_window_s": "--trace-window", "trace_memory": "--trace-memory", "cuda_graphs": "--cuda-graphs",
     # ServeConfig: the server flags
     "host": "--host", "port": "--port", "api_key": "--api-key", "max_queue": "--max-queue",
-    "max_body": "--max-body",
+    "max_body": "--max-body", "allowed_hosts": "--allowed-host",
 }
 FIELD_IN_MESSAGE = re.compile(r"`([a-z][a-z0-9_]*)(?:=([^`]*))?`")
 

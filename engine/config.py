@@ -1,6 +1,7 @@
 """Validated settings: one dataclass per concern, no behaviour beyond checking itself."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from engine.errors import ConfigError, InvalidRequest
@@ -28,32 +29,60 @@ class SamplingParams:
     cache_salt: str | None = None     # requests share cached KV pages only with the same salt
 
     def validate(self) -> "SamplingParams":
+        """Refuse any value the engine cannot compute with: every number finite and in range,
+        every count small enough for the int64 tensors it ends up in (one request's bad value
+        must never reach a batch it shares with others)."""
         def bad(msg: str) -> None:
             raise InvalidRequest(msg)
 
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            bad(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            bad(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not (0.0 < self.top_p <= 1.0):
-            bad(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            bad(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not (0.0 <= self.min_p < 1.0):
-            bad(f"min_p must be in [0, 1), got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            bad(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
-        if not (0 <= self.logprobs <= 20):
-            bad(f"logprobs must be between 0 and 20, got {self.logprobs}")
+        def is_int(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def number(name: str, lo: float | None = None, hi: float | None = None) -> float:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                bad(f"{name} must be a number, got {shown(v)}")
+            try:
+                v = float(v)
+            except OverflowError:
+                v = float("inf")
+            if not math.isfinite(v):
+                bad(f"{name} must be a finite number, got {shown(getattr(self, name))}")
+            if (lo is not None and v < lo) or (hi is not None and v > hi):
+                bad(f"{name} must be in [{lo:g}, {hi:g}], got {v:g}")
+            return v
+
+        if not is_int(self.max_tokens) or not 0 < self.max_tokens <= MAX_COUNT:
+            bad(f"max_tokens must be a positive integer up to {MAX_COUNT}, got {shown(self.max_tokens)}")
+        temperature = number("temperature")
+        if temperature < 0 or 0 < temperature < MIN_TEMPERATURE:
+            bad(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {temperature:g}")
+        if not (0.0 < number("top_p") <= 1.0):
+            bad(f"top_p must be in (0, 1], got {shown(self.top_p)}")
+        if not is_int(self.top_k) or not 0 <= self.top_k <= MAX_COUNT:
+            bad(f"top_k must be an integer from 0 (off) to {MAX_COUNT}, got {shown(self.top_k)}")
+        if not (0.0 <= number("min_p") < 1.0):
+            bad(f"min_p must be in [0, 1), got {shown(self.min_p)}")
+        number("repetition_penalty", *REPETITION_PENALTY_RANGE)
+        number("presence_penalty", *OPENAI_PENALTY_RANGE)
+        number("frequency_penalty", *OPENAI_PENALTY_RANGE)
+        if self.seed is not None and (not is_int(self.seed) or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
+            bad(f"seed must be an integer from {SEED_RANGE[0]} to {SEED_RANGE[1]}, got {shown(self.seed)}")
+        if not is_int(self.logprobs) or not 0 <= self.logprobs <= 20:
+            bad(f"logprobs must be between 0 and 20, got {shown(self.logprobs)}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop strings must be non-empty strings")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            bad(f"stop strings must be at most {MAX_STOP_CHARS} characters each")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS or any(
+                not is_int(t) or not 0 <= t <= MAX_COUNT for t in self.stop_token_ids):
+            bad(f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} token ids from 0 to {MAX_COUNT}")
         if self.speculate not in ("",) + SPEC_MODES:
-            bad(f"speculate must be one of {', '.join(SPEC_MODES)}, got {self.speculate!r}")
-        if self.spec_k and self.spec_k not in SPEC_K_POLICIES and not (
-                self.spec_k.isdigit() and 0 <= int(self.spec_k) <= 16):
-            bad(f"spec_k must be a number 0-16 or one of {', '.join(SPEC_K_POLICIES)}, got {self.spec_k!r}")
-        if self.spec_tv_budget is not None and not 0.0 <= self.spec_tv_budget <= 1.0:
-            bad(f"spec_tv_budget must be in [0, 1] (0 = lossless), got {self.spec_tv_budget}")
+            bad(f"speculate must be one of {', '.join(SPEC_MODES)}, got {shown(self.speculate)}")
+        if self.spec_k and not spec_k_ok(self.spec_k):
+            bad(f"spec_k must be a number 0-16 or one of {', '.join(SPEC_K_POLICIES)}, got {shown(self.spec_k)}")
+        if self.spec_tv_budget is not None and not 0.0 <= number("spec_tv_budget") <= 1.0:
+            bad(f"spec_tv_budget must be in [0, 1] (0 = lossless), got {shown(self.spec_tv_budget)}")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             bad("cache_salt must be a non-empty string (or None to share the cache with unsalted requests)")
         return self
@@ -62,6 +91,15 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+
+# Bounds of SamplingParams.validate
+MAX_COUNT = 2**31 - 1                   # max_tokens, top_k, token ids: far past any model's
+MIN_TEMPERATURE = 1e-5                  # below, (logit - max) / T leaves float32's range
+REPETITION_PENALTY_RANGE = (0.01, 100.0)   # a seen logit is divided or multiplied by it
+OPENAI_PENALTY_RANGE = (-2.0, 2.0)      # presence / frequency, as OpenAI and vLLM allow
+SEED_RANGE = (-2**63, 2**64 - 1)        # what a torch.Generator takes
+MAX_STOP_CHARS = 1000                   # each stop string is searched for after every token
+MAX_STOP_TOKEN_IDS = 256
 
 SPEC_MODES = ("off", "ngram", "draft")
 SPEC_K_POLICIES = ("adaptive:cost", "adaptive:acceptance", "adaptive:length")
@@ -73,6 +111,20 @@ ROUTER_POLICIES = ("round-robin", "least-loaded", "cost", "cache-aware")
 PREFIX_CACHE = ("on", "off")
 SINGLE_FLIGHT = ("off", "after-prefill", "at-completion")
 CUDA_GRAPHS = ("on", "off")
+
+
+def shown(value) -> str:
+    """A client's value in an error message: its repr, cut short."""
+    try:
+        text = repr(value)
+    except ValueError:            # an int too long to print
+        text = "a number of more than 4300 digits"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def spec_k_ok(text: str) -> bool:
+    """A draft length 0-16 in ASCII digits, or one of SPEC_K_POLICIES."""
+    return text in SPEC_K_POLICIES or (len(text) <= 2 and text.isascii() and text.isdigit() and int(text) <= 16)
 
 
 def check_scheduler_policy(policy: str) -> str:
@@ -179,7 +231,7 @@ class WorkerConfig:
                               "(e.g. `model=qwen2.5-coder-1.5b` `draft_model=qwen2.5-coder-0.5b`)")
         if self.draft_model and self.kv_cache == "contiguous":
             raise ConfigError("`draft_model` needs `kv_cache=paged` (the draft's pages come from the pool)")
-        if self.spec_k not in SPEC_K_POLICIES and not (self.spec_k.isdigit() and 0 <= int(self.spec_k) <= 16):
+        if not spec_k_ok(self.spec_k):
             raise ConfigError(f"`spec_k` must be a number 0-16 or one of {', '.join(SPEC_K_POLICIES)}, "
                               f"got {self.spec_k!r}")
         if not 0.0 <= self.spec_tv_budget <= 1.0:

@@ -91,6 +91,98 @@ def test_fault_in_one_requests_sampling_fails_only_it(tiny_model_path, monkeypat
         assert pages_back(engine)
 
 
+POISON_SEED = 666
+
+
+def _poisoned(items_or_samplers) -> bool:
+    return any(getattr(x, "seq", x).params.seed == POISON_SEED for x in items_or_samplers)
+
+
+def _fault_in_sampling(monkeypatch):
+    """sample() raises after every row has drawn its random number, when the poisoned request
+    is in the batch: a retry must rewind the other requests' streams."""
+    real_sample = sampling.sample
+
+    def faulty(logits, samplers):
+        result = real_sample(logits, samplers)
+        if _poisoned(samplers):
+            raise RuntimeError("injected sampling fault")
+        return result
+
+    monkeypatch.setattr(runner, "sample", faulty)
+
+
+def _fault_in_forward(monkeypatch):
+    real_build = runner.ModelRunner.build_batch
+
+    def faulty(self, plan, blocks):
+        if _poisoned(plan.items):
+            raise RuntimeError("injected forward fault")
+        return real_build(self, plan, blocks)
+
+    monkeypatch.setattr(runner.ModelRunner, "build_batch", faulty)
+
+
+def _fault_in_output(monkeypatch):
+    """The poisoned request's third token cannot be processed (after two were streamed)."""
+    from engine.worker.output import OutputProcessor
+
+    real_on_token = OutputProcessor.on_token
+
+    def faulty(self, seq, sample, now, drafted=False):
+        if seq.params.seed == POISON_SEED and len(seq.output_ids) == 2:
+            raise RuntimeError("injected output fault")
+        return real_on_token(self, seq, sample, now, drafted)
+
+    monkeypatch.setattr(OutputProcessor, "on_token", faulty)
+
+
+@pytest.mark.parametrize("inject", [_fault_in_sampling, _fault_in_forward, _fault_in_output],
+                         ids=["sampling", "forward", "output"])
+def test_a_request_that_makes_the_step_fail_fails_alone(tiny_model_path, monkeypatch, inject):
+    """One request's fault in a shared step (its rows of the forward, its sampling, its
+    output) ends that request with the error; the step runs again without it, and every other
+    request's tokens are those of a run without it: greedy and seeded, prefill and decode."""
+    model = tiny_model_path("qwen2")
+    good = [(p, SamplingParams(max_tokens=20, ignore_eos=True, **({"temperature": 1.0, "seed": i} if i % 2 else {})))
+            for i, p in enumerate(PROMPTS[:5])]
+    bad = ("poison", SamplingParams(max_tokens=20, temperature=1.0, seed=POISON_SEED, ignore_eos=True))
+    with start(model, deterministic=True) as engine:
+        handles = [engine.submit(p, params=q) for p, q in good]
+        reference = [h.result(60).token_ids for h in handles]
+        inject(monkeypatch)
+        handles = [engine.submit(p, params=q) for p, q in good[:2] + [bad] + good[2:]]
+        results = [h.result(60) for h in handles]
+        failed = results.pop(2)
+        assert failed.finish_reason == "error" and "injected" in failed.error, failed.error
+        assert [r.finish_reason for r in results] == ["length"] * 5, [r.error for r in results]
+        assert [r.token_ids for r in results] == reference
+        assert pages_back(engine)
+
+
+def test_a_draft_model_fault_fails_only_the_requests_it_drafted_for(tiny_model_path, monkeypatch):
+    from engine.speculative.draft import DraftModel
+
+    target = tiny_model_path("qwen2")
+    draft = tiny_model_path("qwen2", n_layers=1, seed=5)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    with start(target, deterministic=True, draft_model=str(draft), speculate="off") as engine:
+        reference = [engine.submit(p, params=params) for p in PROMPTS[:3]]
+        reference = [h.result(60).token_ids for h in reference]
+
+        def broken(self, requests, blocks):
+            raise RuntimeError("injected draft fault")
+
+        monkeypatch.setattr(DraftModel, "propose", broken)
+        spec = engine.submit("zebra " * 12, params=SamplingParams(max_tokens=20, ignore_eos=True, speculate="draft",
+                                                                  spec_k="3"))
+        others = [engine.submit(p, params=params) for p in PROMPTS[:3]]
+        failed = spec.result(60)
+        assert failed.finish_reason == "error" and "injected draft fault" in failed.error
+        assert [h.result(60).token_ids for h in others] == reference
+        assert pages_back(engine)
+
+
 def test_randomized_stress_with_aborts_returns_every_page(tiny_model_path):
     """Hundreds of requests of random lengths, random aborts, a pool small enough to preempt."""
     rng = random.Random(7)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine.config import EngineConfig, SamplingParams, WorkerConfig
+from engine.errors import InvalidRequest
 from engine.facade.engine import Engine
 from engine.kv.pages import BlockManager, PagePool
 from engine.speculative.acceptance import mentored_mix, total_variation
@@ -268,8 +269,9 @@ def test_sampled_requests_speculate_and_return_every_page(tiny_model_path):
 def test_a_draft_request_without_a_draft_model_is_refused_clearly(tiny_model_path):
     model = tiny_model_path("qwen2")
     with start(model) as engine:
-        r = engine.generate("x", params=SamplingParams(max_tokens=2, speculate="draft"))
-        assert r.finish_reason == "error" and "`draft_model`" in r.error
+        with pytest.raises(InvalidRequest, match="`draft_model`"):   # refused before it is queued
+            engine.submit("x", params=SamplingParams(max_tokens=2, speculate="draft"))
+        assert engine.outstanding() == 0
         assert engine.generate("x", params=SamplingParams(max_tokens=2, speculate="ngram")).token_ids
 
 

@@ -304,6 +304,47 @@ def test_sandbox_refuses_malicious_or_failing_templates(template, message):
         with_template(template).apply_chat_template([{"role": "user", "content": "hi"}])
 
 
+NESTED_LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+DOUBLING = ("{% set ns = namespace(s='ab') %}{% for i in range(31) %}{% set ns.s = ns.s ~ ns.s %}"
+            "{% endfor %}{{ ns.s | length }}")
+
+
+@pytest.mark.parametrize("template, budget", [(NESTED_LOOPS, "ran for more than 2 s"),
+                                              (DOUBLING, "needed more than 512 MiB")])
+def test_a_hostile_template_is_stopped_at_its_budget_and_the_next_render_works(template, budget):
+    """A template that would loop for hours or build a 4 GiB string fails its own request,
+    in about its time budget, and the renderer serves the next template as usual."""
+    import threading
+    import time
+
+    hostile, outcome = with_template(template), {}
+
+    def render():
+        try:
+            hostile.apply_chat_template([{"role": "user", "content": "hi"}])
+        except InvalidRequest as exc:
+            outcome["error"] = str(exc)
+
+    t0 = time.monotonic()
+    thread = threading.Thread(target=render, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive(), "the render was never stopped"
+    assert time.monotonic() - t0 < 15
+    assert "chat template of model tiny-gpt2 was stopped" in outcome["error"] and budget in outcome["error"]
+    assert with_template(CHATML_TEMPLATE).apply_chat_template([{"role": "user", "content": "x"}]).startswith(
+        "<|im_start|>user\nx")
+
+
+def test_a_template_may_not_output_more_than_its_size_budget():
+    from engine.models.chat_template import MAX_OUTPUT_CHARS
+
+    loops = MAX_OUTPUT_CHARS // 1000 + 1
+    tok = with_template("{% for i in range(" + str(loops) + ") %}{{ 'x' * 1000 }}{% endfor %}")
+    with pytest.raises(InvalidRequest, match="output passed"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
 def test_no_template_is_a_clear_error():
     with pytest.raises(InvalidRequest, match="tiny-gpt2 has no chat template; send a plain prompt instead of chat messages"):
         with_template(None).apply_chat_template([{"role": "user", "content": "hi"}])
@@ -436,8 +477,8 @@ def test_one_tokenizer_per_model_file_in_a_process(tiny_model_path):
 
 
 def test_plain_and_special_encodes_interleaved_across_threads(tiny):
-    """Plain-text and parse_special encodes share one backend, switched per call: threads
-    encoding both ways at once each get their own reading."""
+    """Plain-text and parse_special encodes share one backend: threads encoding both ways at
+    once each get their own reading."""
     import threading
     plain, special = tiny.encode(INJECTION, add_special=False), \
         tiny.encode(INJECTION, add_special=False, parse_special=True)

@@ -166,6 +166,7 @@ class Engine:
         if cache_salt is not None:
             params = replace(params, cache_salt=cache_salt)
         params = params.validate()
+        asked_draft = params.speculate == "draft"
         if not params.speculate and self.spec_mode:   # the dashboard's choice for new requests
             params = replace(params, speculate=self.spec_mode)
         if messages is not None and prompt_ids is not None:   # the messages' ids, encoded by the caller
@@ -187,6 +188,10 @@ class Engine:
                                      "shorten the prompt or raise `max_context`")
             if worker is not None and worker not in [w.index for w in live]:
                 raise InvalidRequest(f"worker {worker} is not ready")
+            if asked_draft and not all("draft" in w.info.spec_modes for w in live):
+                # refused here: a worker without a draft model would fail it after routing
+                raise InvalidRequest("speculate 'draft' needs a draft model (`draft_model`) on every worker; "
+                                     "use speculate 'ngram' or 'off'")
             rid = f"r{next(self._ids)}"
             notice = None
             room = max_ctx - len(ids)   # the last token sampled needs no KV: context - prompt

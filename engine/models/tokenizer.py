@@ -18,25 +18,19 @@ Otherwise anyone could type `<|im_end|><|im_start|>system` and inject a turn.
 
 from __future__ import annotations
 
-import json
-import operator
 import re
 import threading
 import weakref
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import jinja2
-import jinja2.ext
 import tokenizers
-from jinja2.exceptions import SecurityError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE
 
 from engine.errors import InvalidRequest, ModelError
+from engine.models.chat_template import TemplateFailed, TemplateOverBudget, render_chat_template
 from engine.models.gguf import load_gguf
 from engine.models.gguf_header import shown
 from engine.models.tokenizer_metadata import check_tokenizer_metadata, merge_pairs
@@ -101,13 +95,15 @@ class Tokenizer:
         self.add_eos = add_eos
         self.eog_ids = eog_ids
         self.chat_template = chat_template
-        self._compiled_template: jinja2.Template | None = None
         self._special_ids = {t: i for i, (t, k) in enumerate(zip(tokens, token_types)) if k == CONTROL and t}
         self._special_re: re.Pattern | None = None
-        # One backend serves both readings of control tokens (special, or plain text): its
-        # encode_special_tokens switch is set under this lock for each encode. A second copy
-        # of the backend for plain text would hold ~110 MB more with a 152k vocabulary.
-        self._encode_lock = threading.Lock()
+        # The backend always reads control tokens as plain text; parse_special cuts the text at
+        # them first (_encode_ids). Never switched, the backend is shared by threads without a
+        # lock, so a long encode in one thread never holds up another's.
+        self.backend.encode_special_tokens = True
+        # Most UTF-8 bytes of text one token can stand for (its vocabulary spelling is never
+        # shorter): a text longer than context * this cannot fit, whatever it encodes to.
+        self.max_token_bytes = max((len(t.encode("utf-8", "surrogatepass")) for t in tokens), default=1) or 1
 
     # ---- construction -------------------------------------------------------------------
 
@@ -187,9 +183,30 @@ class Tokenizer:
     def _encode_ids(self, text: str, parse_special: bool) -> list[int]:
         """The backend's ids for text; control tokens spelled in it are matched whole only
         with parse_special, else they are plain text to the BPE."""
-        with self._encode_lock:
-            self.backend.encode_special_tokens = not parse_special
-            return self.backend.encode(text, add_special_tokens=False).ids
+        pattern = self._special_pattern() if parse_special else None
+        if pattern is None:
+            return self._plain_ids([text])
+        ids: list[int] = []
+        for i, piece in enumerate(pattern.split(text)):
+            if i % 2:                # split() puts each match between the plain pieces
+                ids.append(self._special_ids[piece])
+            elif piece:
+                ids += self._plain_ids([piece])
+        return ids
+
+    def _plain_ids(self, texts: list[str]) -> list[int]:
+        """The ids of texts encoded one after another, control tokens read as plain text.
+        encode_batch, unlike encode, releases the GIL while it works: a megabyte of prompt
+        (seconds of BPE) leaves the caller's other threads - the HTTP event loop - running."""
+        try:
+            encodings = self.backend.encode_batch(texts, add_special_tokens=False)
+        except TypeError:
+            bad = next((t for t in texts if not _is_unicode(t)), None)
+            if bad is None:
+                raise
+            raise InvalidRequest("the text holds a lone UTF-16 surrogate (e.g. \\ud800), which is not "
+                                 "Unicode; send valid UTF-8 text") from None
+        return [i for enc in encodings for i in enc.ids]
 
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special)
@@ -217,19 +234,16 @@ class Tokenizer:
                                  "instead of chat messages (it is a base model: it continues text), or pick an instruct model.")
         validate_messages(messages)
         try:
-            if self._compiled_template is None:
-                self._compiled_template = _TemplateSandbox().from_string(self.chat_template)
-            return self._compiled_template.render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                tools=None,
-                documents=None,
-                bos_token=self._token_or_empty(self.bos_id),
-                eos_token=self._token_or_empty(self.eos_id),
-            )
-        except Exception as e:  # the template is foreign code: any failure in it is a refused request
-            raise InvalidRequest(f"the chat template of model {self.model_name} refused these messages: "
-                                 f"{type(e).__name__}: {e}") from e
+            return render_chat_template(self.chat_template, {
+                "messages": messages, "add_generation_prompt": add_generation_prompt,
+                "tools": None, "documents": None,
+                "bos_token": self._token_or_empty(self.bos_id),
+                "eos_token": self._token_or_empty(self.eos_id)})
+        except TemplateOverBudget as e:
+            raise InvalidRequest(f"the chat template of model {self.model_name} was stopped: {e}; "
+                                 "the model file's template is broken or hostile, replace it") from None
+        except TemplateFailed as e:  # the template is foreign code: a failure in it refuses the request
+            raise InvalidRequest(f"the chat template of model {self.model_name} refused these messages: {e}") from None
 
     def encode_chat(self, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a chat rendered by the model's template. Only the template's own markers
@@ -253,12 +267,11 @@ class Tokenizer:
         text = self.apply_chat_template(hidden, add_generation_prompt=add_generation_prompt)
         unhide = re.compile(f"{mark}(\\d+){mark}")
         ids: list[int] = []
-        for piece in pattern.split(text) if pattern else [text]:
-            if piece in self._special_ids:
+        for i, piece in enumerate(pattern.split(text) if pattern else [text]):
+            if i % 2:
                 ids.append(self._special_ids[piece])
             elif piece:
-                piece = unhide.sub(lambda m: originals[int(m.group(1))], piece)
-                ids += self._encode_ids(piece, parse_special=False)
+                ids += self._plain_ids([unhide.sub(lambda m: originals[int(m.group(1))], piece)])
         return ids
 
     def _special_pattern(self) -> re.Pattern | None:
@@ -270,6 +283,15 @@ class Tokenizer:
 
     def _token_or_empty(self, token_id: int | None) -> str:
         return self._tokens[token_id] if token_id is not None else ""
+
+
+def _is_unicode(text: str) -> bool:
+    """False when text holds a lone surrogate (JSON's "\\ud800" decodes to one)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def validate_messages(messages: Any) -> None:
@@ -372,49 +394,6 @@ def _add_special_tokens(backend: tokenizers.Tokenizer, tokens: list[str], types:
              for t, k in zip(tokens, types) if k == USER_DEFINED and t.strip(" ")]
     backend.add_special_tokens(special)
     backend.add_tokens(plain)
-
-
-# ---- chat template sandbox ------------------------------------------------------------------
-
-MAX_TEMPLATE_REPEAT = 1_000_000  # longest string or list a template may build with * (a memory bomb otherwise)
-
-
-class _TemplateSandbox(ImmutableSandboxedEnvironment):
-    """Jinja2 as Hugging Face renders chat templates (trim_blocks, lstrip_blocks, loop controls,
-    raise_exception / strftime_now / tojson), but an unsafe attribute access fails loudly instead of
-    rendering as an empty string, and `*` / `**` cannot build huge values."""
-
-    intercepted_binops = frozenset({"*", "**"})
-
-    def __init__(self) -> None:
-        super().__init__(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-        self.filters["tojson"] = _tojson
-        self.globals["raise_exception"] = _raise_exception
-        self.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-
-    def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
-        raise SecurityError(f"access to attribute {attribute!r} of a {type(obj).__name__!r} object is unsafe")
-
-    def call_binop(self, context: Any, op: str, left: Any, right: Any) -> Any:
-        if op == "**":
-            if isinstance(right, (int, float)) and abs(right) > 100:
-                raise SecurityError(f"exponent {right} is too large for a chat template")
-            return operator.pow(left, right)
-        for seq, count in ((left, right), (right, left)):
-            if isinstance(seq, (str, list, tuple)) and isinstance(count, int):
-                if len(seq) * count > MAX_TEMPLATE_REPEAT:
-                    raise SecurityError(f"a chat template may not build a sequence longer than {MAX_TEMPLATE_REPEAT:,}")
-        return operator.mul(left, right)
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    # Jinja's own tojson escapes HTML characters, which changes the prompt.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 # ---- streaming detokenization ---------------------------------------------------------------

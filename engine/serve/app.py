@@ -8,24 +8,33 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import json
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from engine.config import shown
 from engine.facade.engine import Engine, RequestFailed
-from engine.errors import InvalidRequest, TokentopError, describe_error
+from engine.errors import ConfigError, InvalidRequest, TokentopError, describe_error
 from engine.serve import protocol as P
 from engine.serve.metrics import CONTENT_TYPE, EngineMetrics
 from engine.serve.router_api import RouterApi
 from engine.serve.snapshot_json import snapshot_json
+from engine.serve.openapi import openapi_schema
 
-LONG_PROMPT_CHARS = 20_000
+THREAD_JSON_BYTES = 64 * 2**10   # bodies larger than this are decoded off the event loop
+# Prompts are tokenized on a few threads of their own: the BPE of a long prompt needs ~25x its
+# size in memory while it runs, so concurrent ones are bounded by the cores, not the clients
+TOKENIZE_THREADS = min(4, os.cpu_count() or 1)
 
 
 @dataclass(frozen=True)
@@ -35,21 +44,95 @@ class ServeConfig:
     api_key: str | None = None            # Bearer token for /v1/*, /tokenize and /snapshot (health and metrics stay open)
     max_queue: int = 256                  # requests waiting beyond what the workers can run at once
     max_body: int = 4 * 2**20             # bytes
+    allowed_hosts: tuple[str, ...] = ()   # Host header names accepted besides the loopback ones
+    header_timeout: float = 10.0          # seconds for a request's line and headers to arrive
+    body_timeout: float = 30.0            # seconds for its whole body
+
+    def check(self) -> "ServeConfig":
+        if self.api_key is not None and not self.api_key.strip():
+            raise ConfigError("`api_key` is empty: give the key clients must send, or leave it out to "
+                              "serve without one")
+        if not self.host.strip():
+            raise ConfigError("`host` is empty (that would listen on every address): give one, e.g. "
+                              "127.0.0.1, or 0.0.0.0 to listen on all of them on purpose")
+        return self
+
+    @property
+    def loopback(self) -> bool:
+        return is_loopback(self.host)
+
+    def exposure_warning(self) -> str | None:
+        """What to say when the API listens beyond this machine with no key."""
+        if self.loopback or self.api_key:
+            return None
+        return (f"listening on {self.host} without an API key: anyone who can reach this address can run "
+                "the model, read /metrics and fill its queue; set `api_key` or listen on 127.0.0.1")
+
+
+def is_loopback(host: str) -> bool:
+    if host.lower() in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def served_names(engine: Engine) -> list[str]:
-    """The model ids clients may ask for: the --model value; for a file, its stem first."""
+    """The model ids clients may ask for: the `model` value; for a file, its name without the
+    directory or .gguf (a path would tell clients about the server's disk)."""
     model = engine.config.workers[0].model
-    return [Path(model).stem, model] if model.endswith(".gguf") else [model]
+    return [Path(model).stem] if model.endswith(".gguf") else [model]
+
+
+class HostCheck:
+    """ASGI middleware: a server on loopback answers only requests whose Host header names it
+    (localhost, the bound address, or an `allowed_hosts` name), so a web page whose own name
+    was re-pointed at 127.0.0.1 (DNS rebinding) cannot talk to it through the browser."""
+
+    def __init__(self, app, allowed: frozenset[str], refuse) -> None:
+        self.app, self.allowed, self.refuse = app, allowed, refuse
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            host = dict(scope["headers"]).get(b"host")
+            name = host_name(host.decode("latin-1")) if host else None
+            if name is not None and name not in self.allowed:
+                response = self.refuse(P.ApiError(
+                    403, f"this server does not answer to the host name {name!r}; reach it as "
+                         f"{', '.join(sorted(self.allowed))}, or add {name} to `allowed_hosts`",
+                    type="permission_error", code="host_not_allowed"))
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def host_name(header: str) -> str:
+    """'Example.COM:8000' -> 'example.com', '[::1]:8000' -> '::1'."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1:header.find("]")] if "]" in header else header
+    return header.rsplit(":", 1)[0].rstrip(".") if header.count(":") == 1 else header.rstrip(".")
+
+
+def allowed_host_names(config: ServeConfig) -> frozenset[str] | None:
+    """Host header names a server on loopback answers to; None = any (it listens beyond)."""
+    if not config.loopback:
+        return None
+    names = {"localhost", "127.0.0.1", "::1", host_name(config.host)}
+    return frozenset(names | {host_name(h) for h in config.allowed_hosts})
 
 
 class OpenAIServer:
     def __init__(self, engine: Engine, config: ServeConfig = ServeConfig()):
         self.engine = engine
-        self.config = config
+        self.config = config.check()
         self.names = served_names(engine)
         self.model = self.names[0]
         self.metrics = EngineMetrics(engine, self.model)
+        self.schema = openapi_schema(self.names)
+        self._tokenizing = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tokentop-tokenize")
+        allowed = allowed_host_names(self.config)
         self.app = Starlette(routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
@@ -60,7 +143,12 @@ class OpenAIServer:
             Route("/trace", self.write_trace, methods=["POST"]),
             *RouterApi(self).routes(),     # what vllm-router and SGLang's gateway ask a worker
             Route("/snapshot", self.snapshot, methods=["GET"]),
-        ], exception_handlers={404: self._not_found, 405: self._not_allowed, Exception: self._internal})
+            Route("/openapi.json", self.openapi, methods=["GET"]),
+        ], middleware=[Middleware(HostCheck, allowed=allowed, refuse=self._error)] if allowed else [],
+            exception_handlers={404: self._not_found, 405: self._not_allowed, Exception: self._internal})
+
+    def close(self) -> None:
+        self._tokenizing.shutdown(wait=False, cancel_futures=True)
 
     # --- small endpoints ----------------------------------------------------------------
     async def health(self, request: Request) -> Response:
@@ -97,6 +185,9 @@ class OpenAIServer:
             return self._error(exc)
         return JSONResponse(snapshot_json(self.engine.snapshot()))
 
+    async def openapi(self, request: Request) -> Response:
+        return JSONResponse(self.schema)
+
     async def models(self, request: Request) -> Response:
         try:
             self._auth(request)
@@ -119,7 +210,7 @@ class OpenAIServer:
                 raise P.ApiError(400, "the request body must be a JSON object")
             model = body.get("model")
             if model is not None and model not in self.names:
-                raise P.ApiError(404, f"model {model!r} does not exist here; GET /v1/models lists "
+                raise P.ApiError(404, f"model {shown(model)} does not exist here; GET /v1/models lists "
                                       f"{', '.join(map(repr, self.names))}", "model", code="model_not_found")
             if ("prompt" in body) == ("messages" in body):
                 raise P.ApiError(400, "send exactly one of 'prompt' (text or token ids) or 'messages'")
@@ -128,10 +219,7 @@ class OpenAIServer:
                                  type="service_unavailable", code="loading")
             parsed = (P.parse_chat({"messages": body["messages"]}) if "messages" in body
                       else P.parse_completion({"prompt": body["prompt"]}))
-            try:
-                ids = await asyncio.to_thread(self.engine.encode, parsed.prompt, parsed.messages, parsed.prompt_ids)
-            except InvalidRequest as exc:
-                raise P.ApiError(400, str(exc), "messages" if "messages" in body else "prompt") from None
+            ids = await self._tokenize(parsed)
         except P.ApiError as exc:
             return self._error(exc)
         _, ctx = self.engine.capacity()
@@ -140,8 +228,8 @@ class OpenAIServer:
     async def _not_found(self, request: Request, exc) -> Response:
         return self._error(P.ApiError(404, f"no route {request.url.path}; this server offers POST "
                                            "/v1/completions, POST /v1/chat/completions, GET /v1/models, "
-                                           "POST /tokenize, GET /snapshot, GET /health, GET /metrics and POST /trace",
-                                           code="not_found"))
+                                           "POST /tokenize, GET /snapshot, GET /health, GET /metrics, POST /trace "
+                                           "and GET /openapi.json", code="not_found"))
 
     async def _internal(self, request: Request, exc: Exception) -> Response:
         # a bug here must still answer in the API's shape, and show in the engine's log
@@ -177,7 +265,7 @@ class OpenAIServer:
 
     async def _encode(self, p: P.Parsed) -> list[int]:
         if p.model is not None and p.model not in self.names:
-            raise P.ApiError(404, f"model {p.model!r} does not exist here; GET /v1/models lists "
+            raise P.ApiError(404, f"model {shown(p.model)} does not exist here; GET /v1/models lists "
                                   f"{', '.join(map(repr, self.names))}", "model", code="model_not_found")
         if not self.engine.ready:
             workers = self.engine.snapshot().workers
@@ -186,14 +274,27 @@ class OpenAIServer:
                                  type="service_unavailable", code="no_worker")
             raise P.ApiError(503, "the model is still loading; retry when GET /health answers 200",
                              type="service_unavailable", code="loading")
-        size = len(p.prompt or "") + sum(len(str(m.get("content", ""))) for m in p.messages or ()
-                                         if isinstance(m, dict))
+        return await self._tokenize(p)
+
+    async def _tokenize(self, p: P.Parsed) -> list[int]:
+        """The prompt's ids, encoded on a tokenizing thread (the tokenizer releases the GIL:
+        other streams go on); a text too long for the context by its length alone is refused
+        unread."""
+        field = "messages" if p.kind == "chat" else "prompt"
+        _, ctx = self.engine.capacity()
+        chars = len(p.prompt or "") + sum(len(m["content"]) for m in p.messages or ()
+                                          if isinstance(m, dict) and isinstance(m.get("content"), str))
+        tok = self.engine.tokenizer
+        if ctx and chars > ctx * tok.max_token_bytes:
+            # no token stands for more than max_token_bytes bytes, and a character is >= 1 byte
+            raise P.ApiError(400, f"the {field} has {chars:,} characters: more than the {ctx}-token context "
+                                  f"can hold ({tok.max_token_bytes} bytes a token at most); shorten it",
+                             field, code="context_length_exceeded")
         try:
-            if size > LONG_PROMPT_CHARS:   # tokenizing a long prompt must not stall other streams
-                return await asyncio.to_thread(self.engine.encode, p.prompt, p.messages, p.prompt_ids)
-            return self.engine.encode(p.prompt, p.messages, p.prompt_ids)
+            return await asyncio.get_running_loop().run_in_executor(
+                self._tokenizing, self.engine.encode, p.prompt, p.messages, p.prompt_ids)
         except InvalidRequest as exc:
-            raise P.ApiError(400, str(exc), "messages" if p.kind == "chat" else "prompt") from None
+            raise P.ApiError(400, str(exc), field) from None
 
     async def _prompt_lengths(self, p: P.Parsed, ids: list[int]) -> dict:
         """The prompt's length on remote workers of another model: their /tokenize is asked off the
@@ -227,7 +328,7 @@ class OpenAIServer:
         try:
             handle = self.engine.submit(prompt_ids=ids, messages=p.messages, params=p.params, prompt_lengths=lens)
         except InvalidRequest as exc:
-            raise P.ApiError(400, str(exc)) from None
+            raise P.ApiError(400, str(exc), P.param_of(str(exc))) from None
         except TokentopError as exc:
             raise P.ApiError(503, str(exc), type="service_unavailable") from None
         return handle, p, len(ids)
@@ -299,37 +400,66 @@ class OpenAIServer:
     # --- checks -------------------------------------------------------------------------
     def _auth(self, request: Request) -> None:
         key = self.config.api_key
-        if not key:
+        if key is None:
             return
         given = request.headers.get("authorization", "")
-        if not (given.startswith("Bearer ") and hmac.compare_digest(given[7:].strip(), key)):
+        # compared as bytes: the header may hold any byte, and compare_digest takes ASCII str only
+        if not (given.startswith("Bearer ") and
+                hmac.compare_digest(given[7:].strip().encode("latin-1"), key.encode("utf-8"))):
             raise P.ApiError(401, "missing or wrong API key: send the header Authorization: Bearer <key> "
                                   "with the key the server was started with (`api_key`)", type="authentication_error",
                              code="invalid_api_key")
 
     async def _read_json(self, request: Request):
+        """The body as JSON: application/json only (a browser page cannot send that to another
+        site without asking it first), within `max_body` bytes and the body deadline."""
+        media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if media != "application/json":
+            raise P.ApiError(415, f"the body must be JSON sent with Content-Type: application/json, "
+                                  f"not {shown(media) if media else 'no Content-Type'}", code="unsupported_media_type")
         limit = self.config.max_body
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > limit:
             raise P.ApiError(413, f"the request body is {int(declared)} bytes; the limit is {limit} "
                                   "(`max_body`); send a shorter prompt", code="body_too_large")
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise P.ApiError(413, f"the request body is over the limit of {limit} bytes (`max_body`); "
-                                      "send a shorter prompt", code="body_too_large")
+        try:
+            async with asyncio.timeout(self.config.body_timeout):
+                async for chunk in request.stream():
+                    body += chunk
+                    if len(body) > limit:
+                        raise P.ApiError(413, f"the request body is over the limit of {limit} bytes "
+                                              "(`max_body`); send a shorter prompt", code="body_too_large")
+        except TimeoutError:
+            raise P.ApiError(408, f"the request body did not arrive within {self.config.body_timeout:g} s "
+                                  f"({len(body)} bytes came); send it whole, with a Content-Length it "
+                                  "matches", code="body_timeout") from None
+        except ClientDisconnect:
+            raise P.ApiError(400, "the client went away before its body arrived") from None
         if not body:
             raise P.ApiError(400, "the request body is empty; send a JSON object")
-        try:
-            return json.loads(body)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise P.ApiError(400, f"the request body is not valid JSON ({exc}); send one JSON object "
-                                  "with Content-Type: application/json", code="invalid_json") from None
+        if len(body) > THREAD_JSON_BYTES:
+            return await asyncio.to_thread(_decode_json, body)
+        return _decode_json(body)
 
     def _error(self, exc: P.ApiError) -> Response:
         self.metrics.http_rejected.labels(self.model, str(exc.status)).inc()
-        return JSONResponse(exc.body(), status_code=exc.status)
+        # a body left unread (too large, too slow, not JSON) must not be taken for the next request
+        headers = {"Connection": "close"} if exc.status in (408, 413, 415) else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+def _decode_json(body: bytes | bytearray):
+    try:
+        value = json.loads(body)
+    except RecursionError:
+        raise P.ApiError(400, f"the request nests deeper than {P.MAX_JSON_DEPTH} levels; send a flatter "
+                              "body", code="invalid_json") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise P.ApiError(400, f"the request body is not valid JSON ({exc}); send one JSON object "
+                              "with Content-Type: application/json", code="invalid_json") from None
+    P.check_json_values(value)
+    return value
 
 
 def _prompt_tokens(result, n_prompt: int) -> int:

@@ -14,7 +14,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from engine.config import SamplingParams
+from engine.config import SamplingParams, shown
 from engine.errors import InvalidRequest
 
 
@@ -81,6 +81,51 @@ UNSUPPORTED = {
 }
 
 
+MAX_JSON_DEPTH = 64      # a real request nests 5 deep (messages, a message, content parts)
+
+
+def check_json_values(body) -> None:
+    """Refuse what json.loads accepts but no request can hold: nesting deeper than
+    MAX_JSON_DEPTH, and text with a lone UTF-16 surrogate ("\\ud800" decodes to one: it is not
+    Unicode, no tokenizer or response encoder takes it). The error names where it is."""
+    stack = [(body, ())] if isinstance(body, (dict, list)) else []
+    while stack:
+        value, path = stack.pop()
+        field = path[0] if path and isinstance(path[0], str) else None
+        if len(path) >= MAX_JSON_DEPTH:
+            raise ApiError(400, f"the request nests deeper than {MAX_JSON_DEPTH} levels"
+                                f"{f' in {field!r}' if field else ''}; send a flatter body", field)
+        for key, item in (value.items() if isinstance(value, dict) else enumerate(value)):
+            if isinstance(key, str) and not _is_unicode(key):
+                raise ApiError(400, f"a key in {_path(path)} holds a lone UTF-16 surrogate; send valid "
+                                    "Unicode", field)
+            if isinstance(item, str):
+                if not _is_unicode(item):
+                    raise ApiError(400, f"{_path(path + (key,))} holds a lone UTF-16 surrogate (such as "
+                                        "\\ud800), which is not Unicode; send valid text",
+                                   field or (key if isinstance(key, str) else None))
+            elif isinstance(item, (dict, list)):
+                stack.append((item, path + (key,)))
+
+
+def _is_unicode(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _path(path: tuple) -> str:
+    """('messages', 0, 'content') -> 'messages[0].content'."""
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "the body"
+
+
 def _check_unsupported(body: dict) -> None:
     for name, harmless in UNSUPPORTED.items():
         if name in body and not harmless(body[name]):
@@ -118,31 +163,32 @@ def _params(body: dict, max_tokens: int | None, logprobs: int, want_logprobs: bo
     if any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
         raise ApiError(400, "'stop_token_ids' must be a list of integers", "stop_token_ids")
     if body.get("n") not in (None, 1):
-        raise ApiError(400, f"'n' must be 1 (one completion per request), got {body['n']}", "n")
+        raise ApiError(400, f"'n' must be 1 (one completion per request), got {shown(body['n'])}", "n")
 
     def num(name, default):
         v = body.get(name)
         return default if v is None else v
 
+    top_k = num("top_k", 0)
     try:
         return SamplingParams(
             max_tokens=max_tokens if max_tokens is not None else 16,
-            temperature=float(num("temperature", 1.0)), top_p=float(num("top_p", 1.0)),
-            top_k=max(0, int(num("top_k", 0))),       # vLLM spells "off" as -1
-            min_p=float(num("min_p", 0.0)), repetition_penalty=float(num("repetition_penalty", 1.0)),
-            presence_penalty=float(num("presence_penalty", 0.0)),
-            frequency_penalty=float(num("frequency_penalty", 0.0)), seed=body.get("seed"),
+            temperature=num("temperature", 1.0), top_p=num("top_p", 1.0),
+            top_k=0 if top_k == -1 else top_k,       # vLLM spells "off" as -1
+            min_p=num("min_p", 0.0), repetition_penalty=num("repetition_penalty", 1.0),
+            presence_penalty=num("presence_penalty", 0.0),
+            frequency_penalty=num("frequency_penalty", 0.0), seed=body.get("seed"),
             stop=tuple(stop), stop_token_ids=tuple(ids), ignore_eos=bool(body.get("ignore_eos", False)),
             logprobs=logprobs, return_logprobs=want_logprobs, cache_salt=body.get("cache_salt"),
             speculate=body.get("speculate") or "",
             spec_k="" if body.get("spec_k") is None else str(body["spec_k"]),
-            spec_tv_budget=None if body.get("spec_tv_budget") is None else float(body["spec_tv_budget"]),
+            spec_tv_budget=body.get("spec_tv_budget"),
         ).validate()
     except InvalidRequest as exc:
-        raise ApiError(400, str(exc), _param_of(str(exc))) from None
+        raise ApiError(400, str(exc), param_of(str(exc))) from None
 
 
-def _param_of(message: str) -> str | None:
+def param_of(message: str) -> str | None:
     word = message.split(" ", 1)[0]
     return word if word in COMMON_FIELDS or word == "logprobs" else None
 

@@ -12,10 +12,15 @@ import logging
 import socket
 import threading
 
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from engine.errors import ConfigError
 from engine.serve.app import OpenAIServer, ServeConfig
+
+KEEP_ALIVE_SECONDS = 5         # an idle keep-alive connection is closed after this
+MAX_HEAD_BYTES = 16 * 2**10    # request line and headers together
 
 
 def parse_bind(text: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
@@ -31,6 +36,9 @@ def parse_bind(text: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
 
 
 def bind(host: str, port: int) -> socket.socket:
+    if not host.strip():
+        raise ConfigError("the host to listen on is empty (that would be every address); give one, "
+                          "e.g. 127.0.0.1, or 0.0.0.0 to listen on all on purpose")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -55,6 +63,50 @@ class _EngineLogHandler(logging.Handler):
         self.engine.log(level, f"http: {record.getMessage().splitlines()[0]}")
 
 
+class HeadDeadlineProtocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on the client whenever the server waits for it:
+    a new connection's (or the next keep-alive request's) line and headers must arrive within
+    `head_timeout` seconds, however slowly they trickle in, and so must the rest of a body the
+    app left unread. uvicorn itself has no such deadline: a client that connects and sends
+    nothing holds its socket, and a connection slot, for ever. (The app reads a body under its
+    own deadline, ServeConfig.body_timeout.)"""
+
+    head_timeout = 10.0
+    _deadline = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._watch()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._watch()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._watch()
+
+    def connection_lost(self, exc) -> None:
+        self._cancel()
+        super().connection_lost(exc)
+
+    def _watch(self) -> None:
+        if self.conn.our_state in (h11.SEND_RESPONSE, h11.SEND_BODY):
+            self._cancel()          # a request is being served: the app's deadlines apply
+        elif self._deadline is None:
+            self._deadline = self.loop.call_later(self.head_timeout, self._expired)
+
+    def _cancel(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expired(self) -> None:
+        self._deadline = None
+        if self.conn.our_state not in (h11.SEND_RESPONSE, h11.SEND_BODY) and not self.transport.is_closing():
+            self.transport.close()
+
+
 class HttpServer:
     """An OpenAIServer on uvicorn, on a socket bound up front."""
 
@@ -65,11 +117,16 @@ class HttpServer:
         log_config = None if quiet else copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
         if log_config is not None:     # the access log beside tokentop's own lines, not on stdout
             log_config["handlers"]["access"]["stream"] = "ext://sys.stderr"
+        protocol = type("HeadDeadlineProtocol", (HeadDeadlineProtocol,), {"head_timeout": config.header_timeout})
         self.server = uvicorn.Server(uvicorn.Config(
             self.api.app, log_config=log_config, log_level="warning", access_log=access_log,
-            timeout_graceful_shutdown=3, lifespan="off"))
+            timeout_graceful_shutdown=3, lifespan="off", http=protocol,
+            timeout_keep_alive=KEEP_ALIVE_SECONDS, h11_max_incomplete_event_size=MAX_HEAD_BYTES))
         if access_log:      # one line per request on stderr, above the warning level of the rest
             logging.getLogger("uvicorn.access").setLevel(logging.INFO)
+        warning = config.exposure_warning()
+        if warning:
+            engine.log("warning", f"http: {warning}")
         if quiet:
             handler = _EngineLogHandler(engine)
             for name in ("uvicorn", "uvicorn.error"):
@@ -96,3 +153,4 @@ class HttpServer:
         self.server.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout)
+        self.api.close()

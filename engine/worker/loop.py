@@ -24,7 +24,7 @@ from engine.worker.output import OutputProcessor, SampledToken, spec_dict
 from engine.worker.profile import worker_profile
 from engine.worker.runner import ModelRunner
 from engine.worker.runner_api import Runner
-from engine.worker.scheduler import Scheduler
+from engine.worker.scheduler import ScheduledSeq, Scheduler, StepPlan
 from engine.worker.sequence import Sequence, SeqState
 from engine.worker.sim import SimRunner
 from engine.speculative.controller import SpecController
@@ -229,19 +229,14 @@ class Worker:
         if not plan.items:
             self._fail_unschedulable()
             return
-        try:
-            speculating = plan.num_draft > 0
-            with tracer.span("spec", drafts=plan.num_draft) if speculating else nullcontext():
-                if speculating:
-                    self.spec.propose(plan, self.blocks)
-                t0 = time.perf_counter()
-                sampled, errors = self.runner.execute(plan, self.blocks)
-            if self.spec is not None:
-                self.spec.record_step(plan, time.perf_counter() - t0)
-        except Exception as exc:   # a fault in the forward fails this step's requests only
-            reason = f"model step failed: {describe_error(exc)}"
-            self._end([(item.seq, "error", reason) for item in plan.items])
-            return
+        speculating = plan.num_draft > 0
+        with tracer.span("spec", drafts=plan.num_draft) if speculating else nullcontext():
+            if speculating:
+                plan = self._propose(plan)
+            t0 = time.perf_counter()
+            sampled, errors, whole = self._execute(plan.items)
+        if self.spec is not None and whole:
+            self.spec.record_step(plan, time.perf_counter() - t0)
         decode = plan.num_decode
         chunks = tuple((i.seq.id, i.num_tokens) for i in plan.items
                        if i.seq.state != SeqState.DECODE and i.seq.id not in errors)
@@ -259,16 +254,56 @@ class Worker:
             seq = item.seq
             if seq.id in errors:
                 ends.append((seq, "error", errors[seq.id]))
-            elif item.samples and seq.spec is not None:
-                reason = self._append_spec(item, sampled[seq.id], now, tokens)
-                if reason:
-                    ends.append((seq, reason, None))
-            elif item.samples:
-                deltas, reason = self.output.on_token(seq, sampled[seq.id], now)
-                tokens += deltas
-                if reason:
-                    ends.append((seq, reason, None))
+                continue
+            if not item.samples:
+                continue
+            mine: list[msg.TokenDelta] = []
+            try:
+                if seq.spec is not None:
+                    reason = self._append_spec(item, sampled[seq.id], now, mine)
+                else:
+                    deltas, reason = self.output.on_token(seq, sampled[seq.id], now)
+                    mine += deltas
+            except Exception as exc:   # this request's output went wrong: it ends, the others go on
+                ends.append((seq, "error", f"output processing failed: {describe_error(exc)}"))
+                continue
+            tokens += mine
+            if reason:
+                ends.append((seq, reason, None))
         self._end(ends, tokens, tuple(s.id for s in plan.preempted), prefilled=chunks)
+
+    def _propose(self, plan: StepPlan) -> StepPlan:
+        """The draft model's proposals; when it fails, the requests it drafted for fail with it
+        and the rest of the step runs."""
+        try:
+            self.spec.propose(plan, self.blocks)
+            return plan
+        except Exception as exc:
+            drafted = [i for i in plan.items if i.draft and i.seq.spec is not None and i.seq.spec.mode == "draft"]
+            self._end([(i.seq, "error", f"the draft model failed: {describe_error(exc)}") for i in drafted])
+            return StepPlan([i for i in plan.items if i not in drafted], plan.preempted)
+
+    def _execute(self, items: list[ScheduledSeq]) -> tuple[dict, dict, bool]:
+        """The runner's step for items: (sampled, errors by request, whether it ran in one go).
+
+        A step that raises is run again in halves, each request's random stream rewound first,
+        down to the request whose part of the batch makes it fail: that request alone ends with
+        the error, and the others get the tokens they would have had without it."""
+        if not items:
+            return {}, {}, True
+        streams = [(s, s.stream_position()) for s in (i.seq.sampler for i in items)
+                   if s is not None and not s.params.greedy]
+        try:
+            sampled, errors = self.runner.execute(StepPlan(items, []), self.blocks)
+            return sampled, errors, True
+        except Exception as exc:
+            for sampler, position in streams:
+                sampler.rewind(position)
+            if len(items) == 1:
+                return {}, {items[0].seq.id: f"model step failed: {describe_error(exc)}"}, False
+        half = len(items) // 2
+        first, second = self._execute(items[:half]), self._execute(items[half:])
+        return {**first[0], **second[0]}, {**first[1], **second[1]}, False
 
     def _cache_delta(self) -> tuple:
         return self.reuse.cache.take_delta() if self.reuse is not None else ()

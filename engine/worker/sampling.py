@@ -80,6 +80,13 @@ class RequestSampler:
         """One U[0, 1) draw from this request's own stream."""
         return torch.rand((), generator=self.generator, dtype=torch.float64).item()
 
+    def stream_position(self) -> Tensor:
+        """Where this request's random stream is: rewind() to it to draw the same numbers again."""
+        return self.generator.get_state()
+
+    def rewind(self, position: Tensor) -> None:
+        self.generator.set_state(position)
+
     def penalty_index(self) -> tuple[Tensor, Tensor, Tensor]:
         """(ids seen in prompt or output, generated ids, their counts), rebuilt after observe()."""
         if self._penalty_index is None:
