@@ -217,7 +217,7 @@ def build_parser() -> OneLineParser:
 
     b = sub.add_parser("bench", help="benchmarks (JSON out)")
     b.add_argument("scenario", choices=["single", "batching", "routing", "dashboard", "trace", "record", "prefix", "serve",
-                                        "spec", "router", "soak"])
+                                        "spec", "router", "soak", "first-start"])
     b.add_argument("--models", default="qwen2.5-coder-0.5b", type=_names, help="comma-separated (bench single)")
     b.add_argument("--runs", type=_positive_int, default=3)
     b.add_argument("--quick", action="store_true", help="fewer/shorter runs (smoke test)")

@@ -142,7 +142,7 @@ def test_the_engine_logs_an_episode_once_and_metrics_count_it(tiny_model_path):
     workers = parse_devices(["sim:a:prefill=5000,decode=500", "sim:b:prefill=5000,decode=500"], WorkerConfig(model=str(tiny_model_path("qwen2"))))
     with Engine(EngineConfig(workers=workers, worker_mode="thread")).start(120) as engine:
         metrics = EngineMetrics(engine, "tiny")
-        engine._workers[1].commands.put(msg.Stop())     # its loop ends: to the engine, it died
+        engine.workers[1].send(msg.Stop())     # its loop ends: to the engine, it died
         wait_until(lambda: engine.snapshot().alerts, 10, "the dead worker's alert")
         time.sleep(4 * engine.alerts.period)             # more looks: still one line, one count
         snap = engine.snapshot()

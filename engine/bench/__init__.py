@@ -19,7 +19,7 @@ def run_bench(args, extra: dict | None = None) -> int:
     how the command line adds the scenarios that measure the dashboard."""
     from engine.bench import scenarios
 
-    fn = (extra or {}).get(args.scenario) or getattr(scenarios, f"bench_{args.scenario}")
+    fn = (extra or {}).get(args.scenario) or getattr(scenarios, f"bench_{args.scenario.replace('-', '_')}")
     scenarios.TRACE_DIR = args.trace_dir
     started = time.time()
     report = fn(args)

@@ -7,6 +7,7 @@ batching  N concurrent requests vs the same requests one after another; paged vs
           (preemptions and recomputed tokens)
 prefix    prefix reuse: warm vs cold, identical and partial-prefix bursts, cyclic, equality (prefix.py)
 router    the facade's cost of one routing decision with 8 / 64 / 256 workers (router_cost.py)
+first-start  a fresh cache: model assembled, serving on torch matmuls, the switch to the kernels (first_start.py)
 soak      minutes of mixed load with a worker killed and the remote restarted: leaks, lost and doubled requests (soak.py)
 """
 from __future__ import annotations
@@ -581,6 +582,12 @@ from engine.bench.spec import bench_spec  # noqa: E402,F401  (tokentop bench spe
 
 
 # --- soak ----------------------------------------------------------------------------------
+def bench_first_start(args) -> dict:
+    """A fresh install's start: serving on the torch fallback, then the kernels (first_start.py)."""
+    from engine.bench.first_start import bench_first_start as run
+    return run(args)
+
+
 def bench_soak(args) -> dict:
     """Mixed load for --minutes, a worker killed and the remote restarted; then the leak and
     ledger verdicts (engine/bench/soak.py)."""

@@ -37,14 +37,17 @@ from typing import Any
 
 from engine.config import WorkerConfig
 from engine.errors import ConfigError, TokentopError
+from engine.facade.alerts import Alert
+from engine.facade.latency import LatencyView
 from engine.facade.snapshot import EngineSnapshot, LogLine, RequestView, WorkerView
+from engine.facade.timeline import Timeline
 from engine.facade.router import RouteDecision
 
 FORMAT = "tokentop-recording"
 VERSION = 1
 INTERVAL_S = 0.2          # five frames a second, as often as the dashboard refreshes
 CHECKPOINT_EVERY = 250    # frames between the states a reader keeps for seeking
-COLLECTIONS = {"w": "workers", "r": "requests", "d": "routing", "l": "log"}
+COLLECTIONS = {"w": "workers", "r": "requests", "d": "routing", "l": "log", "tl": "timelines"}
 TOP_FIELDS = ("router_policy", "tracing", "uptime", "trace_detail")
 
 
@@ -114,6 +117,9 @@ def typed(hint: Any, value: Any) -> Any:
         return tuple(typed(a, v) for a, v in zip(args, value)) if args else tuple(value)
     if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return build(hint, value)
+    if origin is dict and len(args) == 2:   # JSON keys are strings: an int key comes back as one
+        key = int if args[0] is int else (lambda k: k)
+        return {key(k): typed(args[1], v) for k, v in value.items()}
     return value
 
 
@@ -125,13 +131,19 @@ def snapshot_state(snap: EngineSnapshot, t: float, spec_mode: str = "") -> dict:
         fields = plain(r)
         fields["born"] = round(t - fields.pop("age"), 2)
         requests[r.id] = fields
+    top = {**{name: plain(getattr(snap, name)) for name in TOP_FIELDS}, "spec_mode": spec_mode,
+           "clock": round(snap.clock, 3),
+           "latency": {name: plain(view) for name, view in snap.latency.items()},
+           "alerts": plain(snap.alerts),
+           "alert_counts": [[kind, worker, n] for (kind, worker), n in snap.alert_counts.items()]}
     return {
         "t": round(t, 3),
-        "top": {**{name: plain(getattr(snap, name)) for name in TOP_FIELDS}, "spec_mode": spec_mode},
+        "top": top,
         "w": _keyed({str(w.index): plain(w) for w in snap.workers}),
         "r": _keyed(requests),
         "d": _keyed({f"{d.request_id}@{d.time:.6f}": plain(d) for d in snap.routing}),
         "l": _keyed({_log_key(line): plain(line) for line in snap.log}),
+        "tl": _keyed({rid: plain(tl) for rid, tl in snap.timelines.items()}),
     }
 
 
@@ -164,7 +176,11 @@ def state_snapshot(state: dict, started: float) -> tuple[EngineSnapshot, str]:
         router_policy=top.get("router_policy", ""),
         log=tuple(build(LogLine, state["l"]["items"][k]) for k in state["l"]["keys"]),
         tracing=bool(top.get("tracing", False)), uptime=top.get("uptime", 0.0),
-        trace_detail=top.get("trace_detail", "light"))
+        trace_detail=top.get("trace_detail", "light"), clock=top.get("clock", 0.0),
+        latency={name: build(LatencyView, v) for name, v in top.get("latency", {}).items()},
+        alerts=tuple(build(Alert, a) for a in top.get("alerts", ())),
+        alert_counts={(kind, worker): n for kind, worker, n in top.get("alert_counts", ())},
+        timelines={k: build(Timeline, state["tl"]["items"][k]) for k in state["tl"]["keys"]})
     return snap, top.get("spec_mode", "")
 
 
