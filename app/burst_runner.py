@@ -18,7 +18,7 @@ from app.bursts import BurstItem
 
 
 @dataclass(frozen=True)
-class BurstSpec:
+class BurstPlan:
     path: Path
     count: int
     interval_ms: int
@@ -50,7 +50,7 @@ class BurstSummary:
 class BurstRun:
     """One burst in flight against an Engine; `done` once it has fired and every request ended."""
 
-    def __init__(self, engine, spec: BurstSpec, items: list[BurstItem], name: str):
+    def __init__(self, engine, spec: BurstPlan, items: list[BurstItem], name: str):
         self.engine = engine
         self.spec = spec
         self.items = items

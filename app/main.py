@@ -25,7 +25,7 @@ from textual.markup import escape
 from textual.screen import Screen
 from textual.widgets import Footer
 
-from app.burst_runner import BurstRun, BurstSpec
+from app.burst_runner import BurstRun, BurstPlan
 from app.bursts import default_prompts_dir, list_burst_files, load_burst
 from app.cli import (EXIT_USAGE, build_dashboard_parser, check_dashboard_server_flags, engine_config_from,
                      serve_config_from, start_recording)
@@ -106,11 +106,11 @@ def reported(command: Callable) -> Callable:
     return run
 
 
-def startup_burst(path: str) -> BurstSpec:
+def startup_burst(path: str) -> BurstPlan:
     """--burst-file: checked now (a bad file is a one-line error before anything loads);
     fired once every worker has started."""
     items = load_burst(path)
-    return BurstSpec(path=Path(path), count=len(items), interval_ms=int(DEFAULTS["interval"]),
+    return BurstPlan(path=Path(path), count=len(items), interval_ms=int(DEFAULTS["interval"]),
                      max_tokens=None, temperature=None)
 
 
@@ -158,7 +158,7 @@ class TokentopApp(App[int]):
     BINDINGS = list(ACTIONS)
 
     def __init__(self, config: EngineConfig, *, settings_path: Path | None = None,
-                 live: bool = True, startup_burst: BurstSpec | None = None) -> None:
+                 live: bool = True, startup_burst: BurstPlan | None = None) -> None:
         """live=False: the engine is not started and nothing refreshes by itself; the caller
         feeds show_snapshot() (snapshot tests, replays). startup_burst is fired once the
         engine is ready (--burst-file)."""
@@ -397,7 +397,7 @@ class TokentopApp(App[int]):
         self.push_screen(name, self.fire_burst)
 
     @reported
-    def fire_burst(self, spec: BurstSpec | None) -> None:
+    def fire_burst(self, spec: BurstPlan | None) -> None:
         if spec is None or not self._engine_ready():
             return
         items = load_burst(spec.path)

@@ -111,7 +111,7 @@ def test_fields_become_sampling_params_and_ids_default_to_line(tmp_path):
     ('{"prompt": "x", "stop": [1]}', '"stop" must be a string or a list of strings'),
     ('{"prompt": "x", "ignore_eos": 1}', '"ignore_eos" must be true or false'),
     ('{"prompt": "x", "max_token": 5}', "unknown field max_token; accepted: id, prompt, messages"),
-    ('{"prompt": "x", "temperature": -1}', "temperature must be >= 0"),
+    ('{"prompt": "x", "temperature": -1}', "temperature must be 0 (greedy) or at least 1e-05"),
     ('{"prompt": "x", "max_tokens": 0}', "max_tokens must be a positive integer"),
 ])
 def test_bad_line_names_file_and_line(tmp_path, line, message):

@@ -3,7 +3,7 @@
 The file is a bundled sample (the list) or any JSONL file whose path is typed in the path
 field, which wins when it is filled in. Enter in any field fires with what is shown; Escape
 cancels. The dialog checks the fields and loads the file (so a mistake in it is shown here,
-with its file:line, and the dialog stays open), then returns a BurstSpec; the app fires it.
+with its file:line, and the dialog stays open), then returns a BurstPlan; the app fires it.
 The app reuses one dialog, so the fields keep the values of the last burst.
 """
 from __future__ import annotations
@@ -17,14 +17,14 @@ from textual.markup import escape
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select, Static
 
-from app.burst_runner import BurstSpec
+from app.burst_runner import BurstPlan
 from app.bursts import BurstFileError, load_burst
 
 DEFAULTS = {"count": "16", "interval": "100", "max_tokens": "64", "temperature": "0.0"}
 DEFAULT_FILE = "mixed.jsonl"
 
 
-def parse_spec(path: Path, count: str, interval: str, max_tokens: str, temperature: str) -> BurstSpec:
+def parse_spec(path: Path, count: str, interval: str, max_tokens: str, temperature: str) -> BurstPlan:
     """Check the fields; a ValueError carries a message for the user."""
     def number(text: str, name: str, kind, low: float, high: float):
         try:
@@ -36,13 +36,13 @@ def parse_spec(path: Path, count: str, interval: str, max_tokens: str, temperatu
             raise ValueError(f"{name} must be between {low:g} and {high:g}, got {value:g}")
         return value
 
-    return BurstSpec(path=path, count=number(count, "count", int, 1, 10_000),
+    return BurstPlan(path=path, count=number(count, "count", int, 1, 10_000),
                      interval_ms=number(interval, "interval", int, 0, 60_000),
                      max_tokens=number(max_tokens, "max tokens", int, 1, 32_768),
                      temperature=number(temperature, "temperature", float, 0.0, 5.0))
 
 
-class BurstDialog(ModalScreen[BurstSpec | None]):
+class BurstDialog(ModalScreen[BurstPlan | None]):
     BINDINGS = [Binding("escape", "cancel", "Cancel")]
 
     def __init__(self, files: list[Path]) -> None:
