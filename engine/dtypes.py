@@ -27,7 +27,7 @@ def check_activation_dtype(device: str, requested: str) -> str:
     return requested
 
 
-# The K/V store dtype that --kv-dtype auto picks per device type (measured: docs/benchmarks.md,
+# The K/V store dtype that --kv-dtype auto picks per device type (measured: docs/kernels.md,
 # "KV dtype"). Not listed: fp32.
 DEFAULT_KV_DTYPE: dict[str, str] = {}
 

@@ -1,7 +1,10 @@
-"""docs/benchmarks.md is generated from the kept reports in docs/bench/ (tools/bench_tables.py):
-it cannot drift from them, docs/bench/ keeps one report per benchmark and CPU class, and every
-pointer into the page from code or docs names a heading or entry that is on it."""
+"""docs/benchmarks.md is generated from the kept reports in docs/bench/, docs/kernels.md from the
+tool's own text (tools/bench_tables.py): neither can drift from what the tool gives, docs/bench/
+keeps one report per benchmark and CPU class, each report shape renders, and every pointer into
+either page from code or docs names a heading or entry that is on that page."""
+import json
 import re
+from argparse import Namespace
 
 import pytest
 
@@ -12,8 +15,9 @@ NAME = re.compile(r"(?P<bench>[a-z0-9.-]+?)-(?P<cls>zen[345]|cpu-unknown|h200)\.
 CLASS_OF_SUFFIX = {"zen3": "Zen 3", "zen4": "Zen 4", "zen5": "Zen 5", "cpu-unknown": "CPU not recorded"}
 
 
-def test_the_page_is_what_the_reports_give():
-    assert bt.PAGE.read_text() == bt.render(), "docs/benchmarks.md is out of date: run python tools/bench_tables.py"
+@pytest.mark.parametrize("path", [bt.PAGE, bt.KERNELS_PAGE], ids=lambda p: p.name)
+def test_the_page_is_what_the_tool_gives(path):
+    assert path.read_text() == bt.pages()[path], f"docs/{path.name} is out of date: run python tools/bench_tables.py"
 
 
 def test_every_report_is_on_the_page():
@@ -23,10 +27,17 @@ def test_every_report_is_on_the_page():
     assert not missing
 
 
-def test_the_page_is_short_and_has_no_history():
-    page = bt.PAGE.read_text()
-    assert len(page.encode()) <= 25 * 1024
+@pytest.mark.parametrize("path, kib", [(bt.PAGE, 25), (bt.KERNELS_PAGE, 15)], ids=lambda v: getattr(v, "name", v))
+def test_the_page_is_short_and_has_no_history(path, kib):
+    page = path.read_text()
+    assert len(page.encode()) <= kib * 1024
     assert not re.search(r"\b20\d\d-\d\d-\d\d|\bpass(es)?\b|\bround \d|\bsession\b", page, re.I)
+
+
+def test_the_benchmarks_intro_links_the_kernels_page_and_back():
+    intro = bt.PAGE.read_text().split("\n## ", 1)[0]
+    assert "](kernels.md)" in intro
+    assert "](benchmarks.md)" in bt.KERNELS_PAGE.read_text().split("\n## ", 1)[0]
 
 
 def test_one_report_per_benchmark_and_cpu_class_named_after_both():
@@ -72,24 +83,168 @@ def test_the_readme_quotes_the_headline_table():
     assert len(readme.encode()) < 10 * 1024
 
 
-# --- pointers into the page --------------------------------------------------------------------
-# Code and docs cite a section of the page as docs/benchmarks.md, a comma, then one or more quoted
-# names (a heading or a bold entry of the page), wrapped over comment lines where long.
+# --- each report shape renders ------------------------------------------------------------------
+# Shapes as the bench code writes them (engine/bench/), most of them with no report kept yet.
+ZEN4 = {"cpu_model": "AMD EPYC", "cpu_family_model": "25/17"}
+
+
+@pytest.fixture
+def bench_dir(monkeypatch, tmp_path):
+    """An empty docs/bench for the tool; write(name, fields) puts a report there, framed as
+    engine/bench's run_bench frames it."""
+    monkeypatch.setattr(bt, "DOCS", tmp_path)
+    monkeypatch.setattr(bt, "BENCH", tmp_path / "bench")
+    bt.BENCH.mkdir()
+
+    def write(name: str, fields: dict, machine: dict = ZEN4) -> None:
+        scenario = name.rsplit("-", 1)[0]
+        report = {"scenario": scenario, "command": f"tokentop bench {scenario} --out /x/{name}.json",
+                  "machine": machine, "started": "2000-01-01T00:00:00", "seconds": 1.0, **fields}
+        (bt.BENCH / f"{name}.json").write_text(json.dumps(report))
+    return write
+
+
+@pytest.mark.parametrize("section, command", [
+    (bt.sec_router, "tokentop bench router"), (bt.sec_record, "tokentop bench record"),
+    (bt.sec_soak, "tokentop bench soak --minutes N"), (bt.sec_first_start, "tokentop bench first-start")])
+def test_a_benchmark_without_a_report_gets_what_it_measures_and_its_command(bench_dir, section, command):
+    text = section()
+    assert f"no report kept: `{command} --out docs/bench/" in text and "|" not in text
+
+
+def test_router_renders_what_bench_router_writes(bench_dir):
+    from engine.bench.router_cost import bench_router
+    fields = bench_router(Namespace(sizes="8,16", quick=True, queued=1000, runs=1))
+    bench_dir("router-zen4", fields)
+    text = bt.sec_router()
+    assert f"Zen 4: {fields['rows'][0]['queued']} requests queued" in text and "median ≤ 1 ms" in text
+    for row in fields["rows"]:
+        assert (f"| {row['workers']} | {row['policy']} | {bt.f(row['loads']['median_us'])} / "
+                f"{bt.f(row['loads']['p99_us'])} |") in text
+        assert f"**{bt.f(row['total']['median_us'])}** / {bt.f(row['total']['p99_us'])}" in text
+    assert "`tokentop bench router`" in text          # the command without its --out
+
+
+def test_record(bench_dir):
+    bench_dir("record-zen4", {"seconds": 60.0, "requests": 16, "frames": 301, "requests_finished": 16,
+                              "bytes": 91404, "bytes_per_frame": 304, "bytes_per_minute": 91404,
+                              "uncompressed_bytes_per_minute": 660264, "goals": {"record_le_1mb_per_minute": True}})
+    assert "| Zen 4 | 60 | 16 (16) | 301 | 304 | **91,404** | 660,264 | met |" in bt.sec_record()
+
+
+def soak_fields(**over) -> dict:
+    fields = {
+        "minutes": 30.0, "load_seconds": 1800.0,
+        "events": {"worker_kill": {"at_s": 600.0, "dead_at_s": 600.3, "ready_again_at_s": 606.5},
+                   "remote_restart": {"at_s": 1200.0, "down_at_s": 1200.9, "readmitted_at_s": 1205.7}},
+        "requests": {"client": {"submitted": 4600, "open": 0, "finished": 3910, "aborted": 220, "failed": 0,
+                                "disconnected": 470, "lost": 0, "doubled": 0, "streamed_after_finish": 0,
+                                "wrong_length": 0, "failed_by_disruption": 0, "failed_unexpected": 0},
+                     "engine": {"routed": 4600, "finished": 4600, "unfinished": 0, "finished_twice": 0}},
+        "verdicts": {"rss": {"processes": {
+            "main (pid 628)": {"judged": True, "growth_pct": 1.16},
+            "worker1 (pid 706)": {"judged": True, "growth_pct": 0.03},
+            "remote_server (pid 848)": {"judged": False, "why": "2 samples after its warm-up"}}},
+            "kv_pages": {"workers": {"sim:soak0": {"pages_used": 0, "pages_held": 0, "pages_cached": 356}},
+                         "remote_server_pages_used": 0}},
+        "goals": {"rss_flat_le_5pct": True, "no_leaked_pages": True, "worker_respawned": True}}
+    fields.update(over)
+    return fields
+
+
+def test_soak(bench_dir):
+    bench_dir("soak-zen4", soak_fields())
+    assert ("| Zen 4 | 30.00 | 4,600 | 3,910 / 220 / 0 / 470 | 0 / 0 | 0, 0 / 0, 0 | +1.16% (main) | 0, remote 0 "
+            "| 6.5 | 5.7 | all 3 met |") in bt.sec_soak()
+
+
+def test_a_failed_soak_says_what_failed(bench_dir):
+    fields = soak_fields(goals={"rss_flat_le_5pct": True, "remote_readmitted": False},
+                         error="verdicts failed: remote_readmitted")
+    fields["events"]["remote_restart"].pop("readmitted_at_s")
+    fields["verdicts"]["kv_pages"]["workers"]["sim:soak0"]["pages_held"] = 3
+    bench_dir("soak-zen4", fields)
+    row = bt.sec_soak().splitlines()[-1]
+    assert "| 3, remote 0 | 6.5 | — | **missed**: remote_readmitted (1 of 2 met); **verdicts failed" in row
+
+
+def test_first_start_shows_every_number_of_any_shape(bench_dir):
+    bench_dir("first-start-zen4", {"model": "qwen2.5-coder-0.5b", "ready_s": 4.214, "first_token_s": 4.9,
+                                   "stages": {"tokenizer_s": 0.31, "kernels": {"build_s": 0.004}},
+                                   "runs_s": [4.1, 4.3], "cached": True, "goals": {"ready_le_10s": False}})
+    bench_dir("first-start-zen5", {"ready_s": 3.0, "kernels_switched_s": 61}, {"cpu_model": "AMD EPYC",
+                                                                             "cpu_family_model": "26/2"})
+    text = bt.sec_first_start()
+    assert "| field | Zen 4 | Zen 5 |" in text
+    for row in ("| `ready_s` | 4.21 | 3.00 |", "| `first_token_s` | 4.90 | — |", "| `stages.tokenizer_s` | 0.31 | — |",
+                "| `stages.kernels.build_s` | 0.004 | — |", "| `kernels_switched_s` | — | 61 |",
+                "| goals | **missed**: ready_le_10s (0 of 1 met) | — |"):
+        assert row in text
+    assert "runs_s" not in text and "cached" not in text and "`seconds`" not in text
+
+
+def test_dashboard_with_and_without_the_frame(bench_dir):
+    old = {"headless_tok_s": 17.08, "dashboard_tok_s": 18.76, "dashboard_over_headless": 1.099}
+    bench_dir("dashboard-cpu-unknown", old, {"python": "3.11.7"})
+    bench_dir("dashboard-zen4", {**old, "frame": {"live_requests": 200, "frames": 30, "table_frame_ms": 12.5,
+                                                  "timeline_frame_ms": 31.25, "goal_ms": 25.0}})
+    text = bt.sec_dashboard()
+    assert "| Zen 4 | 17.1 | 18.8 | 1.099× | 12.50 / **31.25** (200 live) |" in text
+    assert "| CPU not recorded | 17.1 | 18.8 | 1.099× | — |" in text
+
+
+def test_trace_in_both_shapes(bench_dir):
+    bench_dir("trace-zen4", {"no_recording_tok_s": 20.0, "light_tok_s": 19.9, "full_tok_s": 17.0,
+                             "light_over_none": 0.995, "full_over_none": 0.85, "light_noop_scope_ns": 310.4,
+                             "scopes_per_step": 194, "light_noop_scopes_fraction_of_step": 0.00031,
+                             "goals": {"light_costs_le_1pct": True, "full_costs_le_10pct": False}})
+    text = bt.sec_trace()
+    assert ("| Zen 4 | 20.0 | 19.9 | 17.0 | 0.995× | 0.850× | 310 ns | 194 | 0.031% | "
+            "**missed**: full_costs_le_10pct (1 of 2 met) |") in text
+    assert "before the detail levels" not in text
+    bench_dir("trace-cpu-unknown", {"tracing_off_tok_s": 21.4, "tracing_on_tok_s": 22.2, "on_over_off": 1.039,
+                                    "disabled_scope_ns": 326.0, "scopes_per_step": 197,
+                                    "disabled_cost_fraction_of_step": 0.00034}, {"python": "3.11.7"})
+    text = bt.sec_trace()
+    assert "Tracing off and on, before the detail levels:" in text
+    assert "| CPU not recorded | 21.4 | 22.2 | 1.039× | 326 ns | 197 | 0.034% |" in text
+
+
+def test_a_fuzz_run_shows_the_commonest_refusals_over_its_tests():
+    run = {"report": {
+        "tiny models: header mutations": {"examples": 10, "outcomes": {"refused at load": 8, "loaded": 2},
+                                          "refusals": {"FILE is corrupt: a; re-download or re-assemble the model file": 5,
+                                                       "FILE | b": 3}},
+        "real model": {"examples": 4, "outcomes": {"refused at load": 4},
+                       "refusals": {"FILE | b": 4}}}}
+    text = bt.fuzz_table(run)
+    assert text.splitlines()[0] == "|  | tiny models | real model |"
+    rows = text.splitlines()[2:]
+    assert rows[:3] == ["| examples | 10 | 4 |", "| outcomes | refused at load 8, loaded 2 | refused at load 4 |",
+                        "| kinds of refusal | 2 | 1 |"]
+    assert rows[3:] == ["| FILE \\| b | 3 | 4 |", "| FILE is corrupt: a | 5 | 0 |"]   # 7 of one, 5 of the other
+
+
+# --- pointers into the pages -------------------------------------------------------------------
+# Code and docs cite a section of a page as docs/benchmarks.md or docs/kernels.md, a comma, then one
+# or more quoted names (a heading or a bold entry of that page), wrapped over comment lines where long.
 QUOTED_NAME = r"'[^']+'|" + r'"[^"]+"'
-POINTER = re.compile(rf"benchmarks\.md,\s*((?:{QUOTED_NAME})(?:\s*,\s*(?:{QUOTED_NAME}))*)")
+POINTER = re.compile(rf"\b(benchmarks|kernels)\.md,\s*((?:{QUOTED_NAME})(?:\s*,\s*(?:{QUOTED_NAME}))*)")
 CITED_NAME = re.compile(r"'([^']+)'|" + r'"([^"]+)"')
 CITING = [bt.ROOT / d for d in ("engine", "app", "tools", "tests")] + [bt.ROOT / "docs", bt.ROOT / "README.md"]
 SOURCE_SUFFIXES = {".py", ".cpp", ".h", ".inc", ".md", ".sh"}
+PAGE_OF = {"benchmarks": bt.PAGE, "kernels": bt.KERNELS_PAGE}
 
 
 def normal(name: str) -> str:
     return " ".join(name.split()).rstrip(".:").lower()
 
 
-def pointer_names(text: str) -> list[str]:
-    """The names the text's pointers cite, comment markers and line breaks taken out."""
+def pointer_names(text: str) -> list[tuple[str, str]]:
+    """(page, name) for each name the text's pointers cite, comment markers and line breaks taken out."""
     flat = " ".join(re.sub(r"^\s*(//+|#+|\*+)?\s*", "", line) for line in text.splitlines())
-    return [" ".join((a or b).split()) for group in POINTER.findall(flat) for a, b in CITED_NAME.findall(group)]
+    return [(page, " ".join((a or b).split())) for page, group in POINTER.findall(flat)
+            for a, b in CITED_NAME.findall(group)]
 
 
 def page_names(page: str) -> set[str]:
@@ -101,23 +256,27 @@ def citing_files() -> list:
     files = []
     for top in CITING:
         for p in sorted(top.rglob("*")) if top.is_dir() else [top]:
-            if p.is_file() and p.suffix in SOURCE_SUFFIXES and p != bt.PAGE and "__pycache__" not in p.parts:
+            if (p.is_file() and p.suffix in SOURCE_SUFFIXES and p not in PAGE_OF.values()
+                    and "__pycache__" not in p.parts):
                 files.append(p)
     return files
 
 
 def test_pointer_names_are_read_across_comment_lines():
-    text = """x = 1  # as measured (docs/benchmarks.md, 'Measurements behind
-    // defaults', "KV dtype"), and docs/benchmarks.md alone
+    text = """x = 1  # as measured (docs/kernels.md, 'Measurements behind
+    // defaults', "KV dtype"), and docs/benchmarks.md alone; docs/benchmarks.md,
+    # 'prefix: prefix caching'
     """
-    assert pointer_names(text) == ["Measurements behind defaults", "KV dtype"]
+    assert pointer_names(text) == [("kernels", "Measurements behind defaults"), ("kernels", "KV dtype"),
+                                   ("benchmarks", "prefix: prefix caching")]
     assert page_names("## Measurements behind defaults\n\n* **KV dtype.** fp32") == {
         "measurements behind defaults", "kv dtype"}
 
 
-def test_every_pointer_into_the_page_names_a_heading_or_entry_of_it():
-    names = page_names(bt.PAGE.read_text())
-    cited = [(p.relative_to(bt.ROOT).as_posix(), n) for p in citing_files() for n in pointer_names(p.read_text())]
+def test_every_pointer_names_a_heading_or_entry_of_the_page_it_names():
+    names = {page: page_names(path.read_text()) for page, path in PAGE_OF.items()}
+    cited = [(p.relative_to(bt.ROOT).as_posix(), page, n) for p in citing_files() for page, n in pointer_names(p.read_text())]
     assert len(cited) >= 20, "the pointers are no longer found: POINTER does not match how they are written"
-    dangling = [f"{path}: {name!r}" for path, name in cited if normal(name) not in names]
-    assert not dangling, "pointers to no heading or bold entry of docs/benchmarks.md:\n" + "\n".join(dangling)
+    assert {page for _, page, _ in cited} == set(PAGE_OF), "pointers into each page are found"
+    dangling = [f"{path}: docs/{page}.md, {name!r}" for path, page, name in cited if normal(name) not in names[page]]
+    assert not dangling, "pointers to no heading or bold entry of the page they name:\n" + "\n".join(dangling)

@@ -134,7 +134,7 @@ def test_qwen05_greedy_default_kernels(qwen05):
 def test_qwen05_greedy_fp16_kv_store(qwen05):
     """--kv-dtype fp16 (K/V rounded to fp16 when stored): the same checks hold on the 0.5B. It is
     not the default: the Gemma 270M leaves the reference with it at a step that is no near-tie
-    (docs/benchmarks.md, "Measurements behind defaults")."""
+    (docs/kernels.md, "Measurements behind defaults")."""
     prompts = REFERENCE["models"]["qwen2.5-coder-0.5b"]["prompts"]
     check("qwen2.5-coder-0.5b", prompts, run_greedy(qwen05[1], prompts, prefill_steps=24, kv_dtype=torch.float16))
 

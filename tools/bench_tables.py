@@ -1,23 +1,26 @@
-"""Rewrite docs/benchmarks.md from the kept reports in docs/bench/ (written by `tokentop bench ... --out`)."""
+"""Rewrite docs/benchmarks.md (from the kept reports in docs/bench/) and docs/kernels.md (from the text held here)."""
 from __future__ import annotations
 
 import argparse
 import json
 import re
 import sys
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 BENCH = DOCS / "bench"
 PAGE = DOCS / "benchmarks.md"
+KERNELS_PAGE = DOCS / "kernels.md"
 
 USAGE = """\
-One section per benchmark: what it measures, the command, the latest figures per CPU class (one
-report per benchmark and class: docs/bench/BENCH-CLASS.json) and what bounds them. The
-hand-written text lives here, the figures come from the reports only.
-  python tools/bench_tables.py            rewrite docs/benchmarks.md
-  python tools/bench_tables.py --check    exit 1 if docs/benchmarks.md differs from the reports
+docs/benchmarks.md: one section per benchmark: what it measures, the command, the latest figures
+per CPU class (one report per benchmark and class: docs/bench/BENCH-CLASS.json) and what bounds
+them. docs/kernels.md: the measurements behind the kernels' forms and the defaults, which no
+report backs. The hand-written text lives here, the figures come from the reports only.
+  python tools/bench_tables.py            rewrite both pages
+  python tools/bench_tables.py --check    exit 1 if either page differs from what this gives
 """
 
 # --- CPU classes -----------------------------------------------------------------------------
@@ -113,8 +116,30 @@ def commands(found: list[Report]) -> str:
     return "\n".join(f"* {', '.join(r.link for r in rs)}: `{cmd}`" for cmd, rs in by_command.items()) + "\n"
 
 
-def section(title: str, measures: str, found: list[Report], body: str, bounds: str) -> str:
-    return f"## {title}\n\n{measures}\n\n{commands(found)}\n{body}\n\n{bounds}\n"
+def section(title: str, measures: str, found: list[Report], body: str, bounds: str = "") -> str:
+    return f"## {title}\n\n{measures}\n\n{commands(found)}\n{body}\n" + (f"\n{bounds}\n" if bounds else "")
+
+
+def unmeasured(title: str, measures: str, command: str) -> str:
+    """The section of a benchmark with no kept report: what it measures and how to run it."""
+    return f"## {title}\n\n{measures}\n\n* no report kept: `{command}`\n"
+
+
+def num(v) -> str:
+    """A figure of a report whose fields are not known in advance: ints whole, floats to two
+    decimals (three significant figures below 0.01)."""
+    if isinstance(v, int):
+        return f"{v:,}"
+    return f"{v:,.2f}" if abs(v) >= 0.01 or v == 0 else f"{v:.3g}"
+
+
+def goals(report: Report) -> str:
+    """A report's goals (name -> met): all met, or which were missed."""
+    g = report.data.get("goals") or {}
+    missed = [name for name, ok in g.items() if not ok]
+    if not missed:
+        return "—" if not g else "met" if len(g) == 1 else f"all {len(g)} met"
+    return f"**missed**: {', '.join(missed)} ({len(g) - len(missed)} of {len(g)} met)"
 
 
 # --- sections --------------------------------------------------------------------------------
@@ -260,22 +285,151 @@ def sec_serve() -> str:
     return section("serve: the HTTP API against in process", TEXT["serve"], found, body, BOUNDS["serve"])
 
 
+def frame_cell(r: Report, view: str) -> str:
+    """One frame's cost from the report's `frame` (reports before it have none), bold when over
+    its goal."""
+    frame = r.data.get("frame")
+    if not frame:
+        return "—"
+    ms = frame[f"{view}_frame_ms"]
+    over = frame.get("goal_ms") is not None and ms > frame["goal_ms"]
+    return f"**{f(ms, 2)}**" if over else f(ms, 2)
+
+
 def sec_dashboard() -> str:
     found = reports("dashboard-*.json")
-    body = table(["CPU", "headless tok/s", "dashboard open tok/s", "dashboard / headless"],
-                 [[r.cls, f(r["headless_tok_s"]), f(r["dashboard_tok_s"]), x(r["dashboard_over_headless"], 3)]
-                  for r in found])
+    body = table(["CPU", "headless tok/s", "dashboard open tok/s", "dashboard / headless",
+                  "frame ms: table / timeline (live requests)"],
+                 [[r.cls, f(r["headless_tok_s"]), f(r["dashboard_tok_s"]), x(r["dashboard_over_headless"], 3),
+                   f"{frame_cell(r, 'table')} / {frame_cell(r, 'timeline')} ({r['frame']['live_requests']} live)"
+                   if r.data.get("frame") else "—"] for r in found])
     return section("dashboard: the cost of watching", TEXT["dashboard"], found, body, BOUNDS["dashboard"])
 
 
 def sec_trace() -> str:
     found = reports("trace-*.json")
-    body = table(["CPU", "tracing off tok/s", "on tok/s", "on / off", "disabled scope", "scopes a step",
-                  "disabled cost a step"],
-                 [[r.cls, f(r["tracing_off_tok_s"]), f(r["tracing_on_tok_s"]), x(r["on_over_off"], 3),
-                   f"{r['disabled_scope_ns']:.0f} ns", str(r["scopes_per_step"]),
-                   f"{r['disabled_cost_fraction_of_step'] * 100:.3f}%"] for r in found])
-    return section("trace: the cost of tracing", TEXT["trace"], found, body, BOUNDS["trace"])
+    levels = [r for r in found if "light_tok_s" in r.data]     # off, the light ring, full detail
+    on_off = [r for r in found if "tracing_on_tok_s" in r.data]   # reports from before the levels
+    parts = []
+    if levels:
+        parts.append(table(["CPU", "off tok/s", "light tok/s", "full tok/s", "light / off", "full / off",
+                            "light no-op scope", "scopes a step", "their cost a step", "goals"],
+                           [[r.cls, f(r["no_recording_tok_s"]), f(r["light_tok_s"]), f(r["full_tok_s"]),
+                             x(r["light_over_none"], 3), x(r["full_over_none"], 3),
+                             f"{r['light_noop_scope_ns']:.0f} ns", str(r["scopes_per_step"]),
+                             f"{r['light_noop_scopes_fraction_of_step'] * 100:.3f}%", goals(r)] for r in levels]))
+    if on_off:
+        parts.append(("Tracing off and on, before the detail levels:\n\n" if levels else "") + table(
+            ["CPU", "tracing off tok/s", "on tok/s", "on / off", "disabled scope", "scopes a step",
+             "disabled cost a step"],
+            [[r.cls, f(r["tracing_off_tok_s"]), f(r["tracing_on_tok_s"]), x(r["on_over_off"], 3),
+              f"{r['disabled_scope_ns']:.0f} ns", str(r["scopes_per_step"]),
+              f"{r['disabled_cost_fraction_of_step'] * 100:.3f}%"] for r in on_off]))
+    return section("trace: the cost of tracing", TEXT["trace"], found, "\n\n".join(parts), BOUNDS["trace"])
+
+
+def sec_router() -> str:
+    title = "router: the cost of one routing decision"
+    found = reports("router-*.json")
+    if not found:
+        return unmeasured(title, TEXT["router"], "tokentop bench router --out docs/bench/router-CLASS.json")
+    parts = []
+    for r in found:
+        rows = [[str(row["workers"]), row["policy"],
+                 *(f"{f(row[part]['median_us'])} / {f(row[part]['p99_us'])}" for part in ("loads", "reuse", "choose")),
+                 f"**{f(row['total']['median_us'])}** / {f(row['total']['p99_us'])}",
+                 "yes" if row["meets_goal"] else "**no**"] for row in r["rows"]]
+        parts.append(f"{r.cls}: {r['rows'][0]['queued']:,} requests queued, {r['published_keys_per_worker']:,} "
+                     f"published keys a worker, {r['prompt_tokens']}-token prompt; the least disturbed run "
+                     f"of {r['runs']}, {r['decisions_per_run']} decisions each (1-minute load "
+                     f"{r['cpu_load_1min']:.1f}).\n\n" + table(
+                         ["workers", "policy", "loads µs, median / p99", "reuse µs", "choose µs", "total µs",
+                          f"median ≤ {r['goal_ms_per_decision']:g} ms"], rows))
+    return section(title, TEXT["router"], found, "\n\n".join(parts))
+
+
+def sec_record() -> str:
+    title = "record: the size of a recording"
+    found = reports("record-*.json")
+    if not found:
+        return unmeasured(title, TEXT["record"], "tokentop bench record --out docs/bench/record-CLASS.json")
+    body = table(["CPU", "recorded s", "requests (finished)", "frames", "bytes a frame", "bytes a minute",
+                  "uncompressed a minute", "goal"],
+                 [[r.cls, f(r["seconds"], 0), f"{r['requests']} ({r['requests_finished']})", f"{r['frames']:,}",
+                   f"{r['bytes_per_frame']:,}", f"**{r['bytes_per_minute']:,}**", f"{r['uncompressed_bytes_per_minute']:,}",
+                   goals(r)] for r in found])
+    return section(title, TEXT["record"], found, body)
+
+
+def since(event: dict, key: str) -> str:
+    """Seconds from a soak's disruption to a later moment of it; — if that moment never came."""
+    return "—" if event.get(key) is None or event.get("at_s") is None else f(event[key] - event["at_s"])
+
+
+def most_grown(rss: dict) -> str:
+    """The process whose memory grew most after its warm-up, by how much."""
+    judged = {re.sub(r" \(pid \d+\)$", "", name): g["growth_pct"] for name, g in rss.get("processes", {}).items()
+              if g.get("judged") and g.get("growth_pct") is not None}
+    if not judged:
+        return "not judged"
+    name = max(judged, key=judged.get)
+    return f"{judged[name]:+.2f}% ({name})"
+
+
+def soak_row(r: Report) -> list[str]:
+    c, e = r["requests"]["client"], r["requests"]["engine"]
+    kill, restart = r["events"].get("worker_kill", {}), r["events"].get("remote_restart", {})
+    kv = r["verdicts"].get("kv_pages", {})
+    held = sum(max(w["pages_held"], w["pages_used"]) for w in kv.get("workers", {}).values())
+    remote = kv.get("remote_server_pages_used")
+    return [r.cls, num(r["minutes"]), f"{c['submitted']:,}",
+            " / ".join(f"{c[k]:,}" for k in ("finished", "aborted", "failed", "disconnected")),
+            f"{c['failed_by_disruption']} / {c['failed_unexpected']}",
+            f"{c['lost']}, {c['doubled'] + c['streamed_after_finish']} / {e['unfinished']}, {e['finished_twice']}",
+            most_grown(r["verdicts"].get("rss", {})),
+            f"{held}, remote {'—' if remote is None else remote}",
+            since(kill, "ready_again_at_s"), since(restart, "readmitted_at_s"),
+            goals(r) + (f"; **{r['error']}**" if r.data.get("error") else "")]
+
+
+def sec_soak() -> str:
+    title = "soak: mixed load, a worker killed, the remote restarted"
+    found = reports("soak-*.json")
+    if not found:
+        return unmeasured(title, TEXT["soak"], "tokentop bench soak --minutes N --out docs/bench/soak-CLASS.json")
+    body = table(["CPU", "minutes", "requests", "finished / aborted / failed / disconnected",
+                  "failed: by a disruption / else", "lost, doubled: clients / engine", "RSS growth, most",
+                  "KV pages held at idle", "respawn s", "remote re-admitted s", "goals"],
+                 [soak_row(r) for r in found])
+    return section(title, TEXT["soak"], found, body)
+
+
+REPORT_FRAME = {"scenario", "command", "machine", "started", "seconds", "goals", "error"}
+
+
+def numeric_fields(node, prefix: str = "") -> list[tuple[str, float]]:
+    """(dotted name, value) of every number in a report of unknown shape, in its order."""
+    out = []
+    for key, value in node.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out += numeric_fields(value, name + ".")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out.append((name, value))
+    return out
+
+
+def sec_first_start() -> str:
+    title = "first start: from the command to the first token"
+    found = reports("first-start-*.json")
+    if not found:
+        return unmeasured(title, TEXT["first_start"], "tokentop bench first-start --out docs/bench/first-start-CLASS.json")
+    values = [dict(numeric_fields({k: v for k, v in r.data.items() if k not in REPORT_FRAME})) for r in found]
+    names = list(dict.fromkeys(name for v in values for name in v))
+    body = table(["field", *(r.cls for r in found)],
+                 [[f"`{name}`", *(num(v[name]) if name in v else "—" for v in values)] for name in names]
+                 + [["goals", *(goals(r) for r in found)]])
+    return section(title, TEXT["first_start"], found, body)
 
 
 def gpu_argv(r: Report) -> str:
@@ -353,16 +507,50 @@ def sec_gpu() -> str:
     return f"## GPU: {', '.join(sorted(gpus))}\n\n{text}\n" + "\n".join(body) + f"\n\n{BOUNDS['gpu']}\n"
 
 
+# what the commonest refusals end with: what to do, the same for many causes
+REMEDIES = ("; re-download or re-assemble the model file", ": pass a .gguf model file, e.g. one converted with llama.cpp")
+REFUSALS_SHOWN = 5
+
+
+def without_remedy(message: str) -> str:
+    for remedy in REMEDIES:
+        message = message.removesuffix(remedy)
+    return message
+
+
+def fuzz_table(run: dict) -> str:
+    """One run: per fuzz test its examples and outcomes, and the run's commonest refusals with
+    how often each test met them."""
+    tests = run["report"]
+    total: Counter = Counter()
+    for t in tests.values():
+        total.update(t["refusals"])
+    rows = [["examples", *(f"{t['examples']:,}" for t in tests.values())],
+            ["outcomes", *(", ".join(f"{k} {v:,}" for k, v in t["outcomes"].items()) for t in tests.values())],
+            ["kinds of refusal", *(str(len(t["refusals"])) for t in tests.values())]]
+    rows += [[without_remedy(message).replace("|", "\\|"), *(f"{t['refusals'].get(message, 0):,}" for t in tests.values())]
+             for message, _ in total.most_common(REFUSALS_SHOWN)]
+    return table(["", *(name.split(":")[0] for name in tests)], rows)
+
+
+def sec_fuzz() -> str:
+    found = reports("fuzz-*.json")
+    parts = [f"{r.cls}, {run['name']} ({r.link}): `{run['command']}`\n\n{fuzz_table(run)}"
+             for r in found for run in r["runs"]]
+    return "## fuzz: corrupted model files and hostile requests\n\n" + TEXT["fuzz"] + "\n\n" + \
+        "\n\n".join(parts) + "\n\n" + TEXT["openapi_fuzz"] + "\n"
+
+
 def sec_reports() -> str:
     found = [Report(p) for p in sorted(BENCH.rglob("*.json"))]
     rows = []
     for r in found:
         m = r.machine
-        rows.append([r.link, r.cls if "sections" not in r.data else "GPU machine's host", m.get("cpu_model") or "—",
-                     m.get("cpu_family_model") or "—", isa_summary(m.get("isa") or []),
+        cls = f"GPU machine's host ({m.get('cpu_model') or '—'})" if "sections" in r.data else r.cls
+        rows.append([r.link, cls, m.get("cpu_family_model") or "—", isa_summary(m.get("isa") or []),
                      m.get("quantized_kernels") or "—"])
     return ("## The reports\n\n" + TEXT["reports"] + "\n\n" +
-            table(["report", "CPU class", "model name", "cpuid family/model", "ISA", "quantized kernels"], rows) + "\n")
+            table(["report", "CPU class", "cpuid family/model", "ISA", "quantized kernels"], rows) + "\n")
 
 
 def headline() -> str:
@@ -392,11 +580,25 @@ def headline() -> str:
 HEADLINE_CPU = "Zen 5"
 
 
-def render() -> str:
-    parts = [TEXT["intro"], "## Headline\n\n" + headline() + "\n", sec_single(), sec_batching(), sec_llama_server(),
-             sec_routing(), sec_prefix(), sec_spec(), sec_serve(), sec_dashboard(), sec_trace(), sec_gpu(),
-             TEXT["kernels"], TEXT["defaults"], sec_reports()]
+def join(parts: list[str]) -> str:
     return "\n".join(p.rstrip("\n") + "\n" for p in parts)
+
+
+def render() -> str:
+    """docs/benchmarks.md."""
+    return join([TEXT["intro"], "## Headline\n\n" + headline() + "\n", sec_single(), sec_batching(),
+                 sec_llama_server(), sec_routing(), sec_router(), sec_prefix(), sec_spec(), sec_serve(),
+                 sec_dashboard(), sec_trace(), sec_record(), sec_soak(), sec_first_start(), sec_gpu(), sec_fuzz(),
+                 sec_reports()])
+
+
+def render_kernels() -> str:
+    """docs/kernels.md: text only, no report backs it."""
+    return join([TEXT["kernels_intro"], TEXT["kernels"], TEXT["defaults"]])
+
+
+def pages() -> dict[Path, str]:
+    return {PAGE: render(), KERNELS_PAGE: render_kernels()}
 
 
 # --- the hand-written text -------------------------------------------------------------------
@@ -406,16 +608,17 @@ TEXT = {
 
 <!-- Generated by `python tools/bench_tables.py` from the reports in docs/bench/: edit the tool, not this page. -->
 
-The benchmark sections' figures come from the reports in `docs/bench/`, each written by the command
-shown with it. The CPUs are 2-core shared AMD EPYC VMs (torch 2.13.0+cpu, 2 threads): Zen 3 (cpuid
-family 25 model 1, AVX2 only), Zen 4 (25/17, AVX-512 without AVX-VNNI), Zen 5 (26/2, AVX-512 with
+The figures come from the reports in `docs/bench/`, each written by the command shown with it;
+what chose the kernels' forms and the defaults (no report backs it): [kernels.md](kernels.md).
+The CPUs are 2-core shared AMD EPYC VMs (torch 2.13.0+cpu, 2 threads): Zen 3 (cpuid family 25
+model 1, AVX2 only), Zen 4 (25/17, AVX-512 without AVX-VNNI), Zen 5 (26/2, AVX-512 with
 AVX-VNNI), no AMX; each benchmark keeps its latest report per class.
 
-Comparisons run their sides interleaved (ABAB or ABBA, fresh processes) and quote the median of the
-pairs' ratios: memory bandwidth here swings up to 1.5× over minutes, absolute rates ±10–20%. Any
-other busy process on the 2 cores collapses decode (the OpenMP threads wait for each other), so the
-machines were otherwise idle. llama.cpp: llama-cpp-python 0.3.36 and its llama-server, built with
-the GGML flags of the machine's ISA, 2 threads, same GGUF file.""",
+Comparisons run their sides interleaved (ABAB or ABBA, fresh processes) and quote the median of
+the pairs' ratios: memory bandwidth swings up to 1.5× over minutes, absolute rates ±10–20%. Any
+other busy process on the 2 cores collapses decode, so the machines were otherwise idle.
+llama.cpp: llama-cpp-python 0.3.36 and its llama-server, built with the GGML flags of the
+machine's ISA, 2 threads, same GGUF file.""",
     "single": """\
 Prefill tok/s of a 500-token prompt, decode tok/s of 128 greedy tokens (medians) and peak RSS, per
 model; `--llama-cpp` runs llama.cpp on the same protocol in its own process, alternating run by
@@ -449,15 +652,53 @@ budget D; `ngram`: proposals from the context.""",
 (`engine.submit`, async iteration) against `tokentop serve`'s HTTP API (streamed over loopback),
 runs alternating.""",
     "dashboard": """\
-The same 8-request burst (64 tokens each) headless and with the dashboard open (rendering at
-200×60 in Textual's headless driver), runs alternating.""",
+The same 8-request burst (64 tokens each) headless and with the dashboard open (200×60, headless
+Textual), runs alternating; then one frame (snapshot, panels updated, screen drawn) with 200
+requests live on a simulated worker, median ms, request table and timeline; goal ≤ 25 ms (bold:
+over).""",
     "trace": """\
-A 4-request burst with tracing off and on (same engine, interleaved), and the cost of a disabled
-trace scope times the scopes in a decode step, as a fraction of the step.""",
+A 4-request burst with no recording, the light ring (default) and full detail (per-layer
+scopes), interleaved, and a light scope's cost (a no-op) times a step's scopes, as a share of the
+step; goals: light ≤ 1%, full ≤ 10% off. Older reports: tracing off and on.""",
+    "router": """\
+One routing decision as `Engine.submit` makes it under the facade's lock: each worker's load from
+the queue, the reusable prefix per worker (the prompt's pages against its published keys),
+`Router.choose`; N simulated workers, never started, 1,000 requests queued; median and p99 µs of
+each part. Goal: ≤ 1 ms at 256 workers.""",
+    "record": """\
+A `--record` file's growth: a 16-request burst on two simulated workers, 5 frames a second for a
+minute; bytes per frame and per minute, as written (gzip) and uncompressed. Goal: ≤ 1 MB a minute.""",
+    "soak": """\
+N minutes of mixed load (HTTP streams and whole answers, some left early; bursts in process, some
+aborted) over two local worker processes and a remote `tokentop serve`, simulated; a local worker
+SIGKILLed at a third, the remote restarted at two thirds. Once idle: requests by outcome, lost and
+doubled (both ledgers), the most RSS grew after warm-up, KV pages held, seconds from each
+disruption to serving again. Goals: RSS within 5%, nothing held, lost or doubled, both back.""",
+    "first_start": """\
+A first start: the seconds to each stage the report records (model assembled, worker ready, first
+token, kernels switched in for the torch matmuls), every number under its own name.""",
+    "fuzz": """\
+The suite's seeded fuzzers. `tests/test_gguf_fuzz.py` (Hypothesis) corrupts the headers of tiny
+random models and of the real 0.5B: each loads or is refused in one line naming the file, within
+10 s and 1 GiB; a tiny model that loads runs a step. Per run: outcomes, the 5 commonest refusals
+(particulars blanked, the remedy left off: "re-download or re-assemble the model file" and the
+like).""",
+    "openapi_fuzz": """\
+`tests/test_openapi_fuzz.py` (schemathesis, every operation of the served schema): seed 37, 30
+examples each (the default), 887 requests; seed 1, 300 examples, 1,697 requests; 0 failures, no
+5xx, 0 KV pages in use after each request.""",
     "gpu": """\
 `tools/gpu_check.py` on a lent GPU machine (docs/gpu_check.md): fidelity per activation dtype,
 bench single and batching, the decode step's launch profile, the kernel choice and routing over
 its CPU and GPU; the 1.5B (a file too large to travel whole) ran only fidelity and bench single.""",
+    "kernels_intro": """\
+# Kernels and defaults
+
+<!-- Generated by `python tools/bench_tables.py`: edit the tool, not this page. -->
+
+The measurements that chose the kernels' forms and the defaults, each with the tool that took it
+where one is kept; no report backs them. The benchmarks and their reports:
+[benchmarks.md](benchmarks.md).""",
     "kernels": """\
 ## kernels: why each form
 
@@ -572,9 +813,9 @@ adds request parsing, SSE framing and loopback per streamed token.""",
 What bounds them: the worker steps in its own process either way; the dashboard renders the
 engine's snapshots at its own refresh, never inside a step: the difference is noise.""",
     "trace": """\
-What bounds them: a disabled scope is one flag check (~0.3 µs with the context manager), ~200 a
-step; on, each scope appends to its thread's own ring buffer without a lock, so on is within noise
-of off.""",
+What bounds them: a scope the detail level leaves out is one flag check (~0.3 µs with the context
+manager), ~200 a step; a recorded scope appends to its thread's own ring buffer without a lock, so
+recording is within noise of none.""",
     "gpu": """\
 What bounds them: one decode step is mostly host time (wall time against GPU time above): Python
 and kernel launches, so the kernel choice moves little. The engine keeps dense bf16 weights on
@@ -590,15 +831,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, epilog=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="only compare: exit 1 if the page is out of date")
     args = ap.parse_args()
-    page = render()
-    if args.check:
-        if PAGE.read_text() != page:
-            print(f"{PAGE.relative_to(ROOT)} is out of date: run python tools/bench_tables.py", file=sys.stderr)
-            return 1
-        return 0
-    PAGE.write_text(page)
-    print(f"wrote {PAGE.relative_to(ROOT)} ({len(page.encode())} bytes)")
-    return 0
+    stale = 0
+    for path, page in pages().items():
+        if not args.check:
+            path.write_text(page)
+            print(f"wrote {path.relative_to(ROOT)} ({len(page.encode())} bytes)")
+        elif not path.is_file() or path.read_text() != page:
+            print(f"{path.relative_to(ROOT)} is out of date: run python tools/bench_tables.py", file=sys.stderr)
+            stale += 1
+    return 1 if stale else 0
 
 
 if __name__ == "__main__":

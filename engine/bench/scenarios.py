@@ -102,7 +102,7 @@ def _framework_overhead(engine, path: str, worker: WorkerConfig, pairs: int = 7,
     The linear layers are timed in their own process, on its main thread: torch work from a
     second thread of the engine's process would start a second OpenMP team, and with more
     OpenMP threads than cores libgomp barely spin-waits and every step slows down
-    (docs/benchmarks.md, "Measurements behind defaults"): the measurement would move what it
+    (docs/kernels.md, "Measurements behind defaults"): the measurement would move what it
     measures."""
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe()

@@ -67,7 +67,7 @@ def usable_cores() -> int:
 
 def too_many_threads(index: int, workers: list) -> str:
     """More threads on CPU workers than the cores this process may use: their OpenMP threads wait
-    for each other, and decode slows many times over (docs/benchmarks.md, 'One OpenMP team per
+    for each other, and decode slows many times over (docs/kernels.md, 'One OpenMP team per
     core'). Said once, at the first CPU worker; `workers` are the engine's WorkerConfigs."""
     cores = usable_cores()
     cpu = [i for i, w in enumerate(workers) if w.device == "cpu"]

@@ -1,7 +1,7 @@
 // tokentop.DecodeLayers: every decoder layer of a decode step in one call from Python.
 //
 // Block.forward (engine/models/decoder.py) makes ten op calls a layer: a 1.5B decode step made
-// ~300 calls from Python, time spent between the kernels (docs/benchmarks.md, 'One call per
+// ~300 calls from Python, time spent between the kernels (docs/kernels.md, 'One call per
 // decode step, one weight row at a time'). This class holds each layer's weights as the ops take
 // them and runs the same sequence of the same ops (ops.h: the functions the ops register, so the
 // bits are the same) without going back to Python. It serves steps where every row is a decode

@@ -1,6 +1,6 @@
 // The per-layer work around the quantized matmuls, one C++ op per stretch of elementwise code:
 // as ~40 small torch ops per layer, a decode step spent much of its time in dispatch and
-// temporaries (docs/benchmarks.md, 'Framework overhead: fused per-layer ops').
+// temporaries (docs/kernels.md, 'Framework overhead: fused per-layer ops').
 // Reference semantics: engine/models/fused.py (the torch fallback).
 //   add_rms_norm     x += delta (optional), return rms_norm(x) * w
 //   act_mul          act(gate) * up for a [T, 2F] gate|up row (silu or gelu-tanh)
@@ -46,7 +46,7 @@ inline float bits_to_float(uint32_t b) {
 
 // 16-bit K/V reads, exact and branch-free so that the attention loops vectorize (c10's
 // conversions do not, and made decode over a 16-bit store far slower than over fp32:
-// docs/benchmarks.md, 'KV dtype').
+// docs/kernels.md, 'KV dtype').
 template <>
 inline float to_f<c10::BFloat16>(c10::BFloat16 v) { return bits_to_float(uint32_t(v.x) << 16); }
 
@@ -127,7 +127,7 @@ TT_CLONES void add_rms_norm_row(float* x, const float* d, const float* w, float 
 
 // silu(g) * u and gelu_tanh(g) * u, 8 values at a time in explicit vectors, then the tail: left
 // to the auto-vectorizer, the silu loop got a second division and three blends per vector and
-// ran several times slower on AVX2 (docs/benchmarks.md, '8-float vectors on AVX2'). Each value
+// ran several times slower on AVX2 (docs/kernels.md, '8-float vectors on AVX2'). Each value
 // goes through the same operations either way, so the bits are the same.
 TT_CLONES void silu_mul_row(const float* g, const float* u, float* out, int64_t n) {
     int64_t i = 0;
@@ -360,7 +360,7 @@ TT_CLONES void attend_group(const float* q, const S* k, const S* v, int64_t row_
 // --- the blocked decode attention --------------------------------------------------------
 // Vectors of W floats: W = 16 in the AVX-512 build of the kernel, 8 (one ymm register) in the
 // AVX2 one. GCC splits a 16-float vector into two ymm registers on AVX2, and the AVX-512 block
-// sizes then spilled to memory, slower than the plain loops there (docs/benchmarks.md, '8-float
+// sizes then spilled to memory, slower than the plain loops there (docs/kernels.md, '8-float
 // vectors on AVX2').
 template <int W> struct Vec;
 template <> struct Vec<16> {

@@ -2,7 +2,7 @@
 // matrix, each row dequantized as ggml does (the decoder's _refine of the top logit candidates).
 //
 // In numpy, dequantizing the 32 candidate rows of each sequence took a visible share of a decode
-// step, on one thread (docs/benchmarks.md, 'One call per decode step, one weight row at a time');
+// step, on one thread (docs/kernels.md, 'One call per decode step, one weight row at a time');
 // here each (row, candidate) is one task: dequantize the row's blocks into a buffer, then one dot
 // product with 16 partial sums in a fixed order, so a result does not depend on the batch.
 #include <ATen/Parallel.h>

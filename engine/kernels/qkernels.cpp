@@ -191,7 +191,7 @@ bool has_direct(int isa) { return TT_X86 && isa >= ISA_AVX2; }
 int64_t direct_max_rows(int isa) {
     if (!has_direct(isa)) return 0;
     // on all linear layers of a step the direct kernels beat the panels (qmatmul_op.cpp's
-    // PANEL_MIN_ROWS) up to 4 rows, on AVX-512 and AVX2 alike (docs/benchmarks.md, 'Panels built
+    // PANEL_MIN_ROWS) up to 4 rows, on AVX-512 and AVX2 alike (docs/kernels.md, 'Panels built
     // straight from the GGUF blocks', 'AVX2 panel kernel')
     return 4;
 }

@@ -46,7 +46,7 @@ at::Tensor finish(at::Tensor& y, const std::optional<at::Tensor>& bias, at::Scal
 
 // A prefill output over glibc's largest mmap threshold (32 MiB, e.g. the 1.5B model's gate|up
 // at 500 rows) is a fresh mapping every call, whose first touch page-faults through all of it
-// (docs/benchmarks.md, 'Prefill: the AVX-512 panel kernel'). Such outputs reuse a pooled buffer
+// (docs/kernels.md, 'Prefill: the AVX-512 panel kernel'). Such outputs reuse a pooled buffer
 // once the caller has let go of it (the pool holds the only reference to its storage); smaller
 // ones come from malloc's heap.
 constexpr size_t POOL_MIN_BYTES = size_t(32) << 20;
@@ -72,7 +72,7 @@ at::Tensor pooled_output(int64_t M, int64_t N, const at::TensorOptions& opts) {
 
 // Calls with at least this many rows take the panel kernel where the ISA has it (AVX-512,
 // AVX2); fewer rows take the direct kernels (tt::direct_max_rows, 4 on both): on all linear
-// layers of a step the panels win from 5 rows (tools/kernel_bench.py; docs/benchmarks.md,
+// layers of a step the panels win from 5 rows (tools/kernel_bench.py; docs/kernels.md,
 // 'Panels built straight from the GGUF blocks', 'AVX2 panel kernel'). The tiles are slower than
 // both at every row count and serve only deterministic mode (and the portable path). The files
 // behind each choice: the table atop qkernels.cpp.
@@ -123,7 +123,7 @@ at::Tensor qmatmul(const at::Tensor& x_in, at::TensorList weights, at::IntArrayR
 
     if (panels) {
         // the calling thread's buffers, grown as needed and never cleared: allocating and
-        // zeroing them showed in every short decode call (docs/benchmarks.md, 'Per-thread
+        // zeroing them showed in every short decode call (docs/kernels.md, 'Per-thread
         // activation buffers')
         // (plain pointers for the lambdas: a thread_local named there is the running thread's)
         thread_local std::vector<int8_t> a_buf;

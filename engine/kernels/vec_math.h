@@ -60,7 +60,7 @@ TT_INLINE float exp_approx(float x) {
 // exp_approx on 8 lanes: the same operations per lane, so the same bits. 8, not 16: GCC lowers a
 // 16-float vector's compares, selects and int conversions on AVX2 through memory, so greedy
 // pick's exp-sum runs slower in 16 lanes than in two 8-lane halves there
-// (tools/fused_vector_width.cpp; docs/benchmarks.md, '8-float vectors on AVX2').
+// (tools/fused_vector_width.cpp; docs/kernels.md, '8-float vectors on AVX2').
 typedef int32_t vi8 __attribute__((vector_size(32), aligned(4)));
 
 TT_INLINE v8 exp_approx8(v8 x) {
@@ -128,7 +128,7 @@ TT_INLINE float max_of(const float* x, int64_t b0, int64_t b1) {
 // once per chunk and notes the first chunk that holds the row's max, where the first index of
 // the max is then searched; pass 2 sums exp(x - max) in 16 lanes across a chunk and adds each
 // chunk's sum to a double. (Reduced every 64 values in 16-lane vectors, the row took a visible
-// share of an 8-row decode step on AVX2: docs/benchmarks.md, '8-float vectors on AVX2'.) A NaN
+// share of an 8-row decode step on AVX2: docs/kernels.md, '8-float vectors on AVX2'.) A NaN
 // logit makes the exp-sum NaN (exp_approx and the additions carry it), so the row is flagged
 // from it.
 TT_CLONES void greedy_row(const float* x, int64_t V, int64_t* id, float* logprob, bool* ok) {

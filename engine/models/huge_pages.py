@@ -10,7 +10,7 @@ they were read in through a mapping advised MADV_HUGEPAGE; a file first read som
 `back_with_huge_pages` advises the mapping, faults it in, and when most of it still came back
 in small pages, drops the file's cached pages and faults it in again (from disk, once: later
 starts find the 2 MiB folios in the cache). Nothing is copied: the weights stay the file's
-pages, shared with every process that maps the same file. What it gains: docs/benchmarks.md,
+pages, shared with every process that maps the same file. What it gains: docs/kernels.md,
 "Measurements behind defaults". TOKENTOP_WEIGHTS=4k leaves the mapping as it is.
 """
 from __future__ import annotations
