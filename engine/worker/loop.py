@@ -54,6 +54,11 @@ class Worker:
                 self.kernels_pending = True
             elif not kernels.is_loaded():
                 kernels.load()
+        # while the compiler has the cores, one thread: OpenMP threads that share busy cores
+        # wait for each other at every op, and the fallback crawled at a fraction of one thread
+        self._threads = torch.get_num_threads()
+        if self.kernels_pending:
+            torch.set_num_threads(1)
         self.model_path = model_path
         self._recalibrate = False
         self.runner: Runner = SimRunner(cfg, model_path) if cfg.simulated else ModelRunner(cfg, model_path)
@@ -144,6 +149,7 @@ class Worker:
         if not (kernels.is_loaded() or kernels.background_build_done()):
             return
         self.kernels_pending = False
+        torch.set_num_threads(self._threads)   # the build no longer holds the cores
         ok = kernels.available() if kernels.is_loaded() else kernels.finish_background_build()
         if not ok:
             self.emit(msg.KernelsSwitched(self.index, self.runner.info.get("kernels", ""),
