@@ -119,8 +119,8 @@ def test_router_renders_what_bench_router_writes(bench_dir):
     text = bt.sec_router()
     assert f"Zen 4: {fields['rows'][0]['queued']} requests queued" in text and "median ≤ 1 ms" in text
     for row in fields["rows"]:
-        assert (f"| {row['workers']} | {row['policy']} | {bt.f(row['loads']['median_us'])} / "
-                f"{bt.f(row['loads']['p99_us'])} |") in text
+        assert (f"| {row['workers']} | {row['policy']} | {bt.f(row['loads']['median_us'])} | "
+                f"{bt.f(row['reuse']['median_us'])} | {bt.f(row['choose']['median_us'])} |") in text
         assert f"**{bt.f(row['total']['median_us'])}** / {bt.f(row['total']['p99_us'])}" in text
     assert "`tokentop bench router`" in text          # the command without its --out
 

@@ -335,15 +335,14 @@ def sec_router() -> str:
         return unmeasured(title, TEXT["router"], "tokentop bench router --out docs/bench/router-CLASS.json")
     parts = []
     for r in found:
-        rows = [[str(row["workers"]), row["policy"],
-                 *(f"{f(row[part]['median_us'])} / {f(row[part]['p99_us'])}" for part in ("loads", "reuse", "choose")),
+        rows = [[str(row["workers"]), row["policy"], *(f(row[part]["median_us"]) for part in ("loads", "reuse", "choose")),
                  f"**{f(row['total']['median_us'])}** / {f(row['total']['p99_us'])}",
                  "yes" if row["meets_goal"] else "**no**"] for row in r["rows"]]
         parts.append(f"{r.cls}: {r['rows'][0]['queued']:,} requests queued, {r['published_keys_per_worker']:,} "
                      f"published keys a worker, {r['prompt_tokens']}-token prompt; the least disturbed run "
                      f"of {r['runs']}, {r['decisions_per_run']} decisions each (1-minute load "
                      f"{r['cpu_load_1min']:.1f}).\n\n" + table(
-                         ["workers", "policy", "loads µs, median / p99", "reuse µs", "choose µs", "total µs",
+                         ["workers", "policy", "loads µs", "reuse µs", "choose µs", "total µs, median / p99",
                           f"median ≤ {r['goal_ms_per_decision']:g} ms"], rows))
     return section(title, TEXT["router"], found, "\n\n".join(parts))
 
@@ -493,12 +492,6 @@ def sec_gpu() -> str:
             body.append(f"\nThe GPU machine's CPU worker by --threads ({c['prompt_tokens']}-token prefill, "
                         f"{c['decode_tokens']}-token one-stream decode, 8 requests of {c['n8_tokens_each']} tokens):\n\n"
                         + table(["threads", "prefill tok/s", "decode tok/s", "N = 8 tok/s"], rows))
-        if "kernels" in s and s["kernels"].get("status") == "ok":
-            k = s["kernels"]
-            cells = [f"M = {m}: dense {f(t['dense'], 2)}, int4 where exact {f(t['int4_where_exact'], 2)} ms"
-                     for m, t in sorted(k["per_token_linears_ms"].items(), key=lambda kv: int(kv[0]))]
-            body.append(f"All linear layers of a step, {k['dtype']} (cuBLAS on dense weights against torch's "
-                        f"`_weight_int4pack_mm`): {'; '.join(cells)}.")
         if "routing" in s and s["routing"].get("status") == "ok":
             body.append(f"Routing over the machine's CPU and the GPU ({len(s['routing']['devices'])} workers): "
                         f"{workers(s['routing'])}.\n\n{routing_table(s['routing'])}")
@@ -509,7 +502,7 @@ def sec_gpu() -> str:
 
 # what the commonest refusals end with: what to do, the same for many causes
 REMEDIES = ("; re-download or re-assemble the model file", ": pass a .gguf model file, e.g. one converted with llama.cpp")
-REFUSALS_SHOWN = 5
+REFUSALS_SHOWN = 3
 
 
 def without_remedy(message: str) -> str:
@@ -547,10 +540,9 @@ def sec_reports() -> str:
     for r in found:
         m = r.machine
         cls = f"GPU machine's host ({m.get('cpu_model') or '—'})" if "sections" in r.data else r.cls
-        rows.append([r.link, cls, m.get("cpu_family_model") or "—", isa_summary(m.get("isa") or []),
-                     m.get("quantized_kernels") or "—"])
+        rows.append([r.link, cls, m.get("cpu_family_model") or "—", isa_summary(m.get("isa") or [])])
     return ("## The reports\n\n" + TEXT["reports"] + "\n\n" +
-            table(["report", "CPU class", "cpuid family/model", "ISA", "quantized kernels"], rows) + "\n")
+            table(["report", "CPU class", "cpuid family/model", "ISA"], rows) + "\n")
 
 
 def headline() -> str:
@@ -614,9 +606,8 @@ The CPUs are 2-core shared AMD EPYC VMs (torch 2.13.0+cpu, 2 threads): Zen 3 (cp
 model 1, AVX2 only), Zen 4 (25/17, AVX-512 without AVX-VNNI), Zen 5 (26/2, AVX-512 with
 AVX-VNNI), no AMX; each benchmark keeps its latest report per class.
 
-Comparisons run their sides interleaved (ABAB or ABBA, fresh processes) and quote the median of
-the pairs' ratios: memory bandwidth swings up to 1.5× over minutes, absolute rates ±10–20%. Any
-other busy process on the 2 cores collapses decode, so the machines were otherwise idle.
+Comparisons run their sides interleaved (fresh processes) and quote the median of the pairs'
+ratios: memory bandwidth swings up to 1.5× over minutes, absolute rates ±10–20%.
 llama.cpp: llama-cpp-python 0.3.36 and its llama-server, built with the GGML flags of the
 machine's ISA, 2 threads, same GGUF file.""",
     "single": """\
@@ -680,7 +671,7 @@ token, kernels switched in for the torch matmuls), every number under its own na
     "fuzz": """\
 The suite's seeded fuzzers. `tests/test_gguf_fuzz.py` (Hypothesis) corrupts the headers of tiny
 random models and of the real 0.5B: each loads or is refused in one line naming the file, within
-10 s and 1 GiB; a tiny model that loads runs a step. Per run: outcomes, the 5 commonest refusals
+10 s and 1 GiB; a tiny model that loads runs a step. Per run: outcomes, the 3 commonest refusals
 (particulars blanked, the remedy left off: "re-download or re-assemble the model file" and the
 like).""",
     "openapi_fuzz": """\
@@ -763,9 +754,9 @@ Figures that decided a default, measured by scripts not kept: no report backs th
   ms; two 0.5B workers on 2 cores 92-95 tok/s together against 248-295 with the cores split (Zen 5).
   So one thread drives a worker and CPU workers split the cores.""",
     "reports": """\
-CPU class: from cpuid family/model where recorded, else the ISA; quantized kernels: the build that
-ran. CPU reports that record no kernel build ran an earlier engine (torch int4 planes): their
-absolute rates are not today's.""",
+CPU class: from cpuid family/model where recorded, else the ISA. A CPU report that records no
+kernel build (its `machine.quantized_kernels`) ran an earlier engine: its absolute rates are not
+today's.""",
 }
 
 BOUNDS = {
@@ -780,8 +771,7 @@ and the tokenizer (~85 MB); on the 1.5B llama.cpp's buffers are larger.""",
 What bounds them: one stream is bound by memory, eight rows by the integer dot and the tile build
 (`python tools/kernel_bench.py`): the 8-row forward takes ~1.8× the 1-row one on Zen 5, ~2.1× on
 Zen 4 (512-bit operations in two halves). On Zen 3 the 8-row linear layers take 2.5-2.7× the 1-row
-time: the `maddubs` dot runs at half of `vpmaddubsw`'s rate; at these kernels' best rate they would
-take 1.7-2.0×. The aggregate also carries the 8 prompts' prefill. Paging costs nothing measurable:
+time (the `maddubs` dot at half of `vpmaddubsw`'s rate). Paging costs nothing measurable:
 the model step reads paged and contiguous K/V at the same speed.""",
     "llama_server": """\
 What bounds them: a tokentop step runs every active row through each linear layer in one call, so
@@ -817,13 +807,9 @@ What bounds them: a scope the detail level leaves out is one flag check (~0.3 µ
 manager), ~200 a step; a recorded scope appends to its thread's own ring buffer without a lock, so
 recording is within noise of none.""",
     "gpu": """\
-What bounds them: one decode step is mostly host time (wall time against GPU time above): Python
-and kernel launches, so the kernel choice moves little. The engine keeps dense bf16 weights on
-CUDA: the int4 kernel saves ~0.5 ms of an 11 ms step at one row and loses from ~32 rows on. CUDA
-graphs (decode steps captured and replayed, engine/worker/cuda_graphs.py, with the attention plan
-and the lm_head refinement on the device) are the lever; a report without a "CUDA graphs" column
-predates them, and the first report with them is still to be measured. Routing: `cost` offloads to the CPU and that pays under load (48 requests); at 8 the CPU's
-slower decode made the offloaded requests the slowest.""",
+What bounds them: a decode step is mostly host time (Python and kernel launches). CUDA graphs
+(engine/worker/cuda_graphs.py) are the lever; no report with them yet. Routing: `cost`'s offload
+to the CPU pays under load (48 requests), not at 8.""",
 }
 
 
