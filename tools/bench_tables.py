@@ -765,8 +765,7 @@ What bounds them: decode reads every weight once a step (0.5B ~0.39 GB, 1.5B ~1.
 memory: on Zen 5 the 0.5B step reads 32 GB/s against a 41-45 GB/s plain 2-thread read, the
 framework around the kernels within the timings' spread (`framework_overhead_ms_per_step`). On
 Zen 3 the Q5_0 direct kernel is bound by its bit work (10 GB/s; Q8_0 and Q4_K 17). Prefill is
-compute-bound (the panels). The 0.5B's RSS above llama.cpp's is mostly the torch runtime (~145 MB)
-and the tokenizer (~85 MB); on the 1.5B llama.cpp's buffers are larger.""",
+compute-bound (the panels). RSS above llama.cpp's: the torch runtime and the tokenizer.""",
     "batching": """\
 What bounds them: one stream is bound by memory, eight rows by the integer dot and the tile build
 (`python tools/kernel_bench.py`): the 8-row forward takes ~1.8× the 1-row one on Zen 5, ~2.1× on
@@ -787,15 +786,12 @@ What bounds them: no request has its first token before one full prefill of its 
 leader's 512 + 20 tokens), and a follower also computes the tokens past the last full shared page,
 so for identical prompts at N = 8 the best mean is about −80%, which `after-prefill` reaches. On
 the shared document every request needs its 800 tokens computed once first: `after-prefill` can
-gain at most ~35% on `incremental`. At N ≤ 4, release at completion is worse than no cache:
-followers wait through the leader's decode.""",
+gain at most ~35% on `incremental`.""",
     "spec": """\
 What bounds them: this report ran an earlier engine (torch int4 planes), whose kernels cost ~1.9×
 one row from 5 rows on: a k = 4 verify cost almost a second target step, a 0.5B draft step ~0.45 of
 a 1.5B one, while n-gram proposals cost nothing and win on code edits. `adaptive:cost` measures
-these costs and stays at or above target-only everywhere. The mentored D = 0.5 / 0.75 code rows
-did `draft k=8`'s exact work (greedy ignores the budget), so their low speed is the machine's
-noise.""",
+these costs and stays at or above target-only everywhere.""",
     "serve": """\
 What bounds them: both clients drive the same engine, so throughput is the engine's; the HTTP path
 adds request parsing, SSE framing and loopback per streamed token.""",
