@@ -7,6 +7,7 @@ Snapshot tests render a hand-built EngineSnapshot, so no live timing can reach t
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import random
@@ -120,6 +121,14 @@ async def test_burst_fills_table_grid_streams_and_log(tiny_model, tmp_path):
         assert "TTFT mean" in summary and "p95" in summary and "tok/s aggregate" in summary
         assert any("done:" in line.text for line in app._log.lines)
         assert all(r.state == "finished" for r in app.last_snapshot.requests)
+
+
+async def test_start_ups_objects_are_left_out_of_full_collections_while_the_dashboard_runs(tiny_model, tmp_path):
+    app = make_app(tiny_model, tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot, app)
+        await wait_for(pilot, lambda: gc.get_freeze_count() > 0, "the heap settled")
+    assert gc.get_freeze_count() == 0        # given back to the collector when the dashboard closes
 
 
 async def test_policy_keys_reach_the_engine(tiny_model, tmp_path):
