@@ -56,7 +56,7 @@ def frame_ms(config, n_live: int, frames: int) -> dict:
         async with app.run_test(headless=True, size=(200, 60)) as pilot:
             await asyncio.to_thread(app.engine.start)   # live=False: no 5 Hz refresh between the timed frames
             app.settle_heap()                           # as the live dashboard does once its workers are up
-            app.screen.screen_layout_refresh_signal.subscribe(app.screen, count_layout)
+            app.screen.screen_layout_refresh_signal.subscribe(app.screen, count_layout, immediate=True)
             handles = [app.engine.submit(f"frame cost {i}", params=SamplingParams(max_tokens=4000, ignore_eos=True))
                        for i in range(n_live)]
             for view in ("table", "timeline"):

@@ -813,7 +813,7 @@ async def test_a_busy_frame_draws_without_a_layout_pass(frozen_app, view):
         for frame in range(3):                  # the first frames bring the streams on screen
             frozen_app.show_snapshot(busy_snapshot(frame))
             await pilot.pause()
-        frozen_app.screen.screen_layout_refresh_signal.subscribe(frozen_app.screen, layouts.append)
+        frozen_app.screen.screen_layout_refresh_signal.subscribe(frozen_app.screen, layouts.append, immediate=True)
         for frame in range(3, 8):
             frozen_app.show_snapshot(busy_snapshot(frame))
             await pilot.pause()
