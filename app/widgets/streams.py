@@ -117,6 +117,7 @@ class StreamsPanel(ScrollView, can_focus=True):
         self._height = 0                     # lines of all the streams
         self._names: dict[int, str] | None = None
         self._width = 0                      # the width the streams are wrapped at
+        self._end = 0                        # scroll_y with the newest line at the bottom, when last drawn
         self._drawn: dict[int, list[Strip]] = {}   # stream -> its lines, styled in this paint
         self._last: tuple[tuple[RequestView, ...], dict[int, str] | None] = ((), None)
 
@@ -132,7 +133,8 @@ class StreamsPanel(ScrollView, can_focus=True):
     def show_streams(self, requests: tuple[RequestView, ...], names: dict[int, str] | None = None) -> None:
         self._last = (requests, names)
         width = max(20, self.scrollable_content_region.width)
-        following = self.scroll_y >= self.max_scroll_y   # at the bottom: keep the newest in view
+        # At the bottom when last drawn (a resize since moves the bottom): keep the newest in view.
+        following = self.scroll_y >= min(self._end, self.max_scroll_y)
         wanted = streams_to_show(requests)
         shown, starts, top = [], [], 0
         for r in wanted:
@@ -149,6 +151,7 @@ class StreamsPanel(ScrollView, can_focus=True):
         set_virtual_size(self, Size(width, top))
         if following:
             self.scroll_end(animate=False, immediate=bool(self.size), x_axis=False)
+        self._end = self.max_scroll_y
         self.refresh()
 
     def render_lines(self, crop: Region) -> list[Strip]:
