@@ -9,6 +9,7 @@ runs on a daemon thread and reports back through a queue read by the same timer.
 from __future__ import annotations
 
 import functools
+import gc
 import queue
 import sys
 import threading
@@ -189,6 +190,7 @@ class TokentopApp(App[int]):
         self.serve_url: str | None = None      # set by --serve
         self._compare: threading.Thread | None = None
         self.latency_window = LATENCY_WINDOWS[0][0]   # w cycles it
+        self._heap_settled = False
 
     # --- layout -------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -266,6 +268,18 @@ class TokentopApp(App[int]):
 
     def on_unmount(self) -> None:
         self.begin_shutdown()
+        if self._heap_settled:
+            gc.unfreeze()
+
+    def settle_heap(self) -> None:
+        """Once the engine is up: what start-up built (the modules, the tokenizer, the widgets)
+        stays for as long as the dashboard runs, so it is left out of the garbage collector's
+        full passes (gc.freeze). Each of those walked all of it, stalling the frame it fell in;
+        they now walk only what was made since. Undone on unmount."""
+        if not self._heap_settled:
+            gc.collect()
+            gc.freeze()
+            self._heap_settled = True
 
     # --- the 5 Hz refresh ---------------------------------------------------------------
     def refresh_dashboard(self) -> None:
@@ -278,6 +292,8 @@ class TokentopApp(App[int]):
                 spec, self.startup_burst = self.startup_burst, None
                 self.fire_burst(spec)
             self.show_snapshot(self.engine.snapshot())
+            if not self._heap_settled and self._all_workers_up():
+                self.settle_heap()
         except Exception as exc:  # keep the dashboard up; say it once, not five times a second
             if describe_error(exc) != self._refresh_error:
                 self._refresh_error = describe_error(exc)

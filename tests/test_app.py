@@ -7,6 +7,7 @@ Snapshot tests render a hand-built EngineSnapshot, so no live timing can reach t
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import random
@@ -32,6 +33,7 @@ from app.widgets.line import Line
 from app.widgets.requests import RequestsTable
 from app.widgets.routing import format_decision
 from app.widgets.streams import StreamsPanel
+from app.widgets.timeline import TimelinePanel
 from engine.config import EngineConfig, SamplingParams, WorkerConfig
 from engine import messages as msg
 from engine.facade import procstat
@@ -39,6 +41,7 @@ from engine.facade.devices import parse_devices
 from engine.facade.latency import LatencyWindow
 from engine.facade.router import Candidate, RouteDecision
 from engine.facade.snapshot import EngineSnapshot, LogLine, RequestView, WorkerView
+from engine.facade.timeline import Timeline
 from tests.trace_checks import check_nesting
 from tests.fixtures.tiny_gguf import write_tiny_model
 
@@ -102,7 +105,7 @@ async def test_burst_fills_table_grid_streams_and_log(tiny_model, tmp_path):
         await wait_for(pilot, lambda: table.row_count == 8, "8 rows in the request table")
         await wait_for(pilot, lambda: any(set(p._grid._states) - {FREE} for p in app.query(WorkerPanel)),
                        "KV pages in use")
-        await wait_for(pilot, lambda: len(app.query_one(StreamsPanel)._shown) > 0, "a token stream")
+        await wait_for(pilot, lambda: app.query_one(StreamsPanel).shown_ids, "a token stream")
         assert "burst mixed#1" in str(app._status.render())
         # Requests reach both workers, and the routing panel explains each choice.
         await wait_for(pilot, lambda: {r.worker for r in app.last_snapshot.requests} == {0, 1}, "both workers used")
@@ -118,6 +121,14 @@ async def test_burst_fills_table_grid_streams_and_log(tiny_model, tmp_path):
         assert "TTFT mean" in summary and "p95" in summary and "tok/s aggregate" in summary
         assert any("done:" in line.text for line in app._log.lines)
         assert all(r.state == "finished" for r in app.last_snapshot.requests)
+
+
+async def test_start_ups_objects_are_left_out_of_full_collections_while_the_dashboard_runs(tiny_model, tmp_path):
+    app = make_app(tiny_model, tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot, app)
+        await wait_for(pilot, lambda: gc.get_freeze_count() > 0, "the heap settled")
+    assert gc.get_freeze_count() == 0        # given back to the collector when the dashboard closes
 
 
 async def test_policy_keys_reach_the_engine(tiny_model, tmp_path):
@@ -407,7 +418,7 @@ async def test_dead_worker_greys_its_panel_and_its_failed_requests_keep_their_fi
         # They produced tokens before the worker died: their TTFT and ITL are kept.
         assert all(r.ttft is not None and r.itl_mean is not None for r in failed)
         table = app.query_one(RequestsTable)
-        row = dict(table._rows)[failed[0].id]
+        row = table.row_cells(failed[0].id)
         assert row[4] != "-" and "died" in row[7]                       # TTFT, and the end column
         # Its live figures are gone or labelled, not frozen at their last values.
         text = " ".join(str(line.render()) for line in panel.query(Line))
@@ -762,3 +773,52 @@ async def test_the_worker_panel_says_which_path_runs_and_when_the_kernels_took_o
         await pilot.pause()
         text = " ".join(str(line.render()) for line in panel.query(Line))
         assert "kernels since 12:34:56" in text and "kernels building" not in text
+
+
+def busy_snapshot(frame: int, live: int = 200) -> EngineSnapshot:
+    """A busy engine `frame` refreshes in: `live` requests decoding, each refresh every one a
+    few tokens further, the oldest finished and a new one arrived; worker 0 speculating, its
+    acceptance figures moving."""
+    base = fixture_snapshot()
+    clock = 1000.0 + 0.2 * frame
+    requests, timelines = [], {}
+    for n in range(1, live + frame + 1):
+        done = n <= frame
+        out = 4 * (frame - n + live) + 8
+        requests.append(RequestView(
+            id=f"r{n}", worker=n % 2, state="finished" if done else "decode", prompt_tokens=20, cached_tokens=0,
+            output_tokens=out, max_tokens=4000, queue_time=0.01, ttft=0.05, itl_mean=0.05 + 0.001 * frame,
+            e2e=0.2 * out, text_tail=f" tok{n}" * out, error=None, burst=None, age=0.2 * (live + frame - n),
+            finish_reason="length" if done else None))
+        start = 990.0 + 0.01 * n
+        timelines[f"r{n}"] = Timeline((("queued", start), ("prefill", start + 0.1), ("decode", start + 0.2)),
+                                      ("finished", clock - 0.1) if done else None)
+    spec = {"drafts": 40 + frame, "acceptance_rate": 0.5 + 0.01 * frame, "mean_accepted_length": 2.0 + 0.01 * frame,
+            "k": 4, "acceptance_per_position": [0.8 - 0.01 * frame, 0.6, 0.4, 0.2]}
+    w0 = replace(base.workers[0], spec=spec, spec_modes=("off", "ngram"),
+                 spec_history=tuple(0.5 + 0.01 * i for i in range(frame + 1)))
+    return replace(base, workers=(w0, base.workers[1]), requests=tuple(requests), timelines=timelines,
+                   clock=clock, uptime=125.0 + 0.2 * frame)
+
+
+@pytest.mark.parametrize("view", ["table", "timeline"])
+async def test_a_busy_frame_draws_without_a_layout_pass(frozen_app, view):
+    """200 live requests, every one changing at every refresh, requests arriving and finishing:
+    the panels keep their sizes, so a refresh repaints what changed and never lays the screen
+    out again (a layout pass of the whole screen costs more than drawing the frame)."""
+    layouts = []
+    async with frozen_app.run_test(size=(200, 60)) as pilot:
+        if view == "timeline":
+            await pilot.press("g")
+        for frame in range(3):                  # the first frames bring the streams on screen
+            frozen_app.show_snapshot(busy_snapshot(frame))
+            await pilot.pause()
+        frozen_app.screen.screen_layout_refresh_signal.subscribe(frozen_app.screen, layouts.append, immediate=True)
+        for frame in range(3, 8):
+            frozen_app.show_snapshot(busy_snapshot(frame))
+            await pilot.pause()
+        assert layouts == [], f"{len(layouts)} layout refreshes in 5 refreshes"
+        shown = frozen_app.query_one(TimelinePanel if view == "timeline" else RequestsTable)
+        assert (shown.lane_count if view == "timeline" else shown.row_count) == 207
+        assert frozen_app.query_one(StreamsPanel).shown_ids[-1] == "r207"
+        assert "acc [b]57%[/]" in frozen_app._spec._shown       # the last frame's figures are shown

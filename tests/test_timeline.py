@@ -60,6 +60,18 @@ def test_a_timeline_from_what_the_dispatcher_saw():
     assert store.timelines({}) == {} and store._events == {} and store._final == {}   # forgotten with it
 
 
+def test_a_live_timeline_is_built_again_only_when_what_it_comes_from_changes():
+    store = TimelineStore()
+    rec = record()
+    records = {"r1": rec}
+    store.on_step(msg.StepEvents(0, (msg.TokenDelta("r1", 5, "x"),), (), (), prefilled=(("r1", 64),)), 10.5, records)
+    first = store.timelines(records)["r1"]
+    assert store.timelines(records)["r1"] is first      # a decoding request: nothing new to build
+    rec.prefill_at = 10.2                                # the stats saw it scheduled before its first chunk
+    assert store.timelines(records)["r1"].phases[1] == ("prefill", 10.2)
+    assert store.timelines({}) == {} and store._built == {}
+
+
 def test_a_follower_and_a_request_never_scheduled():
     follower = build(record(follow_at=10.2, prefill_at=10.9), (("decode", 11.0),), ())
     assert follower.phases == (("queued", 10.0), ("waiting-on-leader", 10.2), ("prefill", 10.9), ("decode", 11.0))

@@ -1,6 +1,10 @@
 """Short, fixed-width-friendly renderings of rates, durations and sizes for the panels."""
 from __future__ import annotations
 
+import functools
+
+from rich.cells import cell_len
+
 
 def fmt_rate(tps: float) -> str:
     """Tokens per second: 0, 37, 293, 2.6k, 18k."""
@@ -57,9 +61,10 @@ def fit_parts(parts: list[tuple[int, str]], width: int, sep: str = " · ") -> st
     """Join (priority, markup) parts, kept in order, dropping the lowest-priority ones
     (highest number) until the visible text fits `width` cells. Priority-0 parts and the
     first part always stay (a Line then cuts what is still too long with an ellipsis)."""
-    from textual.content import Content
-
-    lengths = [Content.from_markup(markup).cell_length for _, markup in parts]
+    joined = sep.join(markup for _, markup in parts)
+    if cell_len(joined) <= width:
+        return joined     # fits with its tags counted: no need to work out the visible widths
+    lengths = [markup_cells(markup) for _, markup in parts]
     keep = list(range(len(parts)))
     def visible() -> int:
         return sum(lengths[i] for i in keep) + len(sep) * max(0, len(keep) - 1)
@@ -68,3 +73,12 @@ def fit_parts(parts: list[tuple[int, str]], width: int, sep: str = " · ") -> st
             break
         keep.remove(i)
     return sep.join(parts[i][1] for i in keep)
+
+
+@functools.lru_cache(maxsize=4096)
+def markup_cells(markup: str) -> int:
+    """The cells a markup string shows (its tags and escapes are not shown). Most of the
+    dashboard's parts come back unchanged refresh after refresh: each is parsed once."""
+    from textual.content import Content
+
+    return Content.from_markup(markup).cell_length

@@ -2,8 +2,8 @@
 
 A Line API widget rather than a DataTable: under a burst every active row's timings change
 at every refresh, and DataTable re-renders each visible cell through Rich (about 1 ms a
-cell), which keeps the UI thread busy. Here a row is a handful of segments, only
-visible rows are drawn, and nothing is drawn at all when no row changed.
+cell), which keeps the UI thread busy. Here a row is a handful of segments, only the rows
+on screen are worked out and drawn, and nothing is drawn at all when none of them changed.
 
 Selection: until the user moves the cursor, it follows the newest live request (or the
 newest request when none is live); once moved, it stays on the request it is on while newer
@@ -21,6 +21,7 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
 from app.widgets.fmt import fmt_seconds, short_worker
+from app.widgets.scroll import set_virtual_size
 from engine.facade.snapshot import LIVE_STATES, RequestState, RequestView
 
 # (header, width). The columns that matter most come first: on a narrow terminal the last
@@ -43,6 +44,11 @@ def end_text(r: RequestView) -> str:
 def state_of(cell: str) -> str:
     """The state behind a state cell ('follow r5' is a queued request waiting on r5)."""
     return RequestState.QUEUED if cell.startswith("follow ") else cell
+
+
+def shown_state(r: RequestView) -> str:
+    """The state its row shows (state_of its state cell)."""
+    return RequestState.QUEUED if r.leader else r.state
 
 
 def request_cells(r: RequestView, names: dict[int, str] | None = None) -> tuple[str, ...]:
@@ -85,7 +91,10 @@ class RequestsTable(ScrollView, can_focus=True):
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
-        self._rows: list[tuple[str, tuple[str, ...]]] = []    # (request id, cells), newest first
+        self._views: list[RequestView] = []     # newest first
+        self._names: dict[int, str] | None = None
+        self._cells: dict[int, tuple[str, ...]] = {}    # row -> its cells, once worked out
+        self._drawn: tuple | None = None        # what the rows on screen showed when last refreshed
         self._cursor = 0
         self._selected: str | None = None
         self._follow = True        # the cursor follows the newest live request until moved
@@ -93,30 +102,42 @@ class RequestsTable(ScrollView, can_focus=True):
     # --- data ------------------------------------------------------------------------------
     @property
     def row_count(self) -> int:
-        return len(self._rows)
+        return len(self._views)
 
     @property
     def selected_id(self) -> str | None:
-        return self._rows[self._cursor][0] if self._rows else None
+        return self._views[self._cursor].id if self._views else None
+
+    def row_cells(self, request_id: str) -> tuple[str, ...] | None:
+        """The cells of a request's row (None: no row for it)."""
+        return next((self._cells_at(i) for i, r in enumerate(self._views) if r.id == request_id), None)
+
+    def _cells_at(self, row: int) -> tuple[str, ...]:
+        cells = self._cells.get(row)
+        if cells is None:
+            cells = self._cells[row] = request_cells(self._views[row], self._names)
+        return cells
 
     def show_requests(self, requests: tuple[RequestView, ...], names: dict[int, str] | None = None) -> None:
-        rows = sorted(((r.id, request_cells(r, names)) for r in requests), key=lambda row: -request_number(row[0]))
-        if rows == self._rows:
-            return
-        count_changed = len(rows) != len(self._rows)
-        self._rows = rows
-        ids = [rid for rid, _ in rows]
+        # Every request is kept and ordered (the cursor and the scroll range need them all);
+        # only the rows on screen are formatted, here to see whether anything there changed.
+        self._views = sorted(requests, key=lambda r: -request_number(r.id))
+        self._names, self._cells = names, {}
+        ids = [r.id for r in self._views]
         if self._follow or self._selected not in ids:
             self._follow = True
-            live = [i for i, (_, cells) in enumerate(rows) if state_of(cells[2]) in LIVE]
-            self._cursor = live[0] if live else 0
+            self._cursor = next((i for i, r in enumerate(self._views) if shown_state(r) in LIVE), 0)
         else:
             self._cursor = ids.index(self._selected)
         self._selected = self.selected_id
-        if count_changed:
-            self.virtual_size = Size(TABLE_WIDTH, len(rows) + 1)
+        set_virtual_size(self, Size(TABLE_WIDTH, len(self._views) + 1))
         self._scroll_to_cursor()
-        self.refresh()
+        top = int(self.scroll_y)
+        bottom = min(len(self._views), top + max(1, self.size.height - 1))
+        drawn = (len(self._views), self._cursor, top, tuple(self._cells_at(i) for i in range(top, bottom)))
+        if drawn != self._drawn:
+            self._drawn = drawn
+            self.refresh()
 
     # --- cursor -----------------------------------------------------------------------------
     def action_cursor(self, delta: int) -> None:
@@ -126,10 +147,10 @@ class RequestsTable(ScrollView, can_focus=True):
         self.move_cursor(self._cursor + direction * max(1, self.size.height - 1))
 
     def move_cursor(self, row: int) -> None:
-        if not self._rows:
+        if not self._views:
             return
         self._follow = False
-        self._cursor = max(0, min(row, len(self._rows) - 1))
+        self._cursor = max(0, min(row, len(self._views) - 1))
         self._selected = self.selected_id
         self._scroll_to_cursor()
         self.refresh()
@@ -161,9 +182,9 @@ class RequestsTable(ScrollView, can_focus=True):
             text = " ".join(name.ljust(w) for name, w in COLUMNS)
             return Strip([Segment(text, base + header)]).crop_extend(scroll_x, scroll_x + width, base)
         index = scroll_y + y - 1
-        if index >= len(self._rows):
+        if index >= len(self._views):
             return Strip.blank(width, base)
-        rid, cells = self._rows[index]
+        cells = self._cells_at(index)
         if index == self._cursor:
             base += cursor
         state = state_of(cells[2])

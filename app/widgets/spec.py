@@ -80,4 +80,10 @@ class SpecPanel(VerticalScroll):
         text = spec_markup(workers, requests, mode, max(20, self.scrollable_content_region.width))
         if text != self._shown:
             self._shown = text
-            self._body.update(text)
+            body = self._body
+            body.update(text, layout=False)
+            # A layout pass only when the text's height (its lines wrapped at the panel's width)
+            # changes: the figures change at every refresh, the height seldom.
+            width = body.size.width
+            if not width or body.visual.get_height(body.styles, width) != body.size.height:
+                body.refresh(layout=True)

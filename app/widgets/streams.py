@@ -1,19 +1,25 @@
 """Live token streams: the tail of each active request's text, labelled and coloured per request.
 
-Each stream is one widget keyed by request id, rewritten only when its text grows; the most
-recently finished requests stay a little longer (dimmed) so a short answer can be read.
-The text is wrapped here, by characters, so the newest tokens are always on the last
-visible line and a stream's height changes only when its line count does (a layout pass
-for the whole screen is the most expensive thing a refresh can trigger).
+The most recently finished requests stay a little longer (dimmed) so a short answer can be
+read. The text is wrapped here, by characters, so the newest tokens are always on the last
+visible line. The panel draws its own lines (a Line API view, like the request table):
+streams that come, go or grow change what it draws, not the screen's layout, and only the
+streams on screen are styled and drawn.
 """
 from __future__ import annotations
 
-from textual.containers import VerticalScroll
+import bisect
+import heapq
+
 from textual.content import Content
-from textual.widgets import Static
+from textual.geometry import Region, Size
+from textual.scroll_view import ScrollView
+from textual.strip import Strip
+from textual.visual import Visual
 
 from app.widgets.fmt import short_worker
 from app.widgets.requests import request_number
+from app.widgets.scroll import set_virtual_size
 from engine.facade.snapshot import LIVE_STATES, RequestState, RequestView
 
 ACTIVE = LIVE_STATES
@@ -26,7 +32,7 @@ PALETTE = ("$primary", "$secondary", "$accent", "$success", "$warning")
 def streams_to_show(requests: tuple[RequestView, ...]) -> list[RequestView]:
     """Active requests plus the few most recently finished ones, oldest first."""
     active = [r for r in requests if r.state in ACTIVE]
-    done = sorted((r for r in requests if r.state not in ACTIVE), key=lambda r: r.age)[:KEEP_FINISHED]
+    done = heapq.nsmallest(KEEP_FINISHED, (r for r in requests if r.state not in ACTIVE), key=lambda r: r.age)
     chosen = sorted(active + done, key=lambda r: request_number(r.id))
     return chosen[-MAX_STREAMS:]
 
@@ -63,17 +69,30 @@ def drafted_ranges(r: RequestView, label: str, width: int, max_lines: int = TAIL
     return out
 
 
-def stream_content(r: RequestView, width: int, names: dict[int, str] | None = None) -> tuple[Content, int]:
-    """The stream's rendering and its height in lines."""
+def stream_label(r: RequestView, names: dict[int, str] | None = None) -> str:
     worker = "-" if r.worker is None else short_worker((names or {}).get(r.worker, f"w{r.worker}"))
-    label = f" {r.id} {worker} "
+    return f" {r.id} {worker} "
+
+
+def stream_body(r: RequestView) -> str:
     body = r.text_tail or f"({r.state})"
     if r.state == RequestState.ERROR:
         body += f"  {r.error or 'error'}"
     elif r.state not in ACTIVE and r.text_tail:
         body += f"  ({r.state})"
-    wrap = max(len(label) + 8, width)
-    lines = stream_lines(label, body, wrap)
+    return body
+
+
+def stream_wrap(label: str, width: int) -> int:
+    """The width a stream is wrapped at: the panel's, or the label and a few characters."""
+    return max(len(label) + 8, width)
+
+
+def stream_content(r: RequestView, width: int, names: dict[int, str] | None = None) -> tuple[Content, int]:
+    """The stream's rendering and its height in lines."""
+    label = stream_label(r, names)
+    wrap = stream_wrap(label, width)
+    lines = stream_lines(label, stream_body(r), wrap)
     content = Content("\n".join(lines))
     if r.state != "error":
         for a, b in drafted_ranges(r, label, wrap):
@@ -86,41 +105,73 @@ def stream_content(r: RequestView, width: int, names: dict[int, str] | None = No
     return content, len(lines)
 
 
-class StreamsPanel(VerticalScroll):
+EMPTY = Content.from_markup("[$text-muted]no active requests[/]")
+
+
+class StreamsPanel(ScrollView, can_focus=True):
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
-        self._shown: dict[str, tuple[Static, tuple]] = {}   # request id -> (widget, what it shows)
-        self._empty = Static("[$text-muted]no active requests[/]")
+        # the streams shown, oldest first: (request, what it shows: its state and text lines)
+        self._streams: list[tuple[RequestView, tuple[str, str]]] = []
+        self._starts: list[int] = []         # each stream's first line
+        self._height = 0                     # lines of all the streams
+        self._names: dict[int, str] | None = None
+        self._width = 0                      # the width the streams are wrapped at
+        self._end = 0                        # scroll_y with the newest line at the bottom, when last drawn
+        self._drawn: dict[int, list[Strip]] = {}   # stream -> its lines, styled in this paint
         self._last: tuple[tuple[RequestView, ...], dict[int, str] | None] = ((), None)
 
-    def compose(self):
-        yield self._empty
+    @property
+    def shown_ids(self) -> list[str]:
+        """The requests whose streams are shown, oldest first."""
+        return [r.id for r, _ in self._streams]
 
     def on_resize(self) -> None:
         # Streams are wrapped here to the panel's width: wrap them again at the new one.
-        self.call_after_refresh(self.show_streams, *self._last)
+        self.show_streams(*self._last)
 
     def show_streams(self, requests: tuple[RequestView, ...], names: dict[int, str] | None = None) -> None:
         self._last = (requests, names)
-        wanted = streams_to_show(requests)
         width = max(20, self.scrollable_content_region.width)
-        following = self.scroll_y >= self.max_scroll_y   # at the bottom: keep the newest in view
-        keep = {r.id for r in wanted}
-        for rid in [rid for rid in self._shown if rid not in keep]:
-            self._shown.pop(rid)[0].remove()
+        # At the bottom when last drawn (a resize since moves the bottom): keep the newest in view.
+        following = self.scroll_y >= min(self._end, self.max_scroll_y)
+        wanted = streams_to_show(requests)
+        shown, starts, top = [], [], 0
         for r in wanted:
-            content, height = stream_content(r, width, names)
-            key = (r.state, content.plain)    # Content compares its text only, not its styles
-            widget, shown = self._shown.get(r.id, (None, None))
-            if widget is None:
-                widget = Static(content, classes="stream")
-                widget.styles.height = height
-                self.mount(widget)
-            elif shown != key:
-                if widget.styles.height is None or widget.styles.height.value != height:
-                    widget.styles.height = height
-                widget.update(content, layout=False)
-            self._shown[r.id] = (widget, key)
-        self._empty.display = not wanted
+            label = stream_label(r, names)
+            lines = stream_lines(label, stream_body(r), stream_wrap(label, width))
+            shown.append((r.state, "\n".join(lines)))
+            starts.append(top)
+            top += len(lines)
+        streams = list(zip(wanted, shown))
+        if width == self._width and [(r.id, s) for r, s in streams] == [(r.id, s) for r, s in self._streams]:
+            return       # nothing new to draw
+        self._streams = streams
+        self._starts, self._height, self._names, self._width = starts, top, names, width
+        set_virtual_size(self, Size(width, top))
         if following:
-            self.call_after_refresh(self.scroll_end, animate=False)
+            self.scroll_end(animate=False, immediate=bool(self.size), x_axis=False)
+        self._end = self.max_scroll_y
+        self.refresh()
+
+    def render_lines(self, crop: Region) -> list[Strip]:
+        # A stream is styled once per paint, for the lines of it on screen.
+        self._drawn = {}
+        return super().render_lines(crop)
+
+    def _draw(self, content: Content) -> list[Strip]:
+        return Visual.to_strips(self, content, self.scrollable_content_region.width, None, self.visual_style)
+
+    def render_line(self, y: int) -> Strip:
+        index = int(self.scroll_y) + y
+        lines: list[Strip] = []
+        if not self._streams:
+            lines = self._draw(EMPTY)[index:]
+        elif index < self._height:
+            at = bisect.bisect_right(self._starts, index) - 1
+            drawn = self._drawn.get(at)
+            if drawn is None:
+                r, _ = self._streams[at]
+                drawn = self._drawn[at] = self._draw(stream_content(r, self._width, self._names)[0])
+            lines = drawn[index - self._starts[at]:]
+        return lines[0] if lines else Strip([])     # padded with the panel's background

@@ -20,6 +20,7 @@ from textual.strip import Strip
 
 from app.widgets.fmt import short_worker
 from app.widgets.requests import request_number
+from app.widgets.scroll import set_virtual_size
 from engine.facade.snapshot import EngineSnapshot, RequestState
 from engine.facade.timeline import Timeline
 
@@ -128,13 +129,11 @@ class TimelinePanel(ScrollView, can_focus=True):
                 worker = "-" if r.worker is None else short_worker(names.get(r.worker, str(r.worker)))
                 lanes.append((r.id, worker, r.state, t))
         lanes.sort(key=lambda lane: -request_number(lane[0]))
-        count_changed = len(lanes) != len(self._lanes)
         self._lanes, self._clock = lanes, snap.clock
         ids = [lane[0] for lane in lanes]
         self._cursor = ids.index(self._selected) if self._selected in ids else 0
         self._selected = self.selected_id
-        if count_changed:
-            self.virtual_size = Size(self.size.width, len(lanes) + 1)
+        set_virtual_size(self, Size(self.size.width, len(lanes) + 1))
         self._scroll_to_cursor()
         self.refresh()
 

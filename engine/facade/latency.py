@@ -216,6 +216,8 @@ class LatencyWindow:
         for metric, worker, t, value in live:
             extra.setdefault((metric, None), []).append((t, value))
             extra.setdefault((metric, worker), []).append((t, value))
+        # sorted by value once: each window keeps the ones in it, still in order
+        extra = {key: sorted(pairs, key=lambda p: p[1]) for key, pairs in extra.items()}
         with self._lock:
             for series in self._series.values():
                 series.prune(now)
@@ -228,7 +230,7 @@ class LatencyWindow:
                 for metric in METRICS:
                     for worker in [None, *workers]:
                         series = self._series.get((metric, worker))
-                        more = sorted(v for t, v in extra.get((metric, worker), ()) if t >= start)
+                        more = [v for t, v in extra.get((metric, worker), ()) if t >= start]
                         if series is None:
                             base = [] if seconds is None else np.empty(0)
                         else:

@@ -75,6 +75,9 @@ class TimelineStore:
         self._lock = threading.Lock()
         self._events: dict[str, _Events] = {}
         self._final: dict[str, Timeline] = {}    # ended requests' timelines: they change no more
+        # a live request's timeline and what it was built from: most snapshots find it unchanged
+        # (a decoding request's phases stay as they are until it ends)
+        self._built: dict[str, tuple[tuple, Timeline]] = {}
 
     def on_step(self, event, now: float, records) -> None:
         """One StepEvents: prefill chunks, token deliveries (spec rounds), preemptions. What
@@ -115,14 +118,24 @@ class TimelineStore:
                 del self._events[rid]
             for rid in [rid for rid in self._final if rid not in records]:
                 del self._final[rid]
+            for rid in [rid for rid in self._built if rid not in records]:
+                del self._built[rid]
             for rec in records.values():
                 done = self._final.get(rec.id)
                 if done is None:
                     ev = self._events.get(rec.id)
                     changes, ticks = ev.as_tuples() if ev is not None else ((), ())
-                    done = build(rec, changes, ticks)
+                    inputs = (changes, ticks, rec.follow_at, rec.prefill_at, rec.metrics, rec.finish_reason,
+                              rec.finished_at)
+                    built = self._built.get(rec.id)
+                    if built is not None and built[0] == inputs:
+                        done = built[1]
+                    else:
+                        done = build(rec, changes, ticks)
+                        self._built[rec.id] = (inputs, done)
                     if rec.finish_reason is not None and rec.metrics is not None:
                         self._final[rec.id] = done
+                        del self._built[rec.id]
                 out[rec.id] = done
         return out
 
