@@ -765,7 +765,7 @@ What bounds them: decode reads every weight once a step (0.5B ~0.39 GB, 1.5B ~1.
 memory: on Zen 5 the 0.5B step reads 32 GB/s against a 41-45 GB/s plain 2-thread read, the
 framework around the kernels within the timings' spread (`framework_overhead_ms_per_step`). On
 Zen 3 the Q5_0 direct kernel is bound by its bit work (10 GB/s; Q8_0 and Q4_K 17). Prefill is
-compute-bound (the panels). RSS above llama.cpp's: the torch runtime and the tokenizer.""",
+compute-bound (the panels).""",
     "batching": """\
 What bounds them: one stream is bound by memory, eight rows by the integer dot and the tile build
 (`python tools/kernel_bench.py`): the 8-row forward takes ~1.8× the 1-row one on Zen 5, ~2.1× on
