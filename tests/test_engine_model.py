@@ -103,8 +103,8 @@ def _fault_in_sampling(monkeypatch):
     is in the batch: a retry must rewind the other requests' streams."""
     real_sample = sampling.sample
 
-    def faulty(logits, samplers):
-        result = real_sample(logits, samplers)
+    def faulty(logits, samplers, *picked):   # picked: the captured step's greedy pick (CUDA)
+        result = real_sample(logits, samplers, *picked)
         if _poisoned(samplers):
             raise RuntimeError("injected sampling fault")
         return result
