@@ -21,7 +21,7 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
 from app.widgets.fmt import fmt_seconds, short_worker
-from app.widgets.scroll import set_virtual_size
+from app.widgets.scroll import keep_row_in_view, set_virtual_size
 from engine.facade.snapshot import LIVE_STATES, RequestState, RequestView
 
 # (header, width). The columns that matter most come first: on a narrow terminal the last
@@ -156,12 +156,7 @@ class RequestsTable(ScrollView, can_focus=True):
         self.refresh()
 
     def _scroll_to_cursor(self) -> None:
-        visible = max(1, self.size.height - 1)          # minus the header line
-        top = int(self.scroll_y)
-        if self._cursor < top:
-            self.scroll_to(y=self._cursor, animate=False, immediate=True)
-        elif self._cursor >= top + visible:
-            self.scroll_to(y=self._cursor - visible + 1, animate=False, immediate=True)
+        keep_row_in_view(self, self._cursor)
 
     def on_click(self, event: Click) -> None:
         if event.y >= 1:

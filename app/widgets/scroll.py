@@ -24,3 +24,14 @@ def set_virtual_size(view: ScrollView, size: Size) -> None:
     view._scroll_update(size)
     view.scroll_y = view.validate_scroll_y(view.scroll_y)    # a shorter view: not past its end
     view.refresh()
+
+
+def keep_row_in_view(view, row: int) -> None:
+    """Scroll a line-drawn view with one header line (the request table, the timeline) just
+    enough that `row` is on screen."""
+    visible = max(1, view.size.height - 1)          # minus the header line
+    top = int(view.scroll_y)
+    if row < top:
+        view.scroll_to(y=row, animate=False, immediate=True)
+    elif row >= top + visible:
+        view.scroll_to(y=row - visible + 1, animate=False, immediate=True)

@@ -20,7 +20,7 @@ from textual.strip import Strip
 
 from app.widgets.fmt import short_worker
 from app.widgets.requests import request_number
-from app.widgets.scroll import set_virtual_size
+from app.widgets.scroll import keep_row_in_view, set_virtual_size
 from engine.facade.snapshot import EngineSnapshot, RequestState
 from engine.facade.timeline import Timeline
 
@@ -163,12 +163,7 @@ class TimelinePanel(ScrollView, can_focus=True):
         self.refresh()
 
     def _scroll_to_cursor(self) -> None:
-        visible = max(1, self.size.height - 1)          # minus the axis line
-        top = int(self.scroll_y)
-        if self._cursor < top:
-            self.scroll_to(y=self._cursor, animate=False, immediate=True)
-        elif self._cursor >= top + visible:
-            self.scroll_to(y=self._cursor - visible + 1, animate=False, immediate=True)
+        keep_row_in_view(self, self._cursor)
 
     def on_click(self, event: Click) -> None:
         if event.y >= 1:
