@@ -182,6 +182,7 @@ class Dispatcher:
                         rec.drafted.pop(0)
                 rec.text += d.text
                 rec.state = RequestState.DECODE
+                self.engine.requests.recount(rec)
                 deliveries.append((rec.id, d))
             for f in event.finished:
                 rec = self.engine.requests.get(f.request_id)
@@ -237,6 +238,7 @@ class Dispatcher:
                     rec.follow_at = time.monotonic()
                 rec.spec = v.spec
                 rec.state = RequestState.of_worker(v.state)
+                self.engine.requests.recount(rec)
                 if rec.state != RequestState.QUEUED and rec.prefill_at is None:
                     rec.prefill_at = time.monotonic()
 
@@ -287,6 +289,7 @@ class Dispatcher:
                 decision = self.engine.router.choose(rec.id, len(rec.prompt_ids), rec.params.max_tokens, loads,
                                                      prompt_lens=rec.prompt_lens)
                 rec.worker, rec.state = decision.chosen, RequestState.QUEUED
+                self.engine.requests.recount(rec)
                 self.engine.record_route(decision)
                 slot = self.engine.workers[decision.chosen]
                 self.engine.log("warning", f"{rec.id} rerouted from worker {event.worker} to "

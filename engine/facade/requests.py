@@ -168,10 +168,34 @@ class RequestTable:
         self.records: dict[str, RequestRecord] = {}
         self.handles: dict[str, RequestHandle] = {}
         self._finished: deque[str] = deque()
+        # The router's account, kept as records change so that a decision reads it in
+        # O(workers), not O(requests): each unfinished routed request's share as last counted
+        # (recount), and per worker the sum of the shares: [running, waiting, prefill, decode].
+        self._shares: dict[str, tuple[int, int, int, int, int]] = {}
+        self._account: dict[int, list[int]] = {}
+        self._sizes = [0, 0]   # prompt tokens and max_tokens summed over every record kept
 
     def add(self, rec: RequestRecord, handle: RequestHandle) -> None:
         self.records[rec.id] = rec
         self.handles[rec.id] = handle
+        self._sizes[0] += len(rec.prompt_ids)
+        self._sizes[1] += rec.params.max_tokens
+        self.recount(rec)
+
+    def recount(self, rec: RequestRecord) -> None:
+        """Bring the load account up to date with `rec`: call it after changing what its share
+        depends on (worker, state, computed tokens, output, finish)."""
+        old = self._shares.pop(rec.id, None)
+        if old is not None:
+            acct = self._account[old[0]]
+            for i in range(4):
+                acct[i] -= old[i + 1]
+        new = load_share(rec)
+        if new is not None:
+            self._shares[rec.id] = new
+            acct = self._account.setdefault(new[0], [0, 0, 0, 0])
+            for i in range(4):
+                acct[i] += new[i + 1]
 
     def get(self, request_id: str) -> RequestRecord | None:
         return self.records.get(request_id)
@@ -183,11 +207,15 @@ class RequestTable:
 
     def finished(self, rec: RequestRecord) -> None:
         """Count a request as finished; the oldest finished ones beyond KEEP_FINISHED go."""
+        self.recount(rec)
         self._finished.append(rec.id)
         while len(self._finished) > KEEP_FINISHED:
             rid = self._finished.popleft()
-            self.records.pop(rid, None)
+            gone = self.records.pop(rid, None)
             self.handles.pop(rid, None)
+            if gone is not None:
+                self._sizes[0] -= len(gone.prompt_ids)
+                self._sizes[1] -= gone.params.max_tokens
 
     def outstanding(self) -> int:
         return sum(r.finish_reason is None for r in self.records.values())
@@ -198,38 +226,36 @@ class RequestTable:
 
     def loads(self, workers) -> list[WorkerLoad]:
         """What the router weighs for each worker slot (engine/facade/workers.py): its rates
-        and every unfinished request's outstanding work: prompt tokens not yet computed (nor
-        expected from the prefix cache) and its decode budget left."""
-        loads = {}
+        and every unfinished request's outstanding work (load_share), from the running account."""
+        loads = []
+        zero = (0, 0, 0, 0)
         for w in workers:
             pre, dec = w.profile   # (0, 0) when it was not calibrated, e.g. a lone worker
-            loads[w.index] = WorkerLoad(w.index, w.info_or_config().name, pre or NOMINAL_RATES[0],
-                                        dec or NOMINAL_RATES[1], alive=w.ready, nominal=not (pre and dec))
-        for rec in self.records.values():
-            if rec.finish_reason is not None or rec.worker is None:
-                continue
-            load = loads[rec.worker]
-            if rec.state == RequestState.QUEUED:
-                load.waiting += 1
-            else:
-                load.running += 1
-            load.prefill_tokens += max(0, rec.prompt_len_on(rec.worker) - max(rec.computed, rec.cached_estimate))
-            load.decode_tokens += max(0, rec.params.max_tokens - len(rec.output_ids))
-        external = {w.index: w.stats.external_requests for w in workers
-                    if w.cfg.remote and w.stats is not None and w.stats.external_requests}
-        if external:
-            # a remote's requests from other clients (its scrape): each weighs as a typical
-            # request here, since their sizes are not known
-            recs = list(self.records.values())
-            prompt = sum(len(r.prompt_ids) for r in recs) / len(recs) if recs else 0.0
-            decode = sum(r.params.max_tokens for r in recs) / len(recs) if recs else 0.0
-            for ld in loads.values():
-                n = external.get(ld.worker, 0)
-                if n:
-                    ld.waiting += n
-                    ld.prefill_tokens += round(n * prompt)
-                    ld.decode_tokens += round(n * decode)
-        return list(loads.values())
+            ld = WorkerLoad(w.index, w.info.name if w.info is not None else w.info_or_config().name,
+                            pre or NOMINAL_RATES[0], dec or NOMINAL_RATES[1], w.ready,
+                            *self._account.get(w.index, zero), not (pre and dec))
+            n = w.stats.external_requests if w.stats is not None and w.cfg.remote else 0
+            if n:
+                # a remote's requests from other clients (its scrape): each weighs as a typical
+                # request here (the mean over the records kept), since their sizes are not known
+                kept = len(self.records) or 1
+                ld.waiting += n
+                ld.prefill_tokens += round(n * (self._sizes[0] / kept))
+                ld.decode_tokens += round(n * (self._sizes[1] / kept))
+            loads.append(ld)
+        return loads
+
+
+def load_share(rec: RequestRecord) -> tuple[int, int, int, int, int] | None:
+    """(worker, running, waiting, prefill tokens, decode tokens) one request adds to its
+    worker's load: prompt tokens not yet computed (nor expected from the prefix cache) and its
+    decode budget left; None once it finished or while it has no worker."""
+    if rec.finish_reason is not None or rec.worker is None:
+        return None
+    queued = rec.state == RequestState.QUEUED
+    return (rec.worker, int(not queued), int(queued),
+            max(0, rec.prompt_len_on(rec.worker) - max(rec.computed, rec.cached_estimate)),
+            max(0, rec.params.max_tokens - len(rec.output_ids)))
 
 
 def encode_prompt(tokenizer, prompt: str | None, messages: list[dict] | None,

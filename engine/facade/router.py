@@ -24,7 +24,7 @@ evicted before the request arrives.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from engine.config import check_router_policy
 
@@ -34,7 +34,7 @@ BALANCE_ABS_S = 2.0      # cache-aware: imbalanced if max - min outstanding work
 BALANCE_REL = 1.5        # ... and max > 1.5 x min
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)   # not frozen: a decision builds one per live worker, and a frozen init costs 3x
 class Candidate:
     worker: int
     name: str
@@ -67,14 +67,14 @@ class RouteDecision:
         return {"request_id": self.request_id, "time": self.time, "policy": self.policy,
                 "chosen": self.chosen, "prompt_tokens": self.prompt_tokens,
                 "max_tokens": self.max_tokens, "reason": self.reason,
-                "candidates": [c.__dict__ for c in self.candidates]}
+                "candidates": [asdict(c) for c in self.candidates]}
 
     @property
     def chosen_reuse(self) -> int:
         return next((c.cached_tokens for c in self.candidates if c.worker == self.chosen), 0)
 
 
-@dataclass
+@dataclass(slots=True)
 class WorkerLoad:
     """The facade's running account of one worker's outstanding work."""
     worker: int
@@ -111,17 +111,21 @@ class Router:
             raise RuntimeError("no live worker to route to")
         cached = cached or {}
         prompt_lens = prompt_lens or {}
+        by_cost, by_count = self.policy in ("cost", "cache-aware"), self.policy == "least-loaded"
+        local = (prompt_tokens, "local")
         cands = []
         for w in live:
-            n_prompt, source = prompt_lens.get(w.worker, (prompt_tokens, "local"))
-            reuse = min(cached.get(w.worker, 0), max(0, n_prompt - 1))
+            n_prompt, source = prompt_lens.get(w.worker, local) if prompt_lens else local
+            reuse = cached.get(w.worker, 0)
+            if reuse:
+                reuse = min(reuse, max(0, n_prompt - 1))
             pre = w.prefill_tokens + n_prompt - reuse
             dec = w.decode_tokens + max_tokens
             pre_rate, dec_rate = max(w.prefill_rate, 1e-9), max(w.decode_rate, 1e-9)
             work = w.prefill_tokens / pre_rate + w.decode_tokens / dec_rate
-            if self.policy in ("cost", "cache-aware"):
+            if by_cost:
                 score = pre / pre_rate + dec / dec_rate
-            elif self.policy == "least-loaded":
+            elif by_count:
                 score = float(w.running + w.waiting)
             else:
                 score = 0.0
@@ -156,22 +160,25 @@ class Router:
 
 def reusable_prefix_tokens(ids: list[int], salt: str | None, live: list) -> dict[int, int]:
     """Prompt tokens each ready worker (slots, engine/facade/workers.py) could restore from its
-    prefix cache: the page keys it published vs the prompt's hash chain."""
+    prefix cache: the leading pages of the prompt's hash chain it published. The chain is hashed
+    once per model identity and page size, and each worker's count stops at its first miss."""
     # imported here: it imports torch (see engine/__init__.py)
-    from engine.kv.prefix_cache import DELTA_KEY_BYTES, chain_keys, extra_key, model_identity
+    from engine.kv.prefix_cache import DELTA_KEY_BYTES, chain_keys, extra_key
 
     chains: dict[tuple, list[bytes]] = {}
     out = {}
     for w in live:
-        if w.info.prefix_cache != "on" or not w.cache_keys:
+        keys = w.cache_keys
+        if not keys or w.info.prefix_cache != "on":
             continue
-        cfg, ps = w.cfg, w.info.page_size
-        ident = model_identity(cfg.model, cfg.activation_dtype, cfg.simulated)
-        if (ident, ps) not in chains:
-            chains[ident, ps] = chain_keys(ids, ps, extra_key(ident, salt), (len(ids) - 1) // ps)
+        ps = w.info.page_size
+        chain = chains.get((w.cache_ident, ps))
+        if chain is None:
+            full = chain_keys(ids, ps, extra_key(w.cache_ident, salt), (len(ids) - 1) // ps)
+            chain = chains[w.cache_ident, ps] = [k[:DELTA_KEY_BYTES] for k in full]
         n = 0
-        for key in chains[ident, ps]:
-            if key[:DELTA_KEY_BYTES] not in w.cache_keys:
+        for key in chain:
+            if key not in keys:
                 break
             n += 1
         out[w.index] = n * ps

@@ -15,6 +15,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from enum import StrEnum
+from functools import cached_property
 
 from engine import messages as msg
 from engine.config import WorkerConfig
@@ -79,6 +80,12 @@ class WorkerSlot:
 
     def send(self, command) -> None:
         self.commands.put(command)
+
+    @cached_property
+    def cache_ident(self) -> str:
+        """The model identity its prefix cache hashes pages under (routing's reuse estimate)."""
+        from engine.kv.prefix_cache import model_identity   # imports torch (see engine/__init__.py)
+        return model_identity(self.cfg.model, self.cfg.activation_dtype, self.cfg.simulated)
 
     def info_or_config(self) -> msg.WorkerInfo:
         return self.info or msg.WorkerInfo.before_ready(self.cfg)
