@@ -652,8 +652,8 @@ A 4-request burst with no recording, the light ring (default) and full detail (p
 scopes), interleaved, and a light scope's cost (a no-op) times a step's scopes, as a share of the
 step; goals: light ≤ 1%, full ≤ 10% off. Older reports: tracing off and on.""",
     "router": """\
-One routing decision as `Engine.submit` makes it under the facade's lock: each worker's load from
-the queue, the reusable prefix per worker (the prompt's pages against its published keys),
+One routing decision as `Engine.submit` makes it under the facade's lock: each worker's load (a
+running account), the reusable prefix per worker (the prompt's pages against its published keys),
 `Router.choose`; N simulated workers, never started, 1,000 requests queued; median and p99 µs of
 each part. Goal: ≤ 1 ms at 256 workers.""",
     "record": """\

@@ -1,10 +1,11 @@
 """`tokentop bench router`: what one routing decision costs the facade, with many workers and a
 deep queue. Goal: at most 1 ms per decision at 256 workers.
 
-A decision is what Engine.submit does for each request under the facade's lock: the load
-account of every worker from the request table (RequestTable.loads over every queued
-request), the reusable-prefix estimate per worker (the prompt's page chain hashed once,
-looked up in each worker's published keys), then Router.choose. All three are the engine's
+A decision is what Engine.submit does for each request under the facade's lock: every
+worker's load from the request table's running account (RequestTable.loads, one entry per
+worker, however many requests are queued), the reusable-prefix estimate per worker (the
+prompt's page chain hashed once, each worker's published keys looked up until the first
+miss), then Router.choose. All three are the engine's
 own code, on an Engine that is never started: N ready simulated workers (their slots filled
 as step events would fill them, each holding PUBLISHED_KEYS page keys, one in eight the
 prompt's first pages) and --queued requests (default 1,000) spread over them. No worker
