@@ -281,6 +281,9 @@ def build_parser() -> OneLineParser:
     w.add_argument("--interval", type=float, default=1.0, help="seconds between looks (default 1)")
     w.add_argument("--once", action="store_true", help="print one snapshot and exit (1 if a server is down)")
     w.add_argument("--json", action="store_true", help="with --once: the snapshot as JSON")
+    w.add_argument("--api-key", default=None,
+                   help="for tokentop servers started with --api-key: read their /snapshot (workers, "
+                        "the engine's percentiles and alerts); without it they are read from /metrics")
 
     m = sub.add_parser("models", help="list bundled models and whether they are installed")
     m.add_argument("--json", action="store_true")
@@ -349,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.interval <= 0:
                 raise ConfigError(f"--interval must be a positive number of seconds, got {args.interval:g}")
             from app.watch import run_watch
-            return run_watch(args.urls, args.interval, args.once, args.json)
+            return run_watch(args.urls, args.interval, args.once, args.json, args.api_key)
         if args.command == "status":
             from app.status import cmd_status
             return cmd_status(args)

@@ -2,7 +2,7 @@
 
 One group per server (tokentop serve, vLLM, SGLang, llama.cpp's server, vllm-router): its
 state, running / waiting, KV usage, tok/s history, TTFT / ITL percentiles and alerts, from
-engine/watch. `--once` prints one snapshot (text, or `--json`) and exits: 1 when a server is
+engine/watch; a tokentop server's workers one line each, and its own percentiles and alerts. `--once` prints one snapshot (text, or `--json`) and exits: 1 when a server is
 down, else 0.
 """
 from __future__ import annotations
@@ -16,6 +16,7 @@ from textual.app import App, ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import Footer, Header, Static
 
+from app.flags import as_flags
 from app.widgets.rate_sparkline import spark_bars
 from engine.watch.watcher import ServerStatus, Watcher
 
@@ -49,14 +50,36 @@ def lines(s: ServerStatus) -> list[tuple[str, str]]:
             out.append(("", f"  requests routed {s.requests:g}"))
         if s.tok_s is not None or s.tok_s_history:
             out.append(("", f"  tok/s {_num(s.tok_s, '{:.1f}'):>8}  {spark_bars(tuple(s.tok_s_history), SPARK_WIDTH)}"))
-        for name, q in (("TTFT", s.ttft), ("ITL", s.itl)):
+        for key, name, q in (("ttft", "TTFT", s.ttft), ("itl", "ITL", s.itl), ("e2e", "e2e", s.e2e)):
             if any(v is not None for v in q.values()):
-                out.append(("", f"  {name:<4} " + "  ".join(f"{k} {_secs(v)}" for k, v in q.items())))
+                line = f"  {name:<4} " + "  ".join(f"{k} {_secs(v)}" for k, v in q.items())
+                if key in s.latency_counts:       # the engine's own records (/snapshot)
+                    n, window = s.latency_counts[key]
+                    line += f"  ({n} request{'s' if n != 1 else ''}, {_window(window)})"
+                out.append(("", line))
+        for w in s.engine_workers:
+            out.append(("" if w["state"] == "ready" else "yellow", worker_line(w)))
         for w in s.workers:
             health = "healthy" if w["healthy"] else "DOWN"
             out.append(("red" if not w["healthy"] else "", f"  worker {w['url']}  {health}  load {_num(w['load'])}"))
     out += [("bold red" if a.startswith("down") else "bold yellow", f"  ! {a}") for a in s.alerts]
+    if s.note:
+        out.append(("dim", f"  {as_flags(s.note)}"))
     return out
+
+
+def _window(name: str) -> str:
+    return "the session" if name == "session" else f"last {name}"
+
+
+def worker_line(w: dict) -> str:
+    """One worker of a tokentop server (its /snapshot)."""
+    line = f"  {w['name']}  {w['state']}  run {w['running']}/{w['max_active']}  wait {w['waiting']}"
+    if w["decode_tps"] is not None:
+        line += f"  decode {w['decode_tps']:.1f} tok/s"
+    if w["kv"] is not None:
+        line += f"  KV {w['kv'] * 100:.0f}%"
+    return line + (f"  {w['message']}" if w["message"] else "")
 
 
 def as_text(statuses: list[ServerStatus]) -> str:
@@ -112,14 +135,15 @@ class WatchApp(App):
         self._stop.set()
 
 
-def run_watch(urls: list[str], interval: float, once: bool, as_json: bool) -> int:
-    watcher = Watcher(urls)
+def run_watch(urls: list[str], interval: float, once: bool, as_json: bool, api_key: str | None = None) -> int:
+    watcher = Watcher(urls, api_key=api_key)
     try:
         if once:
             watcher.poll()
             time.sleep(interval)               # a second look: rates need two
             statuses = watcher.poll()
-            print(json.dumps([s.to_json() for s in statuses], indent=2) if as_json else as_text(statuses))
+            print(json.dumps([{**s.to_json(), "note": as_flags(s.note)} for s in statuses], indent=2)
+                  if as_json else as_text(statuses))
             return 1 if any(s.state == "down" for s in statuses) else 0
         WatchApp(watcher, interval).run()
         return 0

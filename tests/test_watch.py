@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from app.cli import main
-from engine.watch.sources import Sample, from_metrics
+from engine.watch.sources import Sample, apply_snapshot, from_metrics
 from engine.watch.watcher import STALL_S, Watcher, _Track, quantile
 from tests.serve_util import in_process_server
 
@@ -172,7 +172,22 @@ def test_once_json_against_a_real_tokentop_serve(server, capsys):
     assert (s["url"], s["kind"], s["state"], s["model"]) == (http.url, "tokentop", "up", http.api.model)
     assert s["running"] == 1 and s["waiting"] == 0 and s["kv_usage"] is not None and s["kv_usage"] > 0
     assert s["tok_s"] > 0 and s["ttft"]["p50"] is not None and s["itl"]["p99"] is not None
-    assert s["alerts"] == []
+    assert s["alerts"] == [] and s["note"] == ""
+    # read from /snapshot: its worker, and percentiles from the engine's own records
+    assert s["source"] == "snapshot"
+    (w,) = s["engine_workers"]
+    assert (w["name"], w["state"], w["running"], w["max_active"]) == ("sim:slow", "ready", 1, 4)
+    assert w["decode_tps"] > 0
+    assert set(s["ttft"]) == {"p50", "p95", "p99"} and s["e2e"]["p50"] is not None
+    n, window = s["latency_counts"]["ttft"]
+    assert n >= 3 and window in ("60s", "session")
+    # nearest rank: each percentile is a TTFT some request had (as its worker measured it, or as
+    # the facade saw it while it ran)
+    with engine.lock:
+        recs = list(engine.requests.records.values())
+    had = {r.metrics.ttft for r in recs if r.metrics} | {r.first_token_at - r.arrival for r in recs
+                                                          if r.first_token_at is not None}
+    assert all(any(abs(v - t) < 1e-9 for t in had) for v in s["ttft"].values())
 
 
 def test_once_text_names_a_down_server(server, capsys):
@@ -186,6 +201,94 @@ def test_once_text_names_a_down_server(server, capsys):
     assert f"{http.url}  tokentop  up" in out and f"{dead}  ?  down" in out and "! down:" in out
 
 
+@pytest.fixture(scope="module")
+def keyed_server(real_model_path):
+    """A tokentop serve with --api-key, one simulated worker and a remote one whose server is gone."""
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        gone = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    with in_process_server(real_model_path, ["sim:near:prefill=20000,decode=500", f"remote:{gone}"],
+                           api_key="sesame") as (engine, http):
+        assert httpx.post(http.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4},
+                          headers={"Authorization": "Bearer sesame"}, timeout=30).status_code == 200
+        yield engine, http
+
+
+def _watch_once(capsys, *args) -> list[dict]:
+    assert main(["watch", *args, "--once", "--json", "--interval", "0.3"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_a_keyed_servers_snapshot_with_its_key_shows_workers_and_alerts(keyed_server, capsys):
+    _, http = keyed_server
+    from tests.waiting import wait_until
+    wait_until(lambda: httpx.get(http.url + "/snapshot", headers={"Authorization": "Bearer sesame"},
+                                 timeout=5).json()["alerts"], 20, "the remote-down alert", poll=0.2)
+    (s,) = _watch_once(capsys, http.url, "--api-key", "sesame")
+    assert s["source"] == "snapshot" and s["note"] == ""
+    near, far = s["engine_workers"]
+    assert (near["state"], far["state"]) == ("ready", "down") and far["message"]
+    assert any(a.startswith("remote-down: ") for a in s["alerts"])
+    assert s["ttft"]["p50"] is not None and s["latency_counts"]["ttft"][0] >= 1
+
+
+def test_a_refused_snapshot_falls_back_to_metrics_and_says_so(keyed_server, capsys):
+    _, http = keyed_server
+    (s,) = _watch_once(capsys, http.url)                      # no key: /snapshot answers 401
+    assert s["kind"] == "tokentop" and s["state"] == "up" and s["source"] == "metrics"
+    assert "--api-key" in s["note"] and s["engine_workers"] == []
+    assert set(s["ttft"]) == {"p50", "p90", "p99"} and s["ttft"]["p50"] is not None   # the histograms'
+    (s,) = _watch_once(capsys, http.url, "--api-key", "wrong")
+    assert s["source"] == "metrics" and "refused the API key" in s["note"]
+    assert main(["watch", http.url, "--once", "--interval", "0.3"]) == 0
+    assert "/snapshot wants the server's API key" in capsys.readouterr().out
+
+
+def test_an_older_server_without_snapshot_is_read_from_metrics(server, capsys):
+    """An older tokentop: its real /metrics and /health (proxied), and no /snapshot (404)."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    _, http = server
+
+    class Older(BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path in ("/metrics", "/health"):
+                r = httpx.get(http.url + self.path, timeout=5)
+                code, body = r.status_code, r.content
+            else:
+                code, body = 404, b"Not Found"
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    older = ThreadingHTTPServer(("127.0.0.1", 0), Older)
+    threading.Thread(target=older.serve_forever, daemon=True).start()
+    try:
+        (s,) = _watch_once(capsys, f"http://127.0.0.1:{older.server_address[1]}")
+    finally:
+        older.shutdown()
+        older.server_close()
+    assert s["kind"] == "tokentop" and s["state"] == "up"
+    assert s["source"] == "metrics" and s["note"] == "" and s["engine_workers"] == []
+
+
+def test_a_snapshot_of_another_shape_changes_nothing(server):
+    _, http = server
+    snap = httpx.get(http.url + "/snapshot", timeout=5).json()
+    sample = Sample("http://x", 0.0, True, kind="tokentop", running=7.0)
+    for bad in ({**snap, "version": 2}, {**snap, "workers": [{"name": "w"}]}, [], {**snap, "latency": {}}):
+        with pytest.raises((KeyError, TypeError, ValueError)):
+            apply_snapshot(sample, bad)
+        assert sample.running == 7.0 and sample.source == "metrics" and sample.engine_workers == []
+    apply_snapshot(sample, snap)
+    assert sample.source == "snapshot" and [w["name"] for w in sample.engine_workers] == ["sim:slow"]
+
+
 async def test_the_dashboard_shows_one_group_per_server(server):
     from app.watch import WatchApp
 
@@ -195,9 +298,10 @@ async def test_the_dashboard_shows_one_group_per_server(server):
         for _ in range(50):
             await pilot.pause(0.1)
             text = str(app.panels[http.url].render())
-            if "tokentop  up" in text:
+            if "tokentop  up" in text and "sim:slow  ready" in text:
                 break
         assert f"{http.url}  tokentop  up" in text and "running" in text
+        assert "  sim:slow  ready  run " in text       # its worker, from /snapshot
 
 
 def test_bad_watch_flags_are_one_line(capsys):

@@ -2,7 +2,10 @@
 
 Kinds, told apart by the metric names on /metrics (each project's own, read from its source):
   tokentop   tokentop:worker_info beside vLLM's names (engine/serve/metrics.py); tok/s from its
-             tokentop:decode_tokens_per_second (its vllm:generation_tokens rises per finished request)
+             tokentop:decode_tokens_per_second (its vllm:generation_tokens rises per finished request).
+             Then its GET /snapshot (docs/snapshot.md): each worker's state, percentiles from the
+             engine's own records and its alerts. Where /snapshot is missing (an older server),
+             refused (an --api-key server, no key given) or of another version, /metrics alone.
   vllm       vllm:num_requests_running / _waiting, vllm:kv_cache_usage_perc (older:
              gpu_cache_usage_perc), vllm:generation_tokens_total, histograms
              vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds (older:
@@ -40,6 +43,9 @@ TTFT = ("vllm:time_to_first_token_seconds", "sglang:time_to_first_token_seconds"
 ITL = ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds",
        "sglang:inter_token_latency_seconds", "sglang:time_per_output_token_seconds")
 ROUTER_REQUESTS = "vllm_router_requests_total"
+SNAPSHOT_VERSION = 1          # the /snapshot shape read here (engine/serve/snapshot_json.py)
+SNAPSHOT_WINDOWS = ("60s", "session")   # a metric's percentiles from the first with a request in it
+SNAPSHOT_METRICS = ("ttft", "itl", "e2e")
 
 
 @dataclass
@@ -60,6 +66,12 @@ class Sample:
     requests: float | None = None              # a router: requests it has routed
     workers: list[dict] = field(default_factory=list)   # a router's: {"url", "healthy", "load"}
     slots: tuple[int, int] | None = None       # llama.cpp: (busy, total)
+    # a tokentop server's /snapshot, where it was read (source "snapshot"):
+    source: str = "metrics"
+    note: str = ""                             # why /snapshot was not read, when it was asked
+    engine_workers: list[dict] = field(default_factory=list)   # its workers, as engine_worker() has them
+    percentiles: dict[str, dict] = field(default_factory=dict)  # metric -> p50/p95/p99, count, window
+    engine_alerts: list[str] = field(default_factory=list)
 
 
 def kind_of(names: set[str]) -> str:
@@ -114,8 +126,59 @@ def _histogram(buckets: dict[str, dict[float, float]], names: tuple[str, ...]) -
     return []
 
 
-def look(client: httpx.Client, url: str) -> Sample:
-    """Scrape `url` once: /metrics, and /health, /workers or /slots as its kind has them."""
+def engine_worker(w: dict) -> dict:
+    """What the watch shows of one worker of a tokentop /snapshot."""
+    return {"name": w["name"], "state": w["state"], "message": w["message"], "running": w["running"],
+            "waiting": w["waiting"], "max_active": w["max_active"], "decode_tps": w["decode_tps"],
+            "kv": w["kv"]["usage"]}
+
+
+def apply_snapshot(sample: Sample, snap: dict) -> None:
+    """Take a tokentop /snapshot's figures into `sample`: its load and KV from the workers it
+    lists, percentiles from the engine's records (nearest rank), its alerts. A snapshot of
+    another shape raises KeyError, TypeError or ValueError and changes nothing."""
+    if not isinstance(snap, dict) or snap.get("version") != SNAPSHOT_VERSION:
+        raise ValueError(f"version {snap.get('version') if isinstance(snap, dict) else None!r}")
+    workers = [engine_worker(w) for w in snap["workers"]]
+    percentiles = {}
+    for metric in SNAPSHOT_METRICS:
+        for window in SNAPSHOT_WINDOWS:
+            summary = snap["latency"][window]["overall"].get(metric)
+            if summary and summary["count"]:
+                percentiles[metric] = {"p50": summary["p50"], "p95": summary["p95"], "p99": summary["p99"],
+                                       "count": summary["count"], "window": window}
+                break
+    alerts = [f"{a['kind']}: {a['message']}" for a in snap["alerts"]]
+    kv = [w["kv"] for w in workers if w["kv"] is not None]
+    running, waiting = float(sum(w["running"] for w in workers)), float(sum(w["waiting"] for w in workers))
+    tps = float(sum(w["decode_tps"] or 0.0 for w in workers))
+    sample.running, sample.waiting, sample.kv, sample.tps_gauge = running, waiting, \
+        (sum(kv) / len(kv) if kv else None), tps
+    sample.engine_workers, sample.percentiles, sample.engine_alerts = workers, percentiles, alerts
+    sample.source = "snapshot"
+
+
+def _read_snapshot(client: httpx.Client, url: str, sample: Sample, api_key: str | None) -> None:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    r = client.get(url + "/snapshot", headers=headers, timeout=TIMEOUT)
+    if r.status_code == 404:             # a tokentop from before /snapshot: /metrics says it all
+        return
+    if r.status_code == 401:
+        sample.note = ("/snapshot wants the server's API key (`api_key`)" if not api_key
+                       else "/snapshot refused the API key given") + ": figures from /metrics"
+        return
+    if r.status_code != 200:
+        sample.note = f"/snapshot answers {r.status_code}: figures from /metrics"
+        return
+    try:
+        apply_snapshot(sample, r.json())
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        sample.note = f"/snapshot not read ({type(exc).__name__}: {exc}): figures from /metrics"
+
+
+def look(client: httpx.Client, url: str, api_key: str | None = None) -> Sample:
+    """Scrape `url` once: /metrics, and /health, /workers, /slots or /snapshot as its kind has
+    them. api_key: sent to a tokentop server's /snapshot."""
     now = time.monotonic()
     try:
         workers = _router_workers(client, url)
@@ -126,6 +189,8 @@ def look(client: httpx.Client, url: str) -> Sample:
             if r.status_code != 200:
                 return Sample(url, now, up=False, error=f"/metrics answers {r.status_code}")
             sample = from_metrics(url, r.text, now)
+            if sample.kind == "tokentop":
+                _read_snapshot(client, url, sample, api_key)
         health = client.get(url + "/health", timeout=TIMEOUT)
         if health.status_code == 404:        # no /health (a router's Prometheus port): /metrics answered
             pass

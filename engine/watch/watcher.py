@@ -4,7 +4,9 @@
   where it has no counter); HISTORY of them kept per server.
 * TTFT and ITL percentiles: from the histograms' buckets, as Prometheus' histogram_quantile
   computes them (linear within the bucket), over the requests finished since the look
-  WINDOW_S ago, or since the server started on the first looks.
+  WINDOW_S ago, or since the server started on the first looks. A tokentop server's /snapshot
+  gives its own instead (TTFT, ITL and e2e, nearest rank over its records of the last 60 s, or
+  the session when none is that recent), with its workers and its alerts.
 * Alerts: down (no answer, or /health not 200), stall (requests running while the generated
   counter has not moved for STALL_S), imbalance (among the watched servers, or a router's
   workers: the busiest has IMBALANCE_MIN more requests than the idlest and IMBALANCE_RATIO
@@ -46,6 +48,11 @@ class ServerStatus:
     requests: float | None = None                # a router: requests routed since it started
     workers: list[dict] = field(default_factory=list)
     alerts: list[str] = field(default_factory=list)
+    source: str = "metrics"                      # tokentop: "snapshot" where its /snapshot was read
+    note: str = ""                               # why a tokentop server's /snapshot was not read
+    e2e: dict[str, float | None] = field(default_factory=dict)       # from /snapshot only
+    latency_counts: dict[str, tuple[int, str]] = field(default_factory=dict)   # /snapshot: (n, window)
+    engine_workers: list[dict] = field(default_factory=list)   # a tokentop server's workers
 
     @property
     def load(self) -> float | None:
@@ -110,10 +117,17 @@ class _Track:
         s = self.looks[-1]
         st = ServerStatus(url=s.url, kind=s.kind, state="up" if s.up else "down", error=s.error, model=s.model,
                           running=s.running, waiting=s.waiting, kv_usage=s.kv, slots=s.slots, workers=s.workers,
-                          requests=s.requests,
+                          requests=s.requests, source=s.source, note=s.note, engine_workers=s.engine_workers,
                           tok_s_history=list(self.rates), tok_s=self.rates[-1] if self.rates else None)
+        if s.source == "snapshot":
+            for name in ("ttft", "itl", "e2e"):
+                p = s.percentiles.get(name)
+                setattr(st, name, {q: p[q] for q in ("p50", "p95", "p99")} if p else {})
+                if p:
+                    st.latency_counts[name] = (p["count"], p["window"])
+            st.alerts += s.engine_alerts
         base = next((x for x in self.looks if x.up), None)
-        for name, attr in (("ttft", "ttft"), ("itl", "itl")):
+        for name, attr in (("ttft", "ttft"), ("itl", "itl")) if s.source != "snapshot" else ():
             now = getattr(s, attr)
             window = _delta(now, getattr(base, attr)) if base is not None and base is not s else now
             if window and window[-1][1] <= 0:
@@ -144,14 +158,15 @@ def _imbalanced(loads: list[float]) -> bool:
 class Watcher:
     """Look at every URL each time poll() is called; status() says what was seen."""
 
-    def __init__(self, urls: list[str], client: httpx.Client | None = None):
+    def __init__(self, urls: list[str], client: httpx.Client | None = None, api_key: str | None = None):
         self.urls = [u.rstrip("/") for u in urls]
         self.client = client or httpx.Client()
+        self.api_key = api_key             # for tokentop servers' /snapshot
         self.tracks = {u: _Track(u) for u in self.urls}
 
     def poll(self) -> list[ServerStatus]:
         for url in self.urls:
-            self.tracks[url].add(look(self.client, url))
+            self.tracks[url].add(look(self.client, url, self.api_key))
         return self.status()
 
     def status(self) -> list[ServerStatus]:
