@@ -525,14 +525,15 @@ TRACE_ORDERS = list(itertools.permutations(("off", "light", "full")))   # each d
 def bench_trace(args) -> dict:
     """What the flight recorder costs: decode throughput with no recording, the light ring
     (the default) and full detail (per-layer scopes) side by side on one engine. Each round
-    runs the three back to back, in each of the six orders in turn, so drift and the place in
-    a round fall on every detail alike; the figures are medians of per-round ratios. Also what
+    runs the three back to back and then in reverse (A B C C B A: a steady drift costs each the
+    same), starting from each of the six orders in turn, so the place in a round falls on every
+    detail alike; the figures are medians of per-round ratios of each detail's two runs. Also what
     light detail records in a step (engine step, scheduler and sampler spans, three counters)
     and the cost of a deep scope it leaves out (a no-op), timed alone, as shares of a step."""
     from engine.trace import Tracer
 
     rounds = 1 if args.quick else max(6, args.runs)
-    out_tokens = 16 if args.quick else 96
+    out_tokens = 16 if args.quick else 64
     n = 4
     engine = start_engine([base_worker(args)])
     runs: list[dict] = []
@@ -540,11 +541,11 @@ def bench_trace(args) -> dict:
         timed_burst(engine, 2, 8, True, "warm")
         for r in range(rounds):
             order = TRACE_ORDERS[r % len(TRACE_ORDERS)]
-            row: dict = {"order": list(order)}
-            for detail in order:
+            row: dict = {"order": list(order), **{d: [] for d in order}}
+            for i, detail in enumerate(order + order[::-1]):
                 engine.recorder.set_detail(detail)
                 time.sleep(0.05)     # the worker takes the command before the burst starts
-                row[detail] = decode_burst_tok_s(engine, n, out_tokens, f"{detail}{r}")
+                row[detail].append(decode_burst_tok_s(engine, n, out_tokens, f"{detail}{r}.{i}"))
             runs.append(row)
         engine.export_trace(args.trace_dir or "traces")   # what a full ring holds is written, as `t` would
         engine.recorder.set_detail("light")
@@ -553,9 +554,9 @@ def bench_trace(args) -> dict:
         n_layers = load_gguf(resolve_model(args.model)).config.n_layers
     finally:
         engine.shutdown()
-    tok_s = {d: median(r[d] for r in runs) for d in ("off", "light", "full")}
-    light_ratios = sorted(r["light"] / r["off"] for r in runs)
-    full_ratios = sorted(r["full"] / r["off"] for r in runs)
+    tok_s = {d: median(v for r in runs for v in r[d]) for d in ("off", "light", "full")}
+    light_ratios = sorted(sum(r["light"]) / sum(r["off"]) for r in runs)
+    full_ratios = sorted(sum(r["full"]) / sum(r["off"]) for r in runs)
     light, full = median(light_ratios), median(full_ratios)
     step_s = n / tok_s["off"]
     t = Tracer("bench", detail="light")
