@@ -75,6 +75,7 @@ class ReplayApp(TokentopApp):
     def on_mount(self) -> None:
         super().on_mount()
         self._bar = self.query_one("#replay-bar", Line)
+        self._timeline.pausable = False     # space pauses the recording instead
         self.show_position()
         self._last_tick = time.monotonic()
         self.set_interval(TICK_S, self._tick)

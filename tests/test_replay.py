@@ -315,6 +315,19 @@ async def test_replay_shows_the_recorded_history_charts_the_same_at_a_position(t
     assert ys == list(want.values("decode_tps"))
 
 
+async def test_the_replay_timeline_does_not_offer_the_key_the_replay_takes(tmp_path):
+    """space pauses the recording, so the timeline (g) neither says it pauses it nor does so;
+    + - still zoom it while it has the focus."""
+    app = replay_app(tmp_path, paused=True)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("g")
+        title = str(app._requests_panel.border_title)
+        assert title == "timeline · 30 s (+ -, g: table)", title
+        await pilot.press("space", "plus")
+        assert not app.paused and not app._timeline.paused and app._timeline.span == 10.0
+        assert str(app._requests_panel.border_title) == "timeline · 10 s (+ -, g: table)"
+
+
 async def test_replay_keys_play_pause_seek_step_and_speed(tmp_path):
     app = replay_app(tmp_path)
     rec = app.recording

@@ -100,6 +100,7 @@ class TimelinePanel(ScrollView, can_focus=True):
         super().__init__(**kwargs)
         self.span = 30.0
         self.paused = False
+        self.pausable = True    # space pauses it; a replay takes space to pause the recording
         self._lanes: list[tuple[str, str, RequestState, Timeline]] = []   # id, worker, state, timeline
         self._clock = 0.0
         self._cursor = 0
@@ -115,6 +116,8 @@ class TimelinePanel(ScrollView, can_focus=True):
         return self._lanes[self._cursor][0] if self._lanes else None
 
     def title(self) -> str:
+        if not self.pausable:
+            return f"timeline · {self.span:g} s (+ -, g: table)"
         return f"timeline · {self.span:g} s · {'paused' if self.paused else 'live'} (space, + -, g: table)"
 
     def show_snapshot(self, snap: EngineSnapshot) -> None:
