@@ -5,7 +5,8 @@ lifecycle and of RequestState) across the last `span` seconds, the worker it run
 how it ended. A column where a prefill chunk or a speculative verify round ended is drawn
 denser. The axis follows the engine's clock, or stands still while paused (space), so a
 moment can be read; + and - zoom. Only the lanes on screen are drawn: a line is worked out
-when Textual paints it, so hundreds of requests cost what the visible ones do.
+when Textual paints it, so hundreds of requests cost what the visible ones do. A click on a
+lane opens that request's detail, as Enter does.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
 from app.widgets.fmt import short_worker
-from app.widgets.requests import request_number
+from app.widgets.requests import RequestChosen, request_number
 from app.widgets.scroll import keep_row_in_view, set_virtual_size
 from engine.facade.snapshot import EngineSnapshot, RequestState
 from engine.facade.timeline import Timeline
@@ -166,8 +167,10 @@ class TimelinePanel(ScrollView, can_focus=True):
         keep_row_in_view(self, self._cursor)
 
     def on_click(self, event: Click) -> None:
-        if event.y >= 1:
-            self.move_cursor(int(self.scroll_y) + event.y - 1)
+        lane = int(self.scroll_y) + event.y - 1     # line 0 is the axis
+        if event.y >= 1 and lane < len(self._lanes):
+            self.move_cursor(lane)
+            self.post_message(RequestChosen(self._lanes[lane][0]))
 
     # --- drawing ----------------------------------------------------------------------------
     def render_lines(self, crop: Region) -> list[Strip]:
