@@ -15,7 +15,7 @@ from textual.content import Content
 from app.main import TokentopApp
 from app.widgets import event_log
 from app.screens.detail import RequestDetail
-from app.widgets.charts import HistoryCharts, chart_series, time_ticks
+from app.widgets.charts import Chart, HistoryCharts, chart_series, time_ticks
 from app.widgets.requests import RequestsTable
 from app.widgets.streams import StreamsPanel
 from app.widgets.timeline import TimelinePanel, axis_text, lane_cells
@@ -400,6 +400,26 @@ async def test_h_shows_the_charts_and_m_cycles_their_span(frozen_app):
         assert charts.window == 60 and len(charts.plotted["decode"][0][1]) == 60
         await pilot.press("h")
         assert frozen_app.query_one(StreamsPanel).display and str(panel.border_title) == "streams"
+
+
+async def test_charts_redraw_each_second_without_a_layout_pass_and_take_no_keys(frozen_app):
+    """A redraw replots every chart; the legends are in the title lines, so no widget changes
+    size (textual-plot's own legend would lay the screen out at every redraw)."""
+    layouts = []
+    async with frozen_app.run_test(size=(120, 40)) as pilot:
+        frozen_app.show_snapshot(replace(fixture_snapshot(), clock=1000.0, history=fixture_history()))
+        await pilot.press("h")
+        await pilot.pause()
+        charts = frozen_app.query_one(HistoryCharts)
+        title = str(frozen_app.query_one("#chart-load-title").render())
+        assert title.startswith("running · waiting (dotted)") and "━ gpu0" in title and "━ gpu1" in title
+        frozen_app.screen.screen_layout_refresh_signal.subscribe(frozen_app.screen, layouts.append, immediate=True)
+        for second in range(1, 4):
+            frozen_app.show_snapshot(replace(fixture_snapshot(), clock=1000.0 + second,
+                                             history=fixture_history(1000.0 + second)))
+            await pilot.pause()
+        assert layouts == [] and charts.plotted["decode"][0][1][-1] == -1.0
+        assert not any(chart.focusable for chart in frozen_app.query(Chart))    # r, arrows, + - stay the dashboard's
 
 
 async def test_live_workers_fill_the_history(tiny_model, tmp_path):

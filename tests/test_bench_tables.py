@@ -183,14 +183,15 @@ def test_first_start_shows_every_number_of_any_shape(bench_dir):
     assert "runs_s" not in text and "cached" not in text and "`seconds`" not in text
 
 
-def test_dashboard_with_and_without_the_frame(bench_dir):
+def test_dashboard_with_and_without_the_frame_and_the_chart(bench_dir):
     old = {"headless_tok_s": 17.08, "dashboard_tok_s": 18.76, "dashboard_over_headless": 1.099}
     bench_dir("dashboard-cpu-unknown", old, {"python": "3.11.7"})
     bench_dir("dashboard-zen4", {**old, "frame": {"live_requests": 200, "frames": 30, "table_frame_ms": 12.5,
-                                                  "timeline_frame_ms": 31.25, "goal_ms": 25.0}})
+                                                  "timeline_frame_ms": 31.25, "goal_ms": 25.0},
+                                 "chart": {"redraw_ms": 31.44}})
     text = bt.sec_dashboard()
-    assert "| Zen 4 | 17.1 | 18.8 | 1.099× | 12.50 / **31.25** (200 live) |" in text
-    assert "| CPU not recorded | 17.1 | 18.8 | 1.099× | — |" in text
+    assert "| Zen 4 | 17.1 | 18.8 | 1.099× | 12.50 / **31.25** (200) | 31.4 |" in text
+    assert "| CPU not recorded | 17.1 | 18.8 | 1.099× | — | — |" in text
 
 
 def test_trace_in_both_shapes(bench_dir):
