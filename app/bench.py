@@ -85,6 +85,68 @@ def frame_ms(config, n_live: int, frames: int) -> dict:
     return report
 
 
+CHART_SIZE = (100, 30)     # one history chart zoomed at 200x60 (h, z: four charts, two by two)
+
+
+def chart_ms(redraws: int) -> dict:
+    """One history chart redrawn (app/widgets/charts.py draw_chart: cleared, four series of 900
+    points plotted, axes, title line; then the screen drawn) at CHART_SIZE in a headless Textual
+    driver: the running and waiting requests of two workers over 15 minutes, each redraw one
+    second later (the charts take a point a second). Median milliseconds per redraw, wall clock
+    and the UI thread's CPU time, and the layout refreshes the timed redraws caused."""
+    import math
+    import statistics
+    import time
+
+    from textual.app import App
+    from textual.containers import Vertical
+
+    from app.widgets.charts import Chart, draw_chart
+    from app.widgets.line import Line
+
+    points = 900
+
+    def drawn(t: int) -> list:
+        xs = [float(i - points) for i in range(points)]
+        out = []
+        for w in range(2):
+            running = [float(4 + round(3 * math.sin((t + i) / (25 + 10 * w)))) for i in range(points)]
+            waiting = [float(max(0, round(4 * math.sin((t + i) / 40 + w)))) for i in range(points)]
+            out += [(f"gpu{w}", xs, running, ""), (f"gpu{w} wait", xs, waiting, " wait")]
+        return out
+
+    class OneChart(App):
+        def compose(self):
+            with Vertical():
+                yield Line(id="title")
+                yield Chart(id="chart")
+
+    app = OneChart()
+    wall, cpu, layouts, timing = [], [], [0], [False]
+
+    async def drive():
+        async with app.run_test(headless=True, size=CHART_SIZE) as pilot:
+            await pilot.pause()
+            app.screen.screen_layout_refresh_signal.subscribe(
+                app.screen, lambda _: layouts.__setitem__(0, layouts[0] + timing[0]), immediate=True)
+            plot, title, colours = app.query_one(Chart), app.query_one(Line), app.theme_variables
+            for t in range(redraws + 3):            # the first three warm up
+                await asyncio.sleep(0.02)
+                timing[0] = t >= 3
+                t0, c0 = time.perf_counter(), time.thread_time()
+                draw_chart(plot, title, "load", drawn(t), 900, colours)
+                await pilot.pause(0)
+                await pilot.pause(0)        # the plot's canvases repaint on the cycle after it renders
+                if timing[0]:
+                    wall.append((time.perf_counter() - t0) * 1e3)
+                    cpu.append((time.thread_time() - c0) * 1e3)
+                timing[0] = False
+    asyncio.run(drive())
+    return {"widget": "textual-plot", "size": f"{CHART_SIZE[0]}x{CHART_SIZE[1]}", "series": 4, "points": points,
+            "redraws": redraws, "redraw_ms": round(statistics.median(wall), 2),
+            "redraw_cpu_ms": round(statistics.median(cpu), 2), "layout_refreshes": layouts[0]}
+
+
 def app_scenarios() -> dict:
     """The scenarios the command line adds to engine/bench's: those that need the UI or its
     burst files."""
@@ -100,4 +162,4 @@ def _record(bench, args) -> dict:
 
 
 def _dashboard(bench, args) -> dict:
-    return bench(args, with_dashboard, frame_ms)
+    return bench(args, with_dashboard, frame_ms, chart_ms)

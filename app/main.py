@@ -44,7 +44,7 @@ from app.widgets.fmt import fmt_rate, fmt_seconds, fmt_uptime, short_worker
 from app.widgets.latency import LatencyPanel
 from app.widgets.line import Line
 from app.widgets.panel import Panel
-from app.widgets.requests import RequestsTable
+from app.widgets.requests import RequestChosen, RequestsTable
 from app.widgets.routing import RoutingPanel
 from app.widgets.spec import SpecPanel
 from app.widgets.timeline import TimelinePanel
@@ -589,6 +589,10 @@ class TokentopApp(App[int]):
             self.notify("no request selected: pick one in the request table", severity="warning")
         else:
             self.push_screen(RequestDetail(rid))
+
+    def on_request_chosen(self, event: RequestChosen) -> None:
+        """A click on a request's row or lane: its detail, as Enter."""
+        self.push_screen(RequestDetail(event.request_id))
 
     @reported
     def action_toggle_tracing(self) -> None:

@@ -3,7 +3,8 @@
 The same TokentopApp and panels (live=False: no engine runs); a timer moves the position
 along the recording at the chosen speed and shows the frame at or before it, so a position
 always shows the same frame. Keys: space pauses, ← → seek 5 s, , . step one frame, + −
-change the speed; the view keys (Enter, z, d, ?, q) work as live, the engine's do not.
+change the speed; the view keys (Enter, g timeline, h history charts, m their span, w latency
+window, e worker panels, z, d, ?, q) work as live, the engine's do not.
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ SEEK_S = 5.0
 SPEEDS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
 BAR_CELLS = 30
 # what still works on a recording: looking, not acting on an engine
-VIEW_ACTIONS = {"request_detail", "cycle_theme", "zoom", "help"}
+VIEW_ACTIONS = {"request_detail", "cycle_theme", "zoom", "help", "toggle_timeline", "toggle_charts",
+                "cycle_chart_window", "cycle_window", "expand_worker"}
 REPLAY_KEYS = (
     Binding("space", "toggle_pause", "Pause", priority=True, tooltip="Pause or play the recording"),
     Binding("left", "seek(-5)", "−5 s", priority=True, tooltip=f"Back {SEEK_S:.0f} seconds"),
@@ -73,6 +75,7 @@ class ReplayApp(TokentopApp):
     def on_mount(self) -> None:
         super().on_mount()
         self._bar = self.query_one("#replay-bar", Line)
+        self._timeline.pausable = False     # space pauses the recording instead
         self.show_position()
         self._last_tick = time.monotonic()
         self.set_interval(TICK_S, self._tick)

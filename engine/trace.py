@@ -41,8 +41,12 @@ Usage::
 
 Design notes:
 - ~Free when off: `scope()` and `span()` check one attribute and return a shared no-op
-  context manager (no event, no clock read). At light detail `scope()` stays a no-op, and
-  the decoder keeps its fused path (it checks `active`).
+  context manager (no event, no clock read). At light detail `scope()` stays a no-op.
+- Full detail keeps the decoder's one-call decode path (tokentop.DecodeLayers): the call
+  takes clock readings around each part of every layer and the decoder records them as the
+  same layer/attn/attention/mlp/qmatmul spans with `deep_spans()`. Only NVTX ranges, which
+  must be pushed around the code itself, switch it to the per-layer Python path
+  (`per_layer`).
 - Timestamps: `time.perf_counter_ns()`, which on Linux is clock_gettime(CLOCK_MONOTONIC):
   one system-wide clock (epoch = boot), so traces recorded by different worker processes
   line up without any exchange. Written as float µs with ns precision.
@@ -317,6 +321,7 @@ class Tracer:
         self.full = detail == "full"            # deep scopes too
         self._nvtx = self._nvtx_backend if self.full or not self._nvtx_when_full else None
         self.active = self.full or self._nvtx is not None   # the one flag scope() checks
+        self.per_layer = self._nvtx is not None   # NVTX ranges need the decoder's per-layer path
         self._span_live = self.enabled or self._nvtx is not None
 
     def set_enabled(self, enabled: bool) -> None:
@@ -347,6 +352,21 @@ class Tracer:
         """A zero-length marker on the current thread's track."""
         if self.enabled:
             self._emit("i", name, _now_ns(), 0, args)
+
+    def deep_spans(self, spans: list[tuple[str, int, int, dict[str, Any]]]) -> None:
+        """Deep spans measured elsewhere (name, start ns, duration ns, args), recorded at full
+        detail on the current thread's track: the clock readings a C++ call took around its
+        parts, as scope() would have recorded them around the same code."""
+        if not self.full:
+            return
+        try:
+            tid = self._local.tid
+        except AttributeError:
+            tid = self._thread_id()
+        records = [("X", name, start, dur, args, tid, record_bytes(args)) for name, start, dur, args in spans]
+        with self._lock:
+            for record in records:
+                self._ring.append(record)
 
     def set_thread_name(self, name: str) -> None:
         """Name the current thread's track (defaults to threading.current_thread().name)."""

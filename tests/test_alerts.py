@@ -1,6 +1,7 @@
 """Alert rules (engine/facade/alerts.py) on made-up snapshot streams, then on a live engine."""
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import replace
 
@@ -133,7 +134,29 @@ def test_a_dead_worker_once_and_a_remote_down_until_it_is_back():
     assert s.monitor.totals == {("worker-dead", "sim:gpu0"): 1, ("remote-down", "sim:gpu1"): 1}
 
 
-def test_the_engine_logs_an_episode_once_and_metrics_count_it(tiny_model_path):
+def test_an_episode_is_a_start_and_an_end_marker_in_the_flight_recorder():
+    """Each episode's start and end are instants in the facade's ring, on an "alerts" track."""
+    from types import SimpleNamespace
+
+    from engine.facade.alerts import AlertWatcher
+    from engine.trace import Tracer
+
+    busy = worker(0, running=1, waiting=0, pages_used=99)            # 99% of KV in use
+    snaps = iter([snap(t, busy) for t in (1.0, 1.5)] + [snap(t, worker(0)) for t in (2.0, 4.0, 7.5)])
+    tracer = Tracer("engine", detail="light", window_s=None)
+    lines: list[str] = []
+    engine = SimpleNamespace(snapshot=lambda: next(snaps), recorder=SimpleNamespace(tracer=tracer),
+                             log=lambda level, text: lines.append(text))
+    watcher = AlertWatcher(engine)
+    for _ in range(5):
+        watcher.check()
+    marks = [(e["name"], e["args"]["worker"]) for e in tracer.ring() if e["ph"] == "i"]
+    assert marks == [("alert: kv-pressure", 0), ("alert over: kv-pressure", 0)]
+    over = [e for e in tracer.ring() if e["name"] == "alert over: kv-pressure"][0]
+    assert over["args"]["lasted_s"] == 6.5 and len(lines) == 2
+
+
+def test_the_engine_logs_an_episode_once_and_metrics_count_it(tiny_model_path, tmp_path):
     from engine.config import EngineConfig, WorkerConfig
     from engine.facade.devices import parse_devices
     from engine.facade.engine import Engine
@@ -147,9 +170,15 @@ def test_the_engine_logs_an_episode_once_and_metrics_count_it(tiny_model_path):
         time.sleep(4 * engine.alerts.period)             # more looks: still one line, one count
         snap = engine.snapshot()
         text = metrics.render().decode()
+        trace = json.load(open(engine.export_trace(tmp_path)))["traceEvents"]    # what `t` writes
     assert [(a.kind, a.worker, a.worker_name) for a in snap.alerts] == [("worker-dead", 1, "sim:b")]
     assert sum(line.text.startswith("alert worker-dead") for line in snap.log) == 1
     assert snap.alert_counts == {("worker-dead", "sim:b"): 1}
+    marks = [e for e in trace if e["ph"] == "i" and e["name"].startswith("alert")]
+    assert [(e["name"], e["args"]["worker"], e["args"]["worker_name"]) for e in marks] == [
+        ("alert: worker-dead", 1, "sim:b")]
+    tracks = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace if e["name"] == "thread_name"}
+    assert tracks[marks[0]["pid"], marks[0]["tid"]] == "alerts"
     samples = {(s.name, frozenset(s.labels.items())): s.value
                for fam in text_string_to_metric_families(text) for s in fam.samples}
     assert samples[("tokentop:alerts_total", frozenset({("model_name", "tiny"), ("kind", "worker-dead"),

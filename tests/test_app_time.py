@@ -15,7 +15,8 @@ from textual.content import Content
 from app.main import TokentopApp
 from app.widgets import event_log
 from app.screens.detail import RequestDetail
-from app.widgets.charts import HistoryCharts, chart_series, time_ticks
+from app.widgets.charts import Chart, HistoryCharts, chart_series, time_ticks
+from app.widgets.requests import RequestsTable
 from app.widgets.streams import StreamsPanel
 from app.widgets.timeline import TimelinePanel, axis_text, lane_cells
 from app.widgets.worker import WorkerPanel
@@ -401,6 +402,26 @@ async def test_h_shows_the_charts_and_m_cycles_their_span(frozen_app):
         assert frozen_app.query_one(StreamsPanel).display and str(panel.border_title) == "streams"
 
 
+async def test_charts_redraw_each_second_without_a_layout_pass_and_take_no_keys(frozen_app):
+    """A redraw replots every chart; the legends are in the title lines, so no widget changes
+    size (textual-plot's own legend would lay the screen out at every redraw)."""
+    layouts = []
+    async with frozen_app.run_test(size=(120, 40)) as pilot:
+        frozen_app.show_snapshot(replace(fixture_snapshot(), clock=1000.0, history=fixture_history()))
+        await pilot.press("h")
+        await pilot.pause()
+        charts = frozen_app.query_one(HistoryCharts)
+        title = str(frozen_app.query_one("#chart-load-title").render())
+        assert title.startswith("running · waiting (dotted)") and "━ gpu0" in title and "━ gpu1" in title
+        frozen_app.screen.screen_layout_refresh_signal.subscribe(frozen_app.screen, layouts.append, immediate=True)
+        for second in range(1, 4):
+            frozen_app.show_snapshot(replace(fixture_snapshot(), clock=1000.0 + second,
+                                             history=fixture_history(1000.0 + second)))
+            await pilot.pause()
+        assert layouts == [] and charts.plotted["decode"][0][1][-1] == -1.0
+        assert not any(chart.focusable for chart in frozen_app.query(Chart))    # r, arrows, + - stay the dashboard's
+
+
 async def test_live_workers_fill_the_history(tiny_model, tmp_path):
     app = make_app(tiny_model, tmp_path)
     async with app.run_test(size=(120, 40)) as pilot:
@@ -412,3 +433,55 @@ async def test_live_workers_fill_the_history(tiny_model, tmp_path):
                        "decode tok/s on the chart")
         history = app.last_snapshot.history
         assert set(history) == {0, 1} and all(len(h.times) >= 1 for h in history.values())
+
+
+# --- the mouse (keys stay primary) -------------------------------------------------------------
+async def test_a_click_on_a_request_row_opens_its_detail(tiny_model, tmp_path):
+    app = make_app(tiny_model, tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_ready(pilot, app)
+        await fire_burst(pilot, app, count="3", interval="0", max_tokens="4000")
+        table = app.query_one(RequestsTable)
+        await wait_for(pilot, lambda: table.row_count == 3, "three rows")
+        await pilot.click(RequestsTable, offset=(2, 0))                  # the header: nothing
+        await pilot.click(RequestsTable, offset=(2, 5))                  # below the last row: nothing
+        assert app.screen is app.screen_stack[0]
+        await pilot.click(RequestsTable, offset=(2, 2))                  # the second row, newest first
+        await wait_for(pilot, lambda: isinstance(app.screen, RequestDetail), "the detail screen")
+        assert app.screen.request_id == "r2"
+        assert "prompt tokens" in str(app.screen.query_one("#detail-fields").render())
+        await pilot.press("escape")
+        assert table.selected_id == "r2" and not isinstance(app.screen, RequestDetail)    # x acts on it now
+
+
+async def test_a_click_on_a_timeline_lane_opens_its_detail(frozen_app):
+    async with frozen_app.run_test(size=(120, 30)) as pilot:
+        frozen_app.show_snapshot(timeline_snapshot())
+        await pilot.press("g")
+        await pilot.click(TimelinePanel, offset=(20, 0))                 # the axis: nothing
+        assert frozen_app.screen is frozen_app.screen_stack[0]
+        await pilot.click(TimelinePanel, offset=(20, 4))                 # r6 r5 r4 r3 r2 r1: the fourth lane
+        assert isinstance(frozen_app.screen, RequestDetail) and frozen_app.screen.request_id == "r3"
+        await pilot.press("escape")
+        assert frozen_app.query_one(TimelinePanel).selected_id == "r3"
+
+
+@pytest.mark.parametrize("panel_id", ["#requests-panel", "#latency-panel", "#streams-panel"])
+async def test_a_click_on_a_panel_title_zooms_it_and_again_or_escape_returns(frozen_app, panel_id):
+    async with frozen_app.run_test(size=(80, 24)) as pilot:
+        frozen_app.show_snapshot(fixture_snapshot())
+        await pilot.pause()
+        panel = frozen_app.query_one(panel_id)
+        title = len(str(panel.border_title))
+        await pilot.click(panel_id, offset=(title + 4, 0))              # the border past the title: nothing
+        assert frozen_app.screen.maximized is None
+        await pilot.click(panel_id, offset=(3, 0))
+        assert frozen_app.screen.maximized is panel and panel.region.width == 80
+        await pilot.click(panel_id, offset=(3, 0))                      # again: back
+        assert frozen_app.screen.maximized is None
+        await pilot.click(panel_id, offset=(3, 0))
+        await pilot.press("escape")
+        assert frozen_app.screen.maximized is None
+        await pilot.click(panel_id, offset=(3, 0))
+        await pilot.press("z")                                          # z too: the focus went in
+        assert frozen_app.screen.maximized is None

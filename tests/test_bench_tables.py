@@ -183,14 +183,15 @@ def test_first_start_shows_every_number_of_any_shape(bench_dir):
     assert "runs_s" not in text and "cached" not in text and "`seconds`" not in text
 
 
-def test_dashboard_with_and_without_the_frame(bench_dir):
+def test_dashboard_with_and_without_the_frame_and_the_chart(bench_dir):
     old = {"headless_tok_s": 17.08, "dashboard_tok_s": 18.76, "dashboard_over_headless": 1.099}
     bench_dir("dashboard-cpu-unknown", old, {"python": "3.11.7"})
     bench_dir("dashboard-zen4", {**old, "frame": {"live_requests": 200, "frames": 30, "table_frame_ms": 12.5,
-                                                  "timeline_frame_ms": 31.25, "goal_ms": 25.0}})
+                                                  "timeline_frame_ms": 31.25, "goal_ms": 25.0},
+                                 "chart": {"redraw_ms": 31.44}})
     text = bt.sec_dashboard()
-    assert "| Zen 4 | 17.1 | 18.8 | 1.099× | 12.50 / **31.25** (200 live) |" in text
-    assert "| CPU not recorded | 17.1 | 18.8 | 1.099× | — |" in text
+    assert "| Zen 4 | 17.1 | 18.8 | 1.099× | 12.50 / **31.25** (200) | 31.4 |" in text
+    assert "| CPU not recorded | 17.1 | 18.8 | 1.099× | — | — |" in text
 
 
 def test_trace_in_both_shapes(bench_dir):
@@ -199,9 +200,17 @@ def test_trace_in_both_shapes(bench_dir):
                              "scopes_per_step": 194, "light_noop_scopes_fraction_of_step": 0.00031,
                              "goals": {"light_costs_le_1pct": True, "full_costs_le_10pct": False}})
     text = bt.sec_trace()
-    assert ("| Zen 4 | 20.0 | 19.9 | 17.0 | 0.995× | 0.850× | 310 ns | 194 | 0.031% | "
+    assert ("| Zen 4 | 20.0 | 19.9 | 17.0 | 0.995× | 0.850× | — | "
             "**missed**: full_costs_le_10pct (1 of 2 met) |") in text
     assert "before the detail levels" not in text
+    bench_dir("trace-zen4", {"no_recording_tok_s": 20.0, "light_tok_s": 19.9, "full_tok_s": 19.0,
+                             "light_over_none": 0.995, "full_over_none": 0.95, "light_over_none_range": [0.98, 1.012],
+                             "full_over_none_range": [0.93, 0.97], "light_step_records_us": 12.34,
+                             "light_step_records_fraction_of_step": 0.0006, "light_noop_scope_ns": 310.4,
+                             "scopes_per_step": 194, "light_noop_scopes_fraction_of_step": 0.00031,
+                             "goals": {"light_costs_le_1pct": True, "full_costs_le_10pct": True}})
+    text = bt.sec_trace()
+    assert "| Zen 4 | 20.0 | 19.9 | 19.0 | 0.995× (0.980–1.012) | 0.950× (0.930–0.970) | 12.3 µs, 0.06% | all 2 met |" in text
     bench_dir("trace-cpu-unknown", {"tracing_off_tok_s": 21.4, "tracing_on_tok_s": 22.2, "on_over_off": 1.039,
                                     "disabled_scope_ns": 326.0, "scopes_per_step": 197,
                                     "disabled_cost_fraction_of_step": 0.00034}, {"python": "3.11.7"})

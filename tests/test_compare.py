@@ -139,3 +139,30 @@ def test_compare_command_errors_are_one_line(tmp_path, capsys):
     code = main(["compare", str(tmp_path / "missing.jsonl"), "--device", "sim:a:prefill=1,decode=1"])
     out, err = capsys.readouterr()
     assert code == 2 and "Burst file not found" in err and err.count("\n") == 1
+
+
+def test_compare_figures_agree_with_bench_on_the_same_burst(tiny_model_path):
+    """`tokentop compare` and `tokentop bench batching` on the same scenario (8 requests at once,
+    32 tokens each to the end, one worker) agree on the burst's aggregate tok/s within noise.
+    The worker is simulated (a timed wait at its declared rate, labelled so in the report), so
+    the scenario's throughput is known: 400 tok/s."""
+    from statistics import median
+
+    from engine.bench.scenarios import timed_burst
+    from engine.facade.engine import Engine
+
+    config = sim_config(tiny_model_path("qwen2", context_length=8192), ["sim:gpu0:prefill=20000,decode=400"],
+                        max_active=8)
+    n, out_tokens = 8, 32
+    with Engine(config).start(timeout=60) as engine:
+        timed_burst(engine, 2, 8, True, "warm")
+        bench = median(n * out_tokens / timed_burst(engine, n, out_tokens, True, f"run {r}") for r in range(3))
+    items = [Item(f"q{i}", f"request {i}: write out the numbers from one to a hundred",
+                  SamplingParams(max_tokens=out_tokens, ignore_eos=True)) for i in range(n)]
+    report = compare(config, items, {"policy": "fcfs"}, {"policy": "spf"})
+    assert report["workers"][0]["simulated"]
+    for side in ("a", "b"):
+        s = report[side]["summary"]
+        assert s["ok"] == n and s["output_tokens"] == n * out_tokens
+        assert s["aggregate_tok_s"] == pytest.approx(bench, rel=0.1), (side, s["aggregate_tok_s"], bench)
+    assert bench == pytest.approx(400, rel=0.15)

@@ -481,6 +481,64 @@ def test_decode_steps_in_one_call_equal_the_per_layer_path(tiny_model_path, arch
         assert all(torch.equal(a, b) for a, b in zip(kv_fast.k + kv_fast.v, kv_ref.k + kv_ref.v))
 
 
+def test_full_trace_detail_keeps_the_one_call_path_and_records_its_layers(tiny_model_path):
+    """At full trace detail a decode step still runs every layer in one C++ call (the same bits
+    as untraced), and the clock readings it takes become the per-layer scopes: per layer one
+    `layer` holding attn (qkv, attention, output) and mlp (gate-up, down), nested, in order."""
+    from engine import kernels, trace
+    from tests.trace_checks import check_nesting
+
+    if not kernels.available():
+        pytest.skip("kernel library could not be built")
+    T = gguf.GGMLQuantizationType
+    kinds = {"attn_q": T.Q8_0, "attn_k": T.Q8_0, "attn_v": T.Q8_0, "attn_output": T.Q4_0,
+             "ffn_gate": T.Q4_0, "ffn_up": T.Q4_0, "ffn_down": T.Q4_0}
+    path = tiny_model_path("qwen2", n_layers=3, types=kinds)
+    tokens, slots = tokens_for(6, seed=3), torch.arange(32)
+
+    class Counted:    # counts the one-call runs
+        def __init__(self, layers):
+            self.layers, self.calls = layers, 0
+
+        def run(self, *args):
+            self.calls += 1
+            return self.layers.run(*args)
+
+    def decode(detail: str):
+        model = Decoder.from_gguf(load_gguf(path), BF16)
+        kv = model.new_kv_store(64)
+        step(model, kv, [(tokens, len(tokens), slots)])            # prefill: the per-layer path
+        model._layers = counted = Counted(model._decode_layers())
+        tracer = trace.Tracer("test", detail=detail, window_s=None)
+        previous = trace.set_tracer(tracer)
+        try:
+            out = [step(model, kv, [(tokens + [7] * (n + 1), 1, slots)]) for n in range(3)]
+        finally:
+            trace.set_tracer(previous)
+        return torch.cat(out), counted.calls, tracer.ring()
+
+    want, calls_off, _ = decode("off")
+    got, calls_full, events = decode("full")
+    assert calls_off == calls_full == 3                    # full detail kept the one-call path
+    assert torch.equal(got, want)
+    spans = [e for e in events if e["ph"] == "X"]
+    assert not check_nesting(events)
+    layers = sorted((e for e in spans if e["name"] == "layer"), key=lambda e: e["ts"])
+    assert [e["args"]["i"] for e in layers] == [0, 1, 2] * 3
+    models = [e for e in spans if e["name"] == "model"]
+    assert len(models) == 3
+    for layer in layers:
+        inside = [e for e in spans if layer["ts"] <= e["ts"] and e["ts"] + e["dur"] <= layer["ts"] + layer["dur"]
+                  and e is not layer]
+        inside.sort(key=lambda e: (e["ts"], -e["dur"]))
+        assert [(e["name"], e.get("args", {}).get("op")) for e in inside] == [
+            ("attn", None), ("qmatmul", "attention-qkv"), ("attention", None), ("qmatmul", "attention-output"),
+            ("mlp", None), ("qmatmul", "mlp-gate-up"), ("qmatmul", "mlp-down")]
+        assert all(e["dur"] > 0 for e in inside if e["name"] == "qmatmul")
+        # each layer lies inside its step's model scope
+        assert any(m["ts"] <= layer["ts"] and layer["ts"] + layer["dur"] <= m["ts"] + m["dur"] for m in models)
+
+
 def test_decode_layers_are_not_used_with_dense_forms(tiny_qwen):
     """Dense fp32 linears (no GGUF kernel) keep the per-layer path."""
     model = Decoder.from_gguf(load_gguf(tiny_qwen), FP32)

@@ -23,6 +23,7 @@ from app.widgets import event_log
 from engine.config import EngineConfig, SamplingParams, WorkerConfig
 from engine.facade.devices import parse_devices
 from engine.facade.engine import Engine
+from engine.facade.history import History
 from engine.facade.snapshot import LogLine
 from engine.facade.snapshot_file import (RecordingError, SnapshotRecorder, apply_delta, empty_state,
                                          read_recording, slide, snapshot_state, state_delta, state_snapshot)
@@ -96,8 +97,20 @@ def evolving_snapshots(n: int) -> list:
                                             page_states=bytes((k + i) % 4 for k in range(len(w.page_states))))
                         for w in base.workers)
         snaps.append(dataclasses.replace(base, time=base.time + 0.2 * i, requests=tuple(reversed(reqs)) if i == 7
-                                         else tuple(reqs), log=log, workers=workers, uptime=base.uptime + 0.2 * i))
+                                         else tuple(reqs), log=log, workers=workers, uptime=base.uptime + 0.2 * i,
+                                         clock=base.clock + 0.2 * i, history=history_at(base.clock + 0.2 * i)))
     return snaps
+
+
+def history_at(clock: float, keep: int = 30) -> dict:
+    """Each worker's history charts' points at `clock`: one a second, the oldest dropped
+    past `keep`, a KV usage only where the worker reports one."""
+    times = tuple(float(t) for t in range(int(clock) - 40, int(clock)))[-keep:]
+    return {w: History(times, {"prefill_tps": tuple(100.0 * w + t % 7 for t in times),
+                               "decode_tps": tuple(20.0 + w + t % 3 / 4 for t in times),
+                               "running": tuple(float(t % 4) for t in times), "waiting": tuple(0.0 for _ in times),
+                               "kv_usage": tuple(None if w else (t % 10) / 10 for t in times)})
+            for w in (0, 1)}
 
 
 def test_every_frame_reads_back_as_it_was_recorded(tmp_path):
@@ -118,6 +131,8 @@ def test_every_frame_reads_back_as_it_was_recorded(tmp_path):
     with gzip.open(path, "rt") as f:
         lines = f.read().splitlines()
     assert any('"~text_tail"' in line for line in lines)     # a sliding tail is written as its change
+    assert any('"~times"' in line for line in lines)         # so is a history's new second
+    assert rec.frame(29)[0].history[1].values("decode_tps") == snaps[29].history[1].values("decode_tps")
     assert json.loads(lines[-1]) == {"end": 30}
 
 
@@ -269,6 +284,48 @@ def test_the_same_position_draws_the_same_picture():
     files = sorted(SNAPSHOTS.glob("test_snapshot_replay_at_5s*.svg"))
     assert len(files) == 2
     assert files[0].read_text() == files[1].read_text()
+
+
+async def test_replay_shows_the_recorded_history_charts_the_same_at_a_position(tmp_path):
+    """`h` in a replay draws the recorded history: at one position the same points whichever
+    way the replay got there, and the points of that frame, not of the live engine's clock."""
+    snaps = evolving_snapshots(30)
+    path = tmp_path / "h.rec"
+    recorder = SnapshotRecorder(FakeEngine(snaps), path, started=snaps[0].time)
+    for _ in snaps:
+        recorder.record()
+    recorder.close()
+    rec = read_recording(path)
+    at = rec.times[20]
+    drawn = []
+    for start, keys in ((at, []), (0.0, ["full_stop"] * 20)):
+        app = ReplayApp(rec, settings_path=tmp_path / "settings.json", position=start, paused=True)
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.press("h", *keys)
+            await pilot.pause(0.2)
+            assert app.shown_index == 20
+            drawn.append(app._charts.plotted)
+    assert drawn[0] == drawn[1]
+    clock = snaps[20].clock
+    decode = dict((label, (xs, ys)) for label, xs, ys in drawn[0]["decode"])
+    assert len(decode) == 2
+    xs, ys = next(iter(decode.values()))
+    want = snaps[20].history[0]
+    assert xs == [t - round(clock, 3) for t in want.times]
+    assert ys == list(want.values("decode_tps"))
+
+
+async def test_the_replay_timeline_does_not_offer_the_key_the_replay_takes(tmp_path):
+    """space pauses the recording, so the timeline (g) neither says it pauses it nor does so;
+    + - still zoom it while it has the focus."""
+    app = replay_app(tmp_path, paused=True)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("g")
+        title = str(app._requests_panel.border_title)
+        assert title == "timeline · 30 s (+ -, g: table)", title
+        await pilot.press("space", "plus")
+        assert not app.paused and not app._timeline.paused and app._timeline.span == 10.0
+        assert str(app._requests_panel.border_title) == "timeline · 10 s (+ -, g: table)"
 
 
 async def test_replay_keys_play_pause_seek_step_and_speed(tmp_path):

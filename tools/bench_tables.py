@@ -222,6 +222,12 @@ def sec_routing() -> str:
 MODES = ("independent", "incremental", "at-completion", "after-prefill")
 
 
+def seed_text(r, key: str, fmt: str, sep: str = " ") -> str:
+    """mini-vllm-rs's published figures for the same workload, as the report keeps them ("seeds")."""
+    seed = r.data.get("seeds", {}).get(key)
+    return f"{sep}mini-vllm-rs, published (M2 GPU): {fmt.format(**seed)}." if seed else ""
+
+
 def sec_prefix() -> str:
     found = reports("prefix-*.json")
     parts = []
@@ -229,7 +235,8 @@ def sec_prefix() -> str:
         wc = r["warm_vs_cold"]
         parts.append(f"{r.cls}. Warm against cold (~900-token document): {wc['restored_tokens']} of "
                      f"{wc['prompt_tokens']} tokens restored, TTFT {f(wc['cold_ttft_s'], 3)} → "
-                     f"{f(wc['warm_ttft_s'], 3)} s (**{wc['ttft_change']}%**).")
+                     f"{f(wc['warm_ttft_s'], 3)} s (**{wc['ttft_change']}%**)."
+                     + seed_text(r, "warm_vs_cold", "{restored}, {ttft_change}"))
         for title, rows in (("identical requests, 532-token prompt", r["identical"]),
                             ("8 questions on one shared 800-token document", r["partial_prefix"])):
             out = []
@@ -241,6 +248,10 @@ def sec_prefix() -> str:
                                 ", ".join(map(str, sorted(set(t["restored_tokens"]))))])
             parts.append(f"{title.capitalize()}, against `independent` (no cache):\n\n" + table(
                 ["N", "mode", "mean TTFT s", "change", "slowest s", "change", "tokens restored"], out))
+            if rows is r["identical"]:
+                parts[-1] += seed_text(r, "identical_8", "N = 8, mean TTFT at-completion {at_completion_mean_ttft_change}, "
+                                       "after-prefill {after_prefill_mean_ttft_change}; slowest "
+                                       "{at_completion_slowest_change}, {after_prefill_slowest_change}", "\n\n")
         cy, eq = r["cyclic"], r["equality"]
         parts.append(f"Cyclic working set ({cy['documents']} documents of {cy['document_tokens']} tokens through a "
                      f"{cy['cache_pages']}-page cache, {cy['cycles']} cycles): hit rate {cy['hit_rate']:.0%}, "
@@ -299,11 +310,18 @@ def frame_cell(r: Report, view: str) -> str:
 def sec_dashboard() -> str:
     found = reports("dashboard-*.json")
     body = table(["CPU", "headless tok/s", "dashboard open tok/s", "dashboard / headless",
-                  "frame ms: table / timeline (live requests)"],
+                  "frame ms: table / timeline (live)", "chart ms"],
                  [[r.cls, f(r["headless_tok_s"]), f(r["dashboard_tok_s"]), x(r["dashboard_over_headless"], 3),
-                   f"{frame_cell(r, 'table')} / {frame_cell(r, 'timeline')} ({r['frame']['live_requests']} live)"
-                   if r.data.get("frame") else "—"] for r in found])
+                   f"{frame_cell(r, 'table')} / {frame_cell(r, 'timeline')} ({r['frame']['live_requests']})"
+                   if r.data.get("frame") else "—",
+                   f(r["chart"]["redraw_ms"], 1) if r.data.get("chart") else "—"] for r in found])
     return section("dashboard: the cost of watching", TEXT["dashboard"], found, body, BOUNDS["dashboard"])
+
+
+def ratio_range(r, key: str) -> str:
+    """A median ratio, with the lowest and highest round's where the report has them."""
+    low_high = r.data.get(key + "_range")
+    return x(r[key], 3) + (f" ({low_high[0]:.3f}–{low_high[1]:.3f})" if low_high else "")
 
 
 def sec_trace() -> str:
@@ -313,11 +331,11 @@ def sec_trace() -> str:
     parts = []
     if levels:
         parts.append(table(["CPU", "off tok/s", "light tok/s", "full tok/s", "light / off", "full / off",
-                            "light no-op scope", "scopes a step", "their cost a step", "goals"],
+                            "light's records a step", "goals"],
                            [[r.cls, f(r["no_recording_tok_s"]), f(r["light_tok_s"]), f(r["full_tok_s"]),
-                             x(r["light_over_none"], 3), x(r["full_over_none"], 3),
-                             f"{r['light_noop_scope_ns']:.0f} ns", str(r["scopes_per_step"]),
-                             f"{r['light_noop_scopes_fraction_of_step'] * 100:.3f}%", goals(r)] for r in levels]))
+                             ratio_range(r, "light_over_none"), ratio_range(r, "full_over_none"),
+                             f"{r['light_step_records_us']:.1f} µs, {r['light_step_records_fraction_of_step'] * 100:.2f}%"
+                             if "light_step_records_us" in r.data else "—", goals(r)] for r in levels]))
     if on_off:
         parts.append(("Tracing off and on, before the detail levels:\n\n" if levels else "") + table(
             ["CPU", "tracing off tok/s", "on tok/s", "on / off", "disabled scope", "scopes a step",
@@ -644,13 +662,13 @@ budget D; `ngram`: proposals from the context.""",
 runs alternating.""",
     "dashboard": """\
 The same 8-request burst (64 tokens each) headless and with the dashboard open (200×60, headless
-Textual), runs alternating; then one frame (snapshot, panels updated, screen drawn) with 200
-requests live on a simulated worker, median ms, request table and timeline; goal ≤ 25 ms (bold:
-over).""",
+Textual), runs alternating; then one frame (snapshot to screen drawn), 200 requests live on a
+simulated worker, median ms, table / timeline; goal ≤ 25 ms (bold: over); one history chart
+redrawn (4 series × 900 points, 100×30), median ms.""",
     "trace": """\
-A 4-request burst with no recording, the light ring (default) and full detail (per-layer
-scopes), interleaved, and a light scope's cost (a no-op) times a step's scopes, as a share of the
-step; goals: light ≤ 1%, full ≤ 10% off. Older reports: tracing off and on.""",
+A 4-request burst with no recording, the light ring (default) and full detail (per-layer scopes),
+rounds A B C C B A from each of the six orders; ratios to off: the rounds' median (lowest–highest).
+Goals: light ≤ 1%, full ≤ 10% off.""",
     "router": """\
 One routing decision as `Engine.submit` makes it under the facade's lock: each worker's load (a
 running account), the reusable prefix per worker (the prompt's pages against its published keys),
@@ -799,9 +817,8 @@ adds request parsing, SSE framing and loopback per streamed token.""",
 What bounds them: the worker steps in its own process either way; the dashboard renders the
 engine's snapshots at its own refresh, never inside a step: the difference is noise.""",
     "trace": """\
-What bounds them: a scope the detail level leaves out is one flag check (~0.3 µs with the context
-manager), ~200 a step; a recorded scope appends to its thread's own ring buffer without a lock, so
-recording is within noise of none.""",
+What bounds them: light records a few events a step (timed alone: the column) and skips deep
+scopes at one flag check each; full keeps the one-call decode step, timed inside it.""",
     "gpu": """\
 What bounds them: a decode step is mostly host time (Python and kernel launches). CUDA graphs
 (engine/worker/cuda_graphs.py) are the lever; no report with them yet. Routing: `cost`'s offload

@@ -38,7 +38,10 @@ PANELS = """\
   history   (h, in the streams' place) decode and prefill tok/s, running
             and waiting (dotted), KV usage per worker over the last 1, 5
             or 15 minutes (m); z zooms them to the full screen
-  log       errors, preemptions, worker deaths, policy changes, bursts"""
+  log       errors, preemptions, worker deaths, policy changes, bursts
+  mouse     a click on a request's row or lane opens it (as Enter), on a
+            panel's title zooms the panel (as z; again or Esc: back), on a
+            worker's line shows that worker in full"""
 
 
 class HelpScreen(ModalScreen[None]):

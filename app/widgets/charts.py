@@ -1,16 +1,25 @@
 """History charts: decode and prefill tok/s, running and waiting requests, KV usage, per
-worker, over the last 1, 5 or 15 minutes (m), with a time axis and a scale (textual-plotext).
+worker, over the last 1, 5 or 15 minutes (m), with a time axis and a scale (textual-plot).
 
 They take the streams panel's place when h is pressed, and z zooms them to the full screen;
 the worker panels' sparklines stay where there is no room for a chart. The engine keeps one
 point a second (engine/facade/history.py), so a chart is redrawn at most once a second.
+
+textual-plot over textual-plotext: it redraws the same four series of 900 points in about
+half the time (docs/architecture.md). Each chart's title and legend are one Line above it:
+the plot's own legend is a widget whose update lays the screen out at every redraw.
 """
 from __future__ import annotations
 
-from textual.containers import Grid
-from textual_plotext import PlotextPlot
+from typing import Sequence
+
+from textual.containers import Grid, Vertical
+from textual.markup import escape
+from textual_plot import HiResMode, PlotWidget
+from textual_plot.axis_formatter import AxisFormatter
 
 from app.widgets.fmt import short_worker
+from app.widgets.line import Line
 from engine.facade.history import WINDOWS_S, History
 
 # chart id -> (title, [(series, label suffix)], scale)
@@ -20,6 +29,7 @@ CHARTS = {
     "load": ("running · waiting (dotted)", [("running", ""), ("waiting", " wait")], 1.0),
     "kv": ("KV usage %", [("kv_usage", "")], 100.0),
 }
+COLOURS = ("primary", "warning", "success", "accent", "error", "secondary")    # a worker's, by its order
 
 
 def window_label(seconds: int) -> str:
@@ -29,11 +39,26 @@ def window_label(seconds: int) -> str:
 def time_ticks(window: int) -> tuple[list[float], list[str]]:
     """Five ticks from -window to now, labelled in minutes (or seconds for the last minute)."""
     ticks = [-window + i * window / 4 for i in range(5)]
-    def label(x: float) -> str:
-        if x == 0:
-            return "now"
-        return f"{x / 60:g}m" if window > 60 else f"{x:g}s"
-    return ticks, [label(x) for x in ticks]
+    return ticks, [tick_label(x, window) for x in ticks]
+
+
+def tick_label(x: float, window: int) -> str:
+    if x == 0:
+        return "now"
+    return f"{x / 60:g}m" if window > 60 else f"{x:g}s"
+
+
+class TimeAxis(AxisFormatter):
+    """The x axis: five ticks over the window, as time before now."""
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+
+    def get_ticks(self, min_: float, max_: float, max_ticks: int = 8) -> list[float]:
+        return time_ticks(self.window)[0]
+
+    def get_labels_for_ticks(self, ticks: Sequence[float]) -> list[str]:
+        return [tick_label(x, self.window) for x in ticks]
 
 
 def chart_series(history: dict[int, History], names: dict[int, str], clock: float, window: int,
@@ -52,6 +77,43 @@ def chart_series(history: dict[int, History], names: dict[int, str], clock: floa
     return out
 
 
+class Chart(PlotWidget, can_focus=False):
+    """A plot that is only looked at: no focus, so its pan and zoom keys (arrows, + -, r)
+    never take the dashboard's."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(allow_pan_and_zoom=False, **kwargs)
+        self.set_reactive(PlotWidget.margin_top, 0)       # the title is the Line above
+        self.set_reactive(PlotWidget.margin_bottom, 1)    # the tick labels
+        self.set_reactive(PlotWidget.margin_left, 7)
+
+    def on_mount(self) -> None:
+        self.show_legend(is_visible=False)
+
+
+def draw_chart(plot: Chart, title: Line, name: str, drawn: list[tuple[str, list[float], list[float], str]],
+               window: int, colours: dict[str, str]) -> None:
+    """One chart: its series (label, xs, ys, label suffix: a worker's waiting series is dotted),
+    the axes over the window, and its title line with the legend in the series' colours."""
+    heading, _, _ = CHARTS[name]
+    plot.clear()
+    legend, seen = [], {}
+    for label, xs, ys, suffix in drawn:
+        worker = label[:len(label) - len(suffix)] if suffix else label
+        colour = colours[COLOURS[seen.setdefault(worker, len(seen)) % len(COLOURS)]]
+        if suffix:
+            plot.scatter(xs, ys, marker_style=colour, hires_mode=HiResMode.BRAILLE)
+        else:
+            plot.plot(xs, ys, line_style=colour, hires_mode=HiResMode.BRAILLE)
+            legend.append(f"[{colour}]━[/] {escape(worker)}")
+    plot.set_x_formatter(TimeAxis(window))
+    plot.set_xlimits(-window, 0)
+    top = max((max(ys) for _, _, ys, _ in drawn), default=0.0)
+    plot.set_ylimits(0, 100 if name == "kv" else max(1.0, top * 1.1))
+    text = f"[b]{heading}[/]" if drawn else f"[b]{heading}[/]: no points yet"
+    title.set("  ".join([text, *legend]))
+
+
 class HistoryCharts(Grid, can_focus=True):
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -61,7 +123,9 @@ class HistoryCharts(Grid, can_focus=True):
 
     def compose(self):
         for chart in CHARTS:
-            yield PlotextPlot(id=f"chart-{chart}", classes="chart")
+            with Vertical(classes="chart"):
+                yield Line(id=f"chart-{chart}-title", classes="chart-title")
+                yield Chart(id=f"chart-{chart}")
 
     def cycle_window(self) -> int:
         self.window = WINDOWS_S[(WINDOWS_S.index(self.window) + 1) % len(WINDOWS_S)]
@@ -69,8 +133,8 @@ class HistoryCharts(Grid, can_focus=True):
         return self.window
 
     def show_history(self, history: dict[int, History], names: dict[int, str], clock: float) -> None:
-        for chart, (title, parts, scale) in CHARTS.items():
-            plot = self.query_one(f"#chart-{chart}", PlotextPlot)
+        colours = self.app.theme_variables
+        for chart, (_, parts, scale) in CHARTS.items():
             drawn = [(label + suffix, xs, ys, suffix) for series, suffix in parts
                      for label, xs, ys in chart_series(history, names, clock, self.window, series, scale)]
             key = (int(clock), self.window, tuple((label, len(xs), xs[-1] if xs else None) for label, xs, _, _ in drawn))
@@ -78,17 +142,5 @@ class HistoryCharts(Grid, can_focus=True):
                 continue
             self._shown[chart] = key
             self.plotted[chart] = [(label, xs, ys) for label, xs, ys, _ in drawn]
-            plt = plot.plt
-            plt.clear_data()
-            plt.clear_figure()
-            plt.title(title)
-            for label, xs, ys, suffix in drawn:
-                plt.plot(xs, ys, label=label, marker="dot" if suffix else "braille")
-            ticks, labels = time_ticks(self.window)
-            plt.xticks(ticks, labels)
-            plt.xlim(-self.window, 0)
-            top = max((max(ys) for _, _, ys, _ in drawn), default=0.0)
-            plt.ylim(0, 100 if chart == "kv" else max(1.0, top * 1.1))
-            if not drawn:
-                plt.title(f"{title}: no points yet")
-            plot.refresh()
+            draw_chart(self.query_one(f"#chart-{chart}", Chart), self.query_one(f"#chart-{chart}-title", Line),
+                       chart, drawn, self.window, colours)

@@ -8,7 +8,8 @@ on screen are worked out and drawn, and nothing is drawn at all when none of the
 Selection: until the user moves the cursor, it follows the newest live request (or the
 newest request when none is live); once moved, it stays on the request it is on while newer
 requests push it down. Either way the selected row is scrolled into view, so what x and
-Enter act on is always on screen.
+Enter act on is always on screen. A click on a row selects it and asks for its detail
+(RequestChosen), as Enter does.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from rich.style import Style
 from textual.binding import Binding
 from textual.events import Click
 from textual.geometry import Region, Size
+from textual.message import Message
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
@@ -72,6 +74,14 @@ def request_number(request_id: str) -> int:
     """Engine ids are r1, r2, ...: order by the number, not the string."""
     digits = request_id.lstrip("r")
     return int(digits) if digits.isdigit() else 0
+
+
+class RequestChosen(Message):
+    """A request's row (or timeline lane) was clicked: the app opens its detail, as Enter does."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__()
+        self.request_id = request_id
 
 
 def row_text(cells: tuple[str, ...]) -> list[str]:
@@ -159,8 +169,10 @@ class RequestsTable(ScrollView, can_focus=True):
         keep_row_in_view(self, self._cursor)
 
     def on_click(self, event: Click) -> None:
-        if event.y >= 1:
-            self.move_cursor(int(self.scroll_y) + event.y - 1)
+        row = int(self.scroll_y) + event.y - 1      # line 0 is the header
+        if event.y >= 1 and row < len(self._views):
+            self.move_cursor(row)
+            self.post_message(RequestChosen(self._views[row].id))
 
     # --- rendering --------------------------------------------------------------------------
     def render_lines(self, crop: Region) -> list[Strip]:

@@ -5,7 +5,8 @@ lifecycle and of RequestState) across the last `span` seconds, the worker it run
 how it ended. A column where a prefill chunk or a speculative verify round ended is drawn
 denser. The axis follows the engine's clock, or stands still while paused (space), so a
 moment can be read; + and - zoom. Only the lanes on screen are drawn: a line is worked out
-when Textual paints it, so hundreds of requests cost what the visible ones do.
+when Textual paints it, so hundreds of requests cost what the visible ones do. A click on a
+lane opens that request's detail, as Enter does.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
 from app.widgets.fmt import short_worker
-from app.widgets.requests import request_number
+from app.widgets.requests import RequestChosen, request_number
 from app.widgets.scroll import keep_row_in_view, set_virtual_size
 from engine.facade.snapshot import EngineSnapshot, RequestState
 from engine.facade.timeline import Timeline
@@ -100,6 +101,7 @@ class TimelinePanel(ScrollView, can_focus=True):
         super().__init__(**kwargs)
         self.span = 30.0
         self.paused = False
+        self.pausable = True    # space pauses it; a replay takes space to pause the recording
         self._lanes: list[tuple[str, str, RequestState, Timeline]] = []   # id, worker, state, timeline
         self._clock = 0.0
         self._cursor = 0
@@ -115,6 +117,8 @@ class TimelinePanel(ScrollView, can_focus=True):
         return self._lanes[self._cursor][0] if self._lanes else None
 
     def title(self) -> str:
+        if not self.pausable:
+            return f"timeline · {self.span:g} s (+ -, g: table)"
         return f"timeline · {self.span:g} s · {'paused' if self.paused else 'live'} (space, + -, g: table)"
 
     def show_snapshot(self, snap: EngineSnapshot) -> None:
@@ -166,8 +170,10 @@ class TimelinePanel(ScrollView, can_focus=True):
         keep_row_in_view(self, self._cursor)
 
     def on_click(self, event: Click) -> None:
-        if event.y >= 1:
-            self.move_cursor(int(self.scroll_y) + event.y - 1)
+        lane = int(self.scroll_y) + event.y - 1     # line 0 is the axis
+        if event.y >= 1 and lane < len(self._lanes):
+            self.move_cursor(lane)
+            self.post_message(RequestChosen(self._lanes[lane][0]))
 
     # --- drawing ----------------------------------------------------------------------------
     def render_lines(self, crop: Region) -> list[Strip]:

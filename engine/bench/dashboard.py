@@ -22,11 +22,12 @@ FRAME_GOAL_MS = 25.0
 SIM_FRAME_DEVICE = "sim:gpu0:prefill=20000,decode=20"   # slow decode: the requests stay live
 
 
-def bench_dashboard(args, with_dashboard: DashboardDriver, frame_ms=None) -> dict:
+def bench_dashboard(args, with_dashboard: DashboardDriver, frame_ms=None, chart_ms=None) -> dict:
     """The same burst through the engine headless, and with the dashboard open (rendering
     at 200x60 in a headless Textual driver), workers in their own processes in both; then,
     with frame_ms (app/bench.py), what one frame costs with 200 requests live (a simulated
-    worker keeps them live: its rates are labelled simulated, the frame is real)."""
+    worker keeps them live: its rates are labelled simulated, the frame is real); with chart_ms,
+    what redrawing one history chart costs (four series of 900 points)."""
     from engine.facade.devices import parse_devices
     from engine.facade.engine import Engine
 
@@ -59,4 +60,6 @@ def bench_dashboard(args, with_dashboard: DashboardDriver, frame_ms=None) -> dic
         report["frame"] = {**frame, "device": SIM_FRAME_DEVICE, "goal_ms": FRAME_GOAL_MS}
         report["goals"]["frame_le_25ms_at_200_live"] = max(frame["table_frame_ms"],
                                                            frame["timeline_frame_ms"]) <= FRAME_GOAL_MS
+    if chart_ms is not None:
+        report["chart"] = chart_ms(10 if args.quick else 60)
     return report

@@ -14,8 +14,9 @@ Rules (every threshold is in THRESHOLDS, below):
 A condition must hold for its `hold` seconds to raise an alert (a burst being routed is not an
 imbalance) and be gone for its `clear` seconds to end it (a flapping rate is one episode, not
 ten). The monitor sees only snapshots, so a test can feed it a made-up stream; AlertWatcher
-runs it on the engine's own snapshots, logs each episode's start and end once, and keeps the
-count of episodes per (kind, worker) that /metrics exports as tokentop:alerts_total.
+runs it on the engine's own snapshots, logs each episode's start and end once, marks both as
+instants in the flight recorder's ring (an "alerts" track in the trace `t` writes), and keeps
+the count of episodes per (kind, worker) that /metrics exports as tokentop:alerts_total.
 """
 from __future__ import annotations
 
@@ -220,13 +221,18 @@ class AlertWatcher:
         snap = self.engine.snapshot()
         with self._lock:
             started, ended = self.monitor.observe(snap)
+        tracer = self.engine.recorder.tracer
         for a in started:
             self.engine.log("error" if a.kind == "worker-dead" else "warning", f"alert {a.kind}: {a.message}")
+            tracer.instant(f"alert: {a.kind}", worker=a.worker, worker_name=a.worker_name, message=a.message)
         for a in ended:
             self.engine.log("info", f"alert {a.kind} over on worker {a.worker} ({a.worker_name}), "
                                     f"after {snap.time - a.since:.0f} s")
+            tracer.instant(f"alert over: {a.kind}", worker=a.worker, worker_name=a.worker_name,
+                           lasted_s=round(snap.time - a.since, 1))
 
     def _run(self) -> None:
+        self.engine.recorder.tracer.set_thread_name("alerts")   # the track its markers go on
         failed = None
         while not self._stop.wait(self.period):
             try:

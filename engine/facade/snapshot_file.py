@@ -9,7 +9,8 @@ so a recording stays readable up to its last frame) of JSON lines:
     1. the header: {"format": "tokentop-recording", "version", "started" (unix s), "interval_s",
        "workers": [WorkerConfig fields...], "command"}
     2. one line per frame: {"t": seconds since start, "top": {changed top-level fields},
-       "w" | "r" | "d" | "l": changes to the workers, requests, routing decisions, log lines}
+       "w" | "r" | "d" | "l" | "tl" | "h": changes to the workers, requests, routing decisions,
+       log lines, request timelines, per-worker history (the `h` charts' points)}
        where a collection's change is {"s": {key: changed fields}, "n": [new keys, in order],
        "x": [removed keys], "o": [every key, only when the order changed otherwise]}, and a
        changed field whose text or list only slid (a request's text tail, a sparkline's
@@ -38,6 +39,7 @@ from typing import Any
 from engine.config import WorkerConfig
 from engine.errors import ConfigError, TokentopError
 from engine.facade.alerts import Alert
+from engine.facade.history import SERIES, History
 from engine.facade.latency import LatencyView
 from engine.facade.snapshot import EngineSnapshot, LogLine, RequestView, WorkerView
 from engine.facade.timeline import Timeline
@@ -47,7 +49,7 @@ FORMAT = "tokentop-recording"
 VERSION = 1
 INTERVAL_S = 0.2          # five frames a second, as often as the dashboard refreshes
 CHECKPOINT_EVERY = 250    # frames between the states a reader keeps for seeking
-COLLECTIONS = {"w": "workers", "r": "requests", "d": "routing", "l": "log", "tl": "timelines"}
+COLLECTIONS = {"w": "workers", "r": "requests", "d": "routing", "l": "log", "tl": "timelines", "h": "history"}
 TOP_FIELDS = ("router_policy", "tracing", "uptime", "trace_detail")
 
 
@@ -124,8 +126,25 @@ def typed(hint: Any, value: Any) -> Any:
 
 
 # --- a snapshot as a state of keyed collections ------------------------------------------------
-def snapshot_state(snap: EngineSnapshot, t: float, spec_mode: str = "") -> dict:
-    """One frame: the snapshot's fields, each collection keyed so frames can be diffed."""
+def history_fields(h: History) -> dict:
+    """A worker's history as flat lists (times and each series), so a new second's point is
+    written as a slide of each list, not the whole history again."""
+    return {"times": plain(h.times), **{name: plain(h.values(name)) for name in SERIES}}
+
+
+def snapshot_state(snap: EngineSnapshot, t: float, spec_mode: str = "",
+                   history_cache: dict | None = None) -> dict:
+    """One frame: the snapshot's fields, each collection keyed so frames can be diffed.
+    `history_cache` (worker -> (History, its fields)) spares converting a history again: it
+    changes once a second, frames come five times a second."""
+    history = {}
+    for index, h in snap.history.items():
+        cached = history_cache.get(index) if history_cache is not None else None
+        if cached is None or cached[0] is not h:
+            cached = (h, history_fields(h))
+            if history_cache is not None:
+                history_cache[index] = cached
+        history[str(index)] = cached[1]
     requests = {}
     for r in snap.requests:
         fields = plain(r)
@@ -144,6 +163,7 @@ def snapshot_state(snap: EngineSnapshot, t: float, spec_mode: str = "") -> dict:
         "d": _keyed({f"{d.request_id}@{d.time:.6f}": plain(d) for d in snap.routing}),
         "l": _keyed({_log_key(line): plain(line) for line in snap.log}),
         "tl": _keyed({rid: plain(tl) for rid, tl in snap.timelines.items()}),
+        "h": _keyed(history),
     }
 
 
@@ -180,8 +200,13 @@ def state_snapshot(state: dict, started: float) -> tuple[EngineSnapshot, str]:
         latency={name: build(LatencyView, v) for name, v in top.get("latency", {}).items()},
         alerts=tuple(build(Alert, a) for a in top.get("alerts", ())),
         alert_counts={(kind, worker): n for kind, worker, n in top.get("alert_counts", ())},
-        timelines={k: build(Timeline, state["tl"]["items"][k]) for k in state["tl"]["keys"]})
+        timelines={k: build(Timeline, state["tl"]["items"][k]) for k in state["tl"]["keys"]},
+        history={int(k): _history(state["h"]["items"][k]) for k in state["h"]["keys"]})
     return snap, top.get("spec_mode", "")
+
+
+def _history(fields: dict) -> History:
+    return History(tuple(fields["times"]), {name: tuple(fields.get(name, ())) for name in SERIES})
 
 
 # --- differences between frames ----------------------------------------------------------------
@@ -310,6 +335,7 @@ class SnapshotRecorder:
         self.frames = 0
         self.error: str | None = None
         self._state = empty_state()
+        self._history: dict = {}     # snapshot_state's history_cache
         self._stop = threading.Event()
         self._lock = threading.Lock()
         header = {"format": FORMAT, "version": VERSION, "started": self.started, "interval_s": interval,
@@ -325,7 +351,7 @@ class SnapshotRecorder:
     def record(self) -> None:
         """Write one frame now (the thread calls this at every interval)."""
         snap = self.engine.snapshot()
-        state = snapshot_state(snap, snap.time - self.started, self.engine.spec_mode)
+        state = snapshot_state(snap, snap.time - self.started, self.engine.spec_mode, self._history)
         with self._lock:
             if self._file is None:
                 return

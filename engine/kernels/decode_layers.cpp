@@ -6,7 +6,10 @@
 // them and runs the same sequence of the same ops (ops.h: the functions the ops register, so the
 // bits are the same) without going back to Python. It serves steps where every row is a decode
 // row attended by the fused op; the decoder takes the per-layer path for the rest (prefill,
-// tracing, dense weight forms).
+// dense weight forms, NVTX ranges). At full trace detail it also writes clock readings around
+// each part of a layer (`marks`), from which the tracer records the per-layer scopes.
+#include <time.h>
+
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -16,6 +19,18 @@
 #include "ops.h"
 
 namespace {
+
+// Clock readings per layer in `marks`, in this order (engine/models/decoder.py MARKS reads them)
+enum Mark { LAYER, QKV, QKV_END, ATTENTION, ATTENTION_END, O_END, ATTN_END, GATE_UP, GATE_UP_END, DOWN,
+            DOWN_END, MLP_END, LAYER_END, N_MARKS };
+
+// CLOCK_MONOTONIC in ns: what Python's time.perf_counter_ns reads, so the marks line up with
+// the tracer's other events
+inline int64_t now_ns() {
+    timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return int64_t(ts.tv_sec) * 1000000000 + ts.tv_nsec;
+}
 
 // One linear layer: GGUF matrices stacked along the output dimension (QuantLinear's GGUFWeight)
 struct Linear {
@@ -59,28 +74,57 @@ public:
 
     // x [B, hidden]: one decode row per sequence, updated in place and returned. Each plan is
     // [cos, sin, key slots, key counts] for one attention kind (rope.lookup of the rows'
-    // positions, DecodeGroup.slots/lengths); `local` is empty when no layer slides.
+    // positions, DecodeGroup.slots/lengths); `local` is empty when no layer slides. `marks`, when
+    // given: int64 [layers, N_MARKS], filled with the clock readings of enum Mark.
     at::Tensor run(at::Tensor x, std::vector<at::Tensor> k_stores, std::vector<at::Tensor> v_stores,
-                   at::Tensor write_slots, std::vector<at::Tensor> global, std::vector<at::Tensor> local) {
+                   at::Tensor write_slots, std::vector<at::Tensor> global, std::vector<at::Tensor> local,
+                   std::optional<at::Tensor> marks) {
         TORCH_CHECK(k_stores.size() == layers_.size() && v_stores.size() == layers_.size(),
                     "run: one K and one V store per layer");
         TORCH_CHECK(global.size() == 4 && (local.empty() || local.size() == 4),
                     "run: a plan is [cos, sin, slots, lengths]");
+        int64_t* t = nullptr;
+        if (marks) {
+            TORCH_CHECK(marks->scalar_type() == at::kLong && marks->is_contiguous() && marks->device().is_cpu() &&
+                            marks->numel() == int64_t(layers_.size()) * N_MARKS,
+                        "run: marks must be a contiguous int64 CPU tensor [layers, ", int(N_MARKS), "]");
+            t = marks->data_ptr<int64_t>();
+        }
+        // one clock reading when marking (a few ns), none otherwise
+        auto mark = [&t](Mark m) { if (t) t[m] = now_ns(); };
         for (size_t i = 0; i < layers_.size(); ++i) {
             const Layer& L = layers_[i];
             TORCH_CHECK(L.linears.size() == 4, "run: layer ", i, " has ", L.linears.size(), " linear layers, not 4");
             TORCH_CHECK(!L.sliding || !local.empty(), "run: layer ", i, " slides but no local plan was given");
             const std::vector<at::Tensor>& p = L.sliding ? local : global;
-            at::Tensor qkv = L.linears[0](tt::ops::add_rms_norm(x, std::nullopt, L.attn_norm, eps_));
+            mark(LAYER);
+            at::Tensor normed = tt::ops::add_rms_norm(x, std::nullopt, L.attn_norm, eps_);
+            mark(QKV);
+            at::Tensor qkv = L.linears[0](normed);
+            mark(QKV_END);
             at::Tensor q = tt::ops::rope_store_kv(qkv, p[0], p[1], L.qk_norm, eps_, attn_scale_, n_heads_, n_kv_,
                                                   interleaved_, k_stores[i], v_stores[i], write_slots);
-            at::Tensor a = L.linears[1](tt::ops::decode_attention(q, k_stores[i], v_stores[i], p[2], p[3], softcap_));
+            mark(ATTENTION);
+            at::Tensor attended = tt::ops::decode_attention(q, k_stores[i], v_stores[i], p[2], p[3], softcap_);
+            mark(ATTENTION_END);
+            at::Tensor a = L.linears[1](attended);
+            mark(O_END);
             if (L.post_attn_norm) a = tt::ops::add_rms_norm(a, std::nullopt, *L.post_attn_norm, eps_);
+            mark(ATTN_END);
             // x += a, then the MLP's norm
             at::Tensor h = tt::ops::add_rms_norm(x, a, L.ffn_norm, eps_);
-            at::Tensor m = L.linears[3](tt::ops::act_mul(L.linears[2](h), act_));
+            mark(GATE_UP);
+            at::Tensor gate_up = L.linears[2](h);
+            mark(GATE_UP_END);
+            at::Tensor act = tt::ops::act_mul(gate_up, act_);
+            mark(DOWN);
+            at::Tensor m = L.linears[3](act);
+            mark(DOWN_END);
             if (L.post_ffn_norm) m = tt::ops::add_rms_norm(m, std::nullopt, *L.post_ffn_norm, eps_);
+            mark(MLP_END);
             x.add_(m);
+            mark(LAYER_END);
+            if (t) t += N_MARKS;
         }
         return x;
     }

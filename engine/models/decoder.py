@@ -30,6 +30,10 @@ from engine.trace import get_tracer
 
 log = logging.getLogger("tokentop.decoder")
 
+# DecodeLayers' clock readings per layer, in its order (engine/kernels/decode_layers.cpp Mark)
+MARKS = ("layer", "qkv", "qkv end", "attention", "attention end", "o end", "attn end", "gate-up",
+         "gate-up end", "down", "down end", "mlp end", "layer end")
+
 # Candidates whose logits are recomputed in fp32 when the lm_head runs in bf16 (see _refine).
 REFINED_CANDIDATES = 32
 
@@ -139,6 +143,7 @@ class Decoder(nn.Module):
                               else dequantize(self.head_td).to(self.device))
         self.final_softcap = c.final_logit_softcap
         self._layers = None   # _decode_layers()
+        self._spans = None    # _marked_spans()
 
         freq_factors = dequantize(gf.tensor("rope_freqs.weight")) if gf.has("rope_freqs.weight") else None
         capacity = min(c.context_length, 4096)
@@ -198,11 +203,18 @@ class Decoder(nn.Module):
         x = self.embed(ids).float()
         if self.embed_scale != 1.0:
             x = x * self.embed_scale
-        layers = self._decode_layers() if fused and not tracer.active else None
+        layers = self._decode_layers() if fused and not tracer.per_layer else None
         if layers is not None and all(_decode_only(p) for p in plans.values()):
-            # every row a decode row: all layers in one C++ call (same ops, same bits)
+            # every row a decode row: all layers in one C++ call (same ops, same bits); at full
+            # trace detail it reads the clock around each part, recorded as the per-layer scopes
             plan_args = {k: [*ropes[k][1:], plans[k].decode.slots, plans[k].decode.lengths] for k in plans}
-            return layers.run(x, kv.k, kv.v, write_slots, plan_args.get(False, []), plan_args.get(True, []))
+            marks = torch.empty(len(self.blocks), len(MARKS), dtype=torch.int64) if tracer.full else None
+            x = layers.run(x, kv.k, kv.v, write_slots, plan_args.get(False, []), plan_args.get(True, []), marks)
+            if marks is not None:
+                tracer.deep_spans([(name, row[a], row[b] - row[a], args)
+                                   for row, spans in zip(marks.tolist(), self._marked_spans())
+                                   for name, a, b, args in spans])
+            return x
         for block in self.blocks:
             with tracer.scope("layer", i=block.layer):
                 # forward, not __call__: no hooks are used, and __call__'s dispatch costs per layer
@@ -219,6 +231,23 @@ class Decoder(nn.Module):
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
+
+    def _marked_spans(self) -> list[list[tuple[str, int, int, dict]]]:
+        """Per layer, the spans DecodeLayers' clock readings make: (name, start mark, end
+        mark, args), the scopes Block.forward records around the same ops."""
+        if self._spans is None:
+            m = MARKS.index
+            self._spans = [[
+                ("layer", m("layer"), m("layer end"), {"i": b.layer}),
+                ("attn", m("layer"), m("attn end"), {}),
+                ("qmatmul", m("qkv"), m("qkv end"), {"op": b.qkv_proj.op, "kernel": "gguf"}),
+                ("attention", m("attention"), m("attention end"), {}),
+                ("qmatmul", m("attention end"), m("o end"), {"op": b.o_proj.op, "kernel": "gguf"}),
+                ("mlp", m("attn end"), m("mlp end"), {}),
+                ("qmatmul", m("gate-up"), m("gate-up end"), {"op": b.gate_up_proj.op, "kernel": "gguf"}),
+                ("qmatmul", m("down"), m("down end"), {"op": b.down_proj.op, "kernel": "gguf"}),
+            ] for b in self.blocks]
+        return self._spans
 
     def _decode_layers(self):
         """tokentop.DecodeLayers (engine/kernels/decode_layers.cpp) holding every layer, for
