@@ -381,6 +381,24 @@ def test_a_snapshot_of_another_shape_changes_nothing(server):
     assert sample.source == "snapshot" and [w["name"] for w in sample.engine_workers] == ["sim:slow"]
 
 
+def test_a_routers_workers_are_not_weighed_against_servers_beside_it():
+    w = Watcher(["http://r", "http://a", "http://b", "http://llama"])
+    try:
+        w.tracks["http://r"].add(Sample("http://r", 0.0, True, kind="vllm-router", workers=[
+            {"url": "http://a/", "healthy": True, "load": 0}, {"url": "http://b", "healthy": True, "load": 0}]))
+        for url, kind, running in (("http://a", "tokentop", 0), ("http://b", "tokentop", 0),
+                                   ("http://llama", "llamacpp", 9)):
+            w.tracks[url].add(Sample(url, 0.0, True, kind=kind, running=running, waiting=0))
+        assert [s.alerts for s in w.status()] == [[], [], [], []]
+        w.tracks["http://c"] = _Track("http://c")      # a server beside it, not the router's
+        w.tracks["http://c"].add(Sample("http://c", 0.0, True, kind="vllm", running=1, waiting=0))
+        alerts = {s.url: s.alerts for s in w.status()}
+        assert alerts["http://llama"] == alerts["http://c"] == ["imbalance: http://llama has 9 requests, http://c 1"]
+        assert alerts["http://a"] == alerts["http://b"] == []
+    finally:
+        w.close()
+
+
 async def test_the_dashboard_shows_one_group_per_server(server):
     from app.watch import WatchApp
 
