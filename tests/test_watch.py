@@ -143,12 +143,15 @@ def test_llamacpp_tokens_count_while_its_requests_run():
     # tokens are added, so one long request shows a rate and no stall; an idle slot's are not
     decoded = [10]
     pages = {"/metrics": lambda: LLAMACPP, "/health": lambda: {"status": "ok"},
-             "/slots": lambda: [_slot(0, True, decoded[0]), _slot(1, False, 33)]}
+             "/slots": lambda: [_slot(0, True, decoded[0]), _slot(1, False, 33)],
+             "/v1/models": lambda: {"object": "list", "data": [{"id": "/models/qwen2.5-coder-0.5b.gguf",
+                                                                "object": "model", "owned_by": "llamacpp"}]}}
     with _fixture_server(pages) as url, httpx.Client() as client:
         first = look(client, url)
         decoded[0] = 25
         second = look(client, url)
     assert first.kind == "llamacpp" and first.slots == (1, 2)
+    assert first.model == "qwen2.5-coder-0.5b.gguf"    # /metrics names none: /v1/models, a path's file
     assert (first.generated, second.generated) == (710, 725)
     t = _Track(url)
     for i in range(int(STALL_S) + 2):               # one request decoding all along: no stall
@@ -186,6 +189,7 @@ def test_a_real_llama_server_shows_a_rate_during_one_long_request(real_model_pat
                        "tokens to be counted while the request runs", poll=0.2)
             during = look(client, url)
             assert during.slots[0] == 1 and during.running == 1      # it is still running
+            assert during.model == real_model_path.name
         long.join(300)
     finally:
         proc.terminate()

@@ -16,7 +16,8 @@ Kinds, told apart by the metric names on /metrics (each project's own, read from
              (python/sglang/srt/metrics/collector.py)
   llamacpp   llamacpp:requests_processing / requests_deferred, llamacpp:kv_cache_usage_ratio,
              llamacpp:tokens_predicted_total, llamacpp:predicted_tokens_seconds (server.cpp),
-             and its GET /slots (is_processing per slot, next_token.n_decoded). Its counter
+             its GET /v1/models (the model: /metrics has no label naming it), and its GET
+             /slots (is_processing per slot, next_token.n_decoded). Its counter
              rises only when a request ends, so tokens generated = the counter plus the tokens
              the busy slots decoded so far: a rate while requests run, and no stall alert for
              one long request.
@@ -202,6 +203,7 @@ def look(client: httpx.Client, url: str, api_key: str | None = None) -> Sample:
         elif health.status_code != 200:      # a router says 503 while any of its workers is down
             sample.error = health.text.strip()[:200]
         if sample.kind == "llamacpp":
+            sample.model = sample.model or _served_model(client, url)
             slots = _slots(client, url)
             if slots is not None:
                 sample.slots, decoding = slots
@@ -236,6 +238,21 @@ def _slots(client: httpx.Client, url: str) -> tuple[tuple[int, int], int] | None
         return None
     busy = [s for s in slots if isinstance(s, dict) and s.get("is_processing")]
     return (len(busy), len(slots)), sum(_decoded(s) for s in busy)
+
+
+def _served_model(client: httpx.Client, url: str) -> str | None:
+    """The model an OpenAI-compatible server names first on /v1/models; a file path (llama.cpp's
+    default alias) by its file name."""
+    r = client.get(url + "/v1/models", timeout=TIMEOUT)
+    if r.status_code != 200:
+        return None
+    try:
+        name = r.json()["data"][0]["id"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None
+    if not isinstance(name, str):
+        return None
+    return name.rsplit("/", 1)[-1] if name.startswith("/") else name
 
 
 def _decoded(slot: dict) -> int:
