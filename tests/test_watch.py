@@ -8,6 +8,7 @@ values are made up. No vLLM, SGLang or llama.cpp server runs here.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import threading
@@ -16,7 +17,7 @@ import httpx
 import pytest
 
 from app.cli import main
-from engine.watch.sources import Sample, apply_snapshot, from_metrics
+from engine.watch.sources import Sample, apply_snapshot, from_metrics, look
 from engine.watch.watcher import STALL_S, Watcher, _Track, quantile
 from tests.serve_util import in_process_server
 
@@ -98,6 +99,101 @@ llamacpp:requests_processing 1
 # TYPE llamacpp:requests_deferred gauge
 llamacpp:requests_deferred 0
 """
+
+
+def _slot(i: int, busy: bool, decoded: int) -> dict:
+    """One entry of llama.cpp's GET /slots, as its server answers it (params left out)."""
+    return {"id": i, "n_ctx": 1024, "speculative": False, "is_processing": busy, "id_task": 180 + i,
+            "n_prompt_tokens": 12, "n_prompt_tokens_processed": 12, "n_prompt_tokens_cache": 0,
+            "next_token": [{"has_next_token": busy, "has_new_line": False, "n_remain": 40, "n_decoded": decoded}]}
+
+
+@contextlib.contextmanager
+def _fixture_server(pages: dict):
+    """127.0.0.1 HTTP server answering GET path -> pages[path]() (str: text, else JSON); else 404."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path in pages:
+                body = pages[self.path]()
+                body = (body if isinstance(body, str) else json.dumps(body)).encode()
+                self.send_response(200)
+            else:
+                body = b"Not Found"
+                self.send_response(404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}"
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_llamacpp_tokens_count_while_its_requests_run():
+    # llamacpp:tokens_predicted_total rises only when a request ends: the busy slots' decoded
+    # tokens are added, so one long request shows a rate and no stall; an idle slot's are not
+    decoded = [10]
+    pages = {"/metrics": lambda: LLAMACPP, "/health": lambda: {"status": "ok"},
+             "/slots": lambda: [_slot(0, True, decoded[0]), _slot(1, False, 33)],
+             "/v1/models": lambda: {"object": "list", "data": [{"id": "/models/qwen2.5-coder-0.5b.gguf",
+                                                                "object": "model", "owned_by": "llamacpp"}]}}
+    with _fixture_server(pages) as url, httpx.Client() as client:
+        first = look(client, url)
+        decoded[0] = 25
+        second = look(client, url)
+    assert first.kind == "llamacpp" and first.slots == (1, 2)
+    assert first.model == "qwen2.5-coder-0.5b.gguf"    # /metrics names none: /v1/models, a path's file
+    assert (first.generated, second.generated) == (710, 725)
+    t = _Track(url)
+    for i in range(int(STALL_S) + 2):               # one request decoding all along: no stall
+        t.add(Sample(url, float(i), True, kind="llamacpp", running=1, waiting=0, generated=700 + 15 * i))
+    assert t.status().alerts == [] and t.status().tok_s == 15
+
+
+@pytest.mark.slow
+def test_a_real_llama_server_shows_a_rate_during_one_long_request(real_model_path):
+    import os
+    import shutil
+    import socket
+    import subprocess
+    from engine.bench.llama_server import wait_healthy
+
+    binary = os.environ.get("LLAMA_SERVER") or shutil.which("llama-server")
+    if not binary or not os.path.exists(binary):
+        pytest.skip("no llama-server binary (set LLAMA_SERVER; shared/models.md says how to build it)")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    proc = subprocess.Popen([binary, "-m", str(real_model_path), "-np", "2", "-c", "2048", "-t", "1",
+                             "--host", "127.0.0.1", "--port", url.rsplit(":", 1)[1], "--metrics", "--slots"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_healthy(url, 120, proc)
+        long = threading.Thread(target=httpx.post, args=(url + "/v1/completions",), kwargs={
+            "json": {"prompt": "def f(x):", "max_tokens": 400, "ignore_eos": True}, "timeout": 300})
+        long.start()
+        with httpx.Client() as client:
+            from tests.waiting import wait_until
+            first = wait_until(lambda: (s := look(client, url)).slots and s.slots[0] and s, 30,
+                               "the request to start", poll=0.1)
+            wait_until(lambda: look(client, url).generated > first.generated + 5, 30,
+                       "tokens to be counted while the request runs", poll=0.2)
+            during = look(client, url)
+            assert during.slots[0] == 1 and during.running == 1      # it is still running
+            assert during.model == real_model_path.name
+        long.join(300)
+    finally:
+        proc.terminate()
+        proc.wait(20)
 
 
 @pytest.mark.parametrize("text, kind, running, waiting, kv, generated", [
@@ -287,6 +383,24 @@ def test_a_snapshot_of_another_shape_changes_nothing(server):
         assert sample.running == 7.0 and sample.source == "metrics" and sample.engine_workers == []
     apply_snapshot(sample, snap)
     assert sample.source == "snapshot" and [w["name"] for w in sample.engine_workers] == ["sim:slow"]
+
+
+def test_a_routers_workers_are_not_weighed_against_servers_beside_it():
+    w = Watcher(["http://r", "http://a", "http://b", "http://llama"])
+    try:
+        w.tracks["http://r"].add(Sample("http://r", 0.0, True, kind="vllm-router", workers=[
+            {"url": "http://a/", "healthy": True, "load": 0}, {"url": "http://b", "healthy": True, "load": 0}]))
+        for url, kind, running in (("http://a", "tokentop", 0), ("http://b", "tokentop", 0),
+                                   ("http://llama", "llamacpp", 9)):
+            w.tracks[url].add(Sample(url, 0.0, True, kind=kind, running=running, waiting=0))
+        assert [s.alerts for s in w.status()] == [[], [], [], []]
+        w.tracks["http://c"] = _Track("http://c")      # a server beside it, not the router's
+        w.tracks["http://c"].add(Sample("http://c", 0.0, True, kind="vllm", running=1, waiting=0))
+        alerts = {s.url: s.alerts for s in w.status()}
+        assert alerts["http://llama"] == alerts["http://c"] == ["imbalance: http://llama has 9 requests, http://c 1"]
+        assert alerts["http://a"] == alerts["http://b"] == []
+    finally:
+        w.close()
 
 
 async def test_the_dashboard_shows_one_group_per_server(server):

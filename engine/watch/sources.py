@@ -16,7 +16,11 @@ Kinds, told apart by the metric names on /metrics (each project's own, read from
              (python/sglang/srt/metrics/collector.py)
   llamacpp   llamacpp:requests_processing / requests_deferred, llamacpp:kv_cache_usage_ratio,
              llamacpp:tokens_predicted_total, llamacpp:predicted_tokens_seconds (server.cpp),
-             and its GET /slots (is_processing per slot)
+             its GET /v1/models (the model: /metrics has no label naming it), and its GET
+             /slots (is_processing per slot, next_token.n_decoded). Its counter
+             rises only when a request ends, so tokens generated = the counter plus the tokens
+             the busy slots decoded so far: a rate while requests run, and no stall alert for
+             one long request.
   vllm-router  its GET /workers (url, is_healthy, load per worker) on the serving port (whose
              /metrics passes a worker's through), and vllm_router_* names on its Prometheus port
              (which can be watched as a URL too)
@@ -199,7 +203,12 @@ def look(client: httpx.Client, url: str, api_key: str | None = None) -> Sample:
         elif health.status_code != 200:      # a router says 503 while any of its workers is down
             sample.error = health.text.strip()[:200]
         if sample.kind == "llamacpp":
-            sample.slots = _slots(client, url)
+            sample.model = sample.model or _served_model(client, url)
+            slots = _slots(client, url)
+            if slots is not None:
+                sample.slots, decoding = slots
+                if sample.generated is not None:
+                    sample.generated += decoding
         return sample
     except (httpx.HTTPError, ValueError) as exc:
         return Sample(url, now, up=False, error=(str(exc) or type(exc).__name__).splitlines()[0])
@@ -219,11 +228,36 @@ def _router_workers(client: httpx.Client, url: str) -> list[dict] | None:
             for w in body["workers"] if isinstance(w, dict)]
 
 
-def _slots(client: httpx.Client, url: str) -> tuple[int, int] | None:
+def _slots(client: httpx.Client, url: str) -> tuple[tuple[int, int], int] | None:
+    """llama.cpp's /slots: ((busy, total), tokens its busy slots decoded so far)."""
     r = client.get(url + "/slots", timeout=TIMEOUT)
     if r.status_code != 200:
         return None
     slots = r.json()
     if not isinstance(slots, list):
         return None
-    return sum(1 for s in slots if isinstance(s, dict) and s.get("is_processing")), len(slots)
+    busy = [s for s in slots if isinstance(s, dict) and s.get("is_processing")]
+    return (len(busy), len(slots)), sum(_decoded(s) for s in busy)
+
+
+def _served_model(client: httpx.Client, url: str) -> str | None:
+    """The model an OpenAI-compatible server names first on /v1/models; a file path (llama.cpp's
+    default alias) by its file name."""
+    r = client.get(url + "/v1/models", timeout=TIMEOUT)
+    if r.status_code != 200:
+        return None
+    try:
+        name = r.json()["data"][0]["id"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None
+    if not isinstance(name, str):
+        return None
+    return name.rsplit("/", 1)[-1] if name.startswith("/") else name
+
+
+def _decoded(slot: dict) -> int:
+    nxt = slot.get("next_token")
+    if isinstance(nxt, list):            # one entry per sequence; a lone dict is read too
+        nxt = nxt[0] if nxt else None
+    n = nxt.get("n_decoded") if isinstance(nxt, dict) else None
+    return n if isinstance(n, int) and n > 0 else 0

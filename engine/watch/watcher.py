@@ -10,7 +10,8 @@
 * Alerts: down (no answer, or /health not 200), stall (requests running while the generated
   counter has not moved for STALL_S), imbalance (among the watched servers, or a router's
   workers: the busiest has IMBALANCE_MIN more requests than the idlest and IMBALANCE_RATIO
-  times as many).
+  times as many). A server that a watched router lists as its worker is judged among that
+  router's workers only: its load is the router's doing, not comparable to a server beside it.
 """
 from __future__ import annotations
 
@@ -171,7 +172,9 @@ class Watcher:
 
     def status(self) -> list[ServerStatus]:
         out = [t.status() for t in self.tracks.values() if t.looks]
-        engines = [s for s in out if s.state == "up" and s.kind != "vllm-router" and s.load is not None]
+        routed = {str(w["url"]).rstrip("/") for s in out if s.kind == "vllm-router" for w in s.workers}
+        engines = [s for s in out if s.state == "up" and s.kind != "vllm-router" and s.load is not None
+                   and s.url not in routed]
         if _imbalanced([s.load for s in engines]):
             hi = max(engines, key=lambda s: s.load)
             lo = min(engines, key=lambda s: s.load)
