@@ -98,6 +98,11 @@ def test_worker_death_fails_only_its_requests(model):
         wait_until(lambda: all(w.running for w in engine.snapshot().workers), 10,
                    "both workers to run their requests")
         os.kill(engine.workers[1].process.pid, signal.SIGKILL)
+        # caught while it is down: the restart follows a backoff of at least 1 s
+        down = wait_until(lambda: (s := engine.snapshot()).workers[1].state != "ready" and s, 10,
+                          "worker 1 to be marked dead")
+        assert down.workers[0].state == "ready"
+        assert down.workers[1].running == 0 and down.workers[1].waiting == 0   # its gauges corrected
         results = [h.result(30) for h in handles]
         by_worker = {0: [], 1: []}
         for r in results:
@@ -106,9 +111,6 @@ def test_worker_death_fails_only_its_requests(model):
         assert by_worker[1] and all(r.finish_reason == "error" and "died" in r.error for r in by_worker[1])
         with pytest.raises(RequestFailed):
             list(handles[1]) if handles[1].result().worker == 1 else list(handles[3])
-        snap = engine.snapshot()
-        assert snap.workers[0].state == "ready" and snap.workers[1].state != "ready"
-        assert snap.workers[1].running == 0 and snap.workers[1].waiting == 0   # its gauges corrected
         after = engine.submit("still serving", params=SamplingParams(max_tokens=3)).result(10)
         assert after.finish_reason == "length"
         # the dead worker's process is started again, and serves again
