@@ -645,7 +645,7 @@ budget D; `ngram`: proposals from the context.""",
 runs alternating.""",
     "dashboard": """\
 The same 8-request burst (64 tokens each) headless and with the dashboard open (200×60, headless
-Textual), runs alternating; then one frame (snapshot to screen drawn), 200 requests live on a
+Textual; timeline and charts shown since chart ms), runs alternating; then one frame (snapshot to screen drawn), 200 requests live on a
 simulated worker, median ms, table / timeline; goal ≤ 25 ms (bold: over); one history chart
 redrawn (4 series × 900 points, 100×30), median ms.""",
     "trace": """\
