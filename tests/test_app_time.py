@@ -506,3 +506,19 @@ async def test_a_click_on_a_panel_title_zooms_it_and_again_or_escape_returns(fro
         await pilot.click(panel_id, offset=(3, 0))
         await pilot.press("z")                                          # z too: the focus went in
         assert frozen_app.screen.maximized is None
+
+
+async def test_every_footer_key_fits_at_80_columns(frozen_app):
+    """At 80 columns the command palette's footer item gave way to the keys: 'q Quit' was cut
+    to 'q Qu' (ctrl+p still opens the palette; the help says so)."""
+    from textual.widgets._footer import FooterKey
+
+    async with frozen_app.run_test(size=(80, 24)) as pilot:
+        frozen_app.show_snapshot(fixture_snapshot())
+        await pilot.pause()
+        keys = list(frozen_app.query(FooterKey))
+        assert keys[-1].action == "quit" and keys[-1].region.right <= 80
+        assert all(key.region.width >= len(key.key_display) + len(key.description) + 1 for key in keys)
+        await pilot.resize_terminal(120, 40)
+        await pilot.pause()
+        assert frozen_app.query_one("Footer").show_command_palette
