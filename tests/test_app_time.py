@@ -522,3 +522,21 @@ async def test_every_footer_key_fits_at_80_columns(frozen_app):
         await pilot.resize_terminal(120, 40)
         await pilot.pause()
         assert frozen_app.query_one("Footer").show_command_palette
+
+
+async def test_charts_at_80x24_are_two_readable_ones_and_z_shows_all_four(frozen_app):
+    """At 80x24 four charts left each three rows: frames and labels, no plot. Two fit (decode
+    and KV); zoomed, all four."""
+    async with frozen_app.run_test(size=(80, 24)) as pilot:
+        frozen_app.show_snapshot(replace(fixture_snapshot(), clock=1000.0, history=fixture_history()))
+        await pilot.press("h")
+        await pilot.pause()
+        await pilot.pause()
+        shown = [c.id for c in frozen_app.query(Chart) if c.parent.display]
+        assert shown == ["chart-decode", "chart-kv"]
+        assert all(frozen_app.query_one(f"#{c}").size.height >= 4 for c in shown)
+        await pilot.press("z")
+        await pilot.pause()
+        await pilot.pause()
+        assert [c.id for c in frozen_app.query(Chart) if c.parent.display] == [
+            "chart-decode", "chart-prefill", "chart-load", "chart-kv"]

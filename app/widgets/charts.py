@@ -30,6 +30,9 @@ CHARTS = {
     "load": ("running · waiting (dotted)", [("running", ""), ("waiting", " wait")], 1.0),
     "kv": ("KV usage %", [("kv_usage", "")], 100.0),
 }
+SHORT_ROWS = 16          # below, two charts side by side (decode, KV) instead of four, too short to read
+SPARE = ("prefill", "load")
+NARROW_COLUMNS = 40      # below, three time ticks instead of five
 COLOURS = ("primary", "warning", "success", "accent", "error", "secondary")    # a worker's, by its order
 
 
@@ -37,9 +40,9 @@ def window_label(seconds: int) -> str:
     return f"{seconds // 60} min"
 
 
-def time_ticks(window: int) -> tuple[list[float], list[str]]:
-    """Five ticks from -window to now, labelled in minutes (or seconds for the last minute)."""
-    ticks = [-window + i * window / 4 for i in range(5)]
+def time_ticks(window: int, n: int = 5) -> tuple[list[float], list[str]]:
+    """n ticks from -window to now, labelled in minutes (or seconds for the last minute)."""
+    ticks = [-window + i * window / (n - 1) for i in range(n)]
     return ticks, [tick_label(x, window) for x in ticks]
 
 
@@ -50,13 +53,13 @@ def tick_label(x: float, window: int) -> str:
 
 
 class TimeAxis(AxisFormatter):
-    """The x axis: five ticks over the window, as time before now."""
+    """The x axis: ticks over the window (five, three on a narrow chart), as time before now."""
 
-    def __init__(self, window: int) -> None:
-        self.window = window
+    def __init__(self, window: int, n: int = 5) -> None:
+        self.window, self.n = window, n
 
     def get_ticks(self, min_: float, max_: float, max_ticks: int = 8) -> list[float]:
-        return time_ticks(self.window)[0]
+        return time_ticks(self.window, self.n)[0]
 
     def get_labels_for_ticks(self, ticks: Sequence[float]) -> list[str]:
         return [tick_label(x, self.window) for x in ticks]
@@ -124,7 +127,7 @@ def draw_chart(plot: Chart, title: Line, name: str, drawn: list[tuple[str, list[
         else:
             plot.plot(xs, ys, line_style=colour, hires_mode=HiResMode.BRAILLE)
             legend.append(f"[{colour}]━[/] {escape(worker)}")
-    plot.set_x_formatter(TimeAxis(window))
+    plot.set_x_formatter(TimeAxis(window, 3 if plot.size.width < NARROW_COLUMNS else 5))
     plot.set_xlimits(-window, 0)
     top = max((max(ys) for _, _, ys, _ in drawn), default=0.0)
     plot.set_ylimits(0, 100 if name == "kv" else max(1.0, top * 1.1))
@@ -142,7 +145,7 @@ class HistoryCharts(Grid, can_focus=True):
 
     def compose(self):
         for chart in CHARTS:
-            with Vertical(classes="chart"):
+            with Vertical(classes="chart -spare" if chart in SPARE else "chart"):
                 yield Line(id=f"chart-{chart}-title", classes="chart-title")
                 yield Chart(id=f"chart-{chart}")
 
@@ -152,6 +155,7 @@ class HistoryCharts(Grid, can_focus=True):
         return self.window
 
     def on_resize(self) -> None:
+        self.set_class(self.size.height < SHORT_ROWS, "-short")
         # shown (h) or zoomed (z): the charts have other columns; redraw them from the last points
         if self._last is not None:
             self.call_after_refresh(self.show_history, *self._last)
