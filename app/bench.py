@@ -6,8 +6,12 @@ import asyncio
 from functools import partial
 
 
+OPEN_PANELS = ("g", "h")     # the timeline and the history charts, beside the latency panel
+
+
 def with_dashboard(config, work) -> float:
-    """work(engine) with the dashboard open over an engine of `config`; its result."""
+    """work(engine) with the dashboard open over an engine of `config`, every time panel shown
+    (latency, timeline, history charts); its result."""
     from app.main import TokentopApp
 
     app = TokentopApp(config)
@@ -17,6 +21,7 @@ def with_dashboard(config, work) -> float:
         async with app.run_test(headless=True, size=(200, 60)) as pilot:
             while not app.engine.ready:
                 await pilot.pause(0.1)
+            await pilot.press(*OPEN_PANELS)
             result["value"] = await asyncio.to_thread(work, app.engine)
             await pilot.press("q")
     asyncio.run(drive())

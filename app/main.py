@@ -60,6 +60,7 @@ REFRESH_S = 0.2              # 5 Hz, as often as workers report their stats
 SHUTDOWN_TIMEOUT_S = 2.0     # per worker join before the engine terminates it
 SPEC_PANEL_MIN_WIDTH = 120   # terminal columns from which the speculation panel is shown
 ROUTING_PANEL_MIN_WIDTH = 120   # ... and the routing panel (below, the latency panel has its place)
+FOOTER_PALETTE_MIN_WIDTH = 90    # below, the footer's keys need the palette's place (ctrl+p still opens it)
 THEME_CYCLE = tuple(t.name for t in THEMES)
 # Dashboard keys. The footer, the help screen and the command palette are generated from them.
 ACTIONS = (
@@ -94,6 +95,13 @@ ACTIONS = (
     Binding("q", "quit", "Quit", tooltip="Quit (stops the engine)"),
 )
 DASHBOARD_ACTIONS = {b.action for b in ACTIONS} - {"quit"}
+
+
+class KeysFooter(Footer):
+    """The footer; on a narrow terminal the keys take the command palette's place."""
+
+    def on_resize(self) -> None:
+        self.show_command_palette = self.size.width >= FOOTER_PALETTE_MIN_WIDTH
 
 
 def reported(command: Callable) -> Callable:
@@ -205,7 +213,7 @@ class TokentopApp(App[int]):
             yield Panel("streams", StreamsPanel(id="streams"), HistoryCharts(id="charts"), id="streams-panel")
             yield Panel("speculation", SpecPanel(id="spec"), id="spec-panel")
             yield Panel("log", EventLog(id="log"), id="log-panel")
-        yield Footer(compact=True)
+        yield KeysFooter(compact=True)
 
     def get_theme_variable_defaults(self) -> dict[str, str]:
         return {**super().get_theme_variable_defaults(), **KV_DEFAULTS}

@@ -15,7 +15,7 @@ from textual.content import Content
 from app.main import TokentopApp
 from app.widgets import event_log
 from app.screens.detail import RequestDetail
-from app.widgets.charts import Chart, HistoryCharts, chart_series, time_ticks
+from app.widgets.charts import Chart, HistoryCharts, chart_series, fit_columns, time_ticks
 from app.widgets.requests import RequestsTable
 from app.widgets.streams import StreamsPanel
 from app.widgets.timeline import TimelinePanel, axis_text, lane_cells
@@ -402,23 +402,44 @@ async def test_h_shows_the_charts_and_m_cycles_their_span(frozen_app):
         assert frozen_app.query_one(StreamsPanel).display and str(panel.border_title) == "streams"
 
 
-async def test_charts_redraw_each_second_without_a_layout_pass_and_take_no_keys(frozen_app):
-    """A redraw replots every chart; the legends are in the title lines, so no widget changes
-    size (textual-plot's own legend would lay the screen out at every redraw)."""
-    layouts = []
+def test_chart_points_are_averaged_over_the_columns_fixed_in_time():
+    xs = [float(x) for x in range(-10, 0)]             # ten seconds before now, clock 1000
+    got_x, got_y = fit_columns(xs, [float(i) for i in range(10)], 1000.0, 4.0)
+    assert got_x == [-10.0, -6.0, -2.0]                # buckets 988-992, 992-996, 996-1000 (middles)
+    assert got_y == [0.5, 3.5, 7.5]                    # 990, 991 | 992..995 | 996..999
+    later_x, _ = fit_columns([x - 1 for x in xs[1:]] + [-1.0], list(range(10)), 1001.0, 4.0)
+    assert later_x[:2] == [-11.0, -7.0]                # a second on: the same buckets, a second older
+
+
+async def test_charts_redraw_when_a_column_fills_without_a_layout_pass_and_take_no_keys(frozen_app, monkeypatch):
+    """Thirty seconds of points: each chart is redrawn when a column of its dots has filled, not
+    every second; the legends are in the title lines, so no widget changes size (textual-plot's
+    own legend would lay the screen out at every redraw)."""
+    from app.widgets import charts as charts_module
+
+    layouts, draws = [], []
+    real = charts_module.draw_chart
+    monkeypatch.setattr(charts_module, "draw_chart", lambda plot, *a: draws.append(plot) or real(plot, *a))
     async with frozen_app.run_test(size=(120, 40)) as pilot:
         frozen_app.show_snapshot(replace(fixture_snapshot(), clock=1000.0, history=fixture_history()))
         await pilot.press("h")
         await pilot.pause()
-        charts = frozen_app.query_one(HistoryCharts)
+        frozen_app.show_snapshot(replace(fixture_snapshot(), clock=1000.0, history=fixture_history()))
+        await pilot.pause()
         title = str(frozen_app.query_one("#chart-load-title").render())
         assert title.startswith("running · waiting (dotted)") and "━ gpu0" in title and "━ gpu1" in title
+        plot = frozen_app.query_one("#chart-decode", Chart)
+        step = 300 / plot.dot_columns
+        assert 2.0 < step < 15.0, step                 # a 5-minute window over about 30 columns
+        draws.clear()
         frozen_app.screen.screen_layout_refresh_signal.subscribe(frozen_app.screen, layouts.append, immediate=True)
-        for second in range(1, 4):
+        for second in range(1, 31):
             frozen_app.show_snapshot(replace(fixture_snapshot(), clock=1000.0 + second,
                                              history=fixture_history(1000.0 + second)))
             await pilot.pause()
-        assert layouts == [] and charts.plotted["decode"][0][1][-1] == -1.0
+        assert layouts == []
+        boundaries = int(1030 // step) - int(1000 // step)
+        assert draws.count(plot) == boundaries and 2 <= boundaries < 30
         assert not any(chart.focusable for chart in frozen_app.query(Chart))    # r, arrows, + - stay the dashboard's
 
 
@@ -485,3 +506,37 @@ async def test_a_click_on_a_panel_title_zooms_it_and_again_or_escape_returns(fro
         await pilot.click(panel_id, offset=(3, 0))
         await pilot.press("z")                                          # z too: the focus went in
         assert frozen_app.screen.maximized is None
+
+
+async def test_every_footer_key_fits_at_80_columns(frozen_app):
+    """At 80 columns the command palette's footer item gave way to the keys: 'q Quit' was cut
+    to 'q Qu' (ctrl+p still opens the palette; the help says so)."""
+    from textual.widgets._footer import FooterKey
+
+    async with frozen_app.run_test(size=(80, 24)) as pilot:
+        frozen_app.show_snapshot(fixture_snapshot())
+        await pilot.pause()
+        keys = list(frozen_app.query(FooterKey))
+        assert keys[-1].action == "quit" and keys[-1].region.right <= 80
+        assert all(key.region.width >= len(key.key_display) + len(key.description) + 1 for key in keys)
+        await pilot.resize_terminal(120, 40)
+        await pilot.pause()
+        assert frozen_app.query_one("Footer").show_command_palette
+
+
+async def test_charts_at_80x24_are_two_readable_ones_and_z_shows_all_four(frozen_app):
+    """At 80x24 four charts left each three rows: frames and labels, no plot. Two fit (decode
+    and KV); zoomed, all four."""
+    async with frozen_app.run_test(size=(80, 24)) as pilot:
+        frozen_app.show_snapshot(replace(fixture_snapshot(), clock=1000.0, history=fixture_history()))
+        await pilot.press("h")
+        await pilot.pause()
+        await pilot.pause()
+        shown = [c.id for c in frozen_app.query(Chart) if c.parent.display]
+        assert shown == ["chart-decode", "chart-kv"]
+        assert all(frozen_app.query_one(f"#{c}").size.height >= 4 for c in shown)
+        await pilot.press("z")
+        await pilot.pause()
+        await pilot.pause()
+        assert [c.id for c in frozen_app.query(Chart) if c.parent.display] == [
+            "chart-decode", "chart-prefill", "chart-load", "chart-kv"]

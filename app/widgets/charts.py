@@ -3,7 +3,8 @@ worker, over the last 1, 5 or 15 minutes (m), with a time axis and a scale (text
 
 They take the streams panel's place when h is pressed, and z zooms them to the full screen;
 the worker panels' sparklines stay where there is no room for a chart. The engine keeps one
-point a second (engine/facade/history.py), so a chart is redrawn at most once a second.
+point a second (engine/facade/history.py); a chart averages them over its columns of dots and
+is redrawn when a column has filled.
 
 textual-plot over textual-plotext: it redraws the same four series of 900 points in about
 half the time (docs/architecture.md). Each chart's title and legend are one Line above it:
@@ -29,6 +30,9 @@ CHARTS = {
     "load": ("running · waiting (dotted)", [("running", ""), ("waiting", " wait")], 1.0),
     "kv": ("KV usage %", [("kv_usage", "")], 100.0),
 }
+SHORT_ROWS = 16          # below, two charts side by side (decode, KV) instead of four, too short to read
+SPARE = ("prefill", "load")
+NARROW_COLUMNS = 40      # below, three time ticks instead of five
 COLOURS = ("primary", "warning", "success", "accent", "error", "secondary")    # a worker's, by its order
 
 
@@ -36,9 +40,9 @@ def window_label(seconds: int) -> str:
     return f"{seconds // 60} min"
 
 
-def time_ticks(window: int) -> tuple[list[float], list[str]]:
-    """Five ticks from -window to now, labelled in minutes (or seconds for the last minute)."""
-    ticks = [-window + i * window / 4 for i in range(5)]
+def time_ticks(window: int, n: int = 5) -> tuple[list[float], list[str]]:
+    """n ticks from -window to now, labelled in minutes (or seconds for the last minute)."""
+    ticks = [-window + i * window / (n - 1) for i in range(n)]
     return ticks, [tick_label(x, window) for x in ticks]
 
 
@@ -49,13 +53,13 @@ def tick_label(x: float, window: int) -> str:
 
 
 class TimeAxis(AxisFormatter):
-    """The x axis: five ticks over the window, as time before now."""
+    """The x axis: ticks over the window (five, three on a narrow chart), as time before now."""
 
-    def __init__(self, window: int) -> None:
-        self.window = window
+    def __init__(self, window: int, n: int = 5) -> None:
+        self.window, self.n = window, n
 
     def get_ticks(self, min_: float, max_: float, max_ticks: int = 8) -> list[float]:
-        return time_ticks(self.window)[0]
+        return time_ticks(self.window, self.n)[0]
 
     def get_labels_for_ticks(self, ticks: Sequence[float]) -> list[str]:
         return [tick_label(x, self.window) for x in ticks]
@@ -77,6 +81,18 @@ def chart_series(history: dict[int, History], names: dict[int, str], clock: floa
     return out
 
 
+def fit_columns(xs: list[float], ys: list[float], clock: float, step: float) -> tuple[list[float], list[float]]:
+    """A series averaged over buckets of `step` seconds, one for each column of dots the chart
+    has (x: the bucket's middle). Buckets are fixed in time, not to now, so a bucket's point
+    stays put as the chart moves on."""
+    sums: dict[int, list[float]] = {}
+    for x, y in zip(xs, ys):
+        acc = sums.setdefault(int((clock + x) // step), [0.0, 0])
+        acc[0] += y
+        acc[1] += 1
+    return ([(b + 0.5) * step - clock for b in sums], [total / n for total, n in sums.values()])
+
+
 class Chart(PlotWidget, can_focus=False):
     """A plot that is only looked at: no focus, so its pan and zoom keys (arrows, + -, r)
     never take the dashboard's."""
@@ -89,6 +105,11 @@ class Chart(PlotWidget, can_focus=False):
 
     def on_mount(self) -> None:
         self.show_legend(is_visible=False)
+
+    @property
+    def dot_columns(self) -> int:
+        """Columns of dots across the plot: two a cell (braille), inside the margin and frame."""
+        return max(2, 2 * (self.size.width - self.margin_left - 2))
 
 
 def draw_chart(plot: Chart, title: Line, name: str, drawn: list[tuple[str, list[float], list[float], str]],
@@ -106,7 +127,7 @@ def draw_chart(plot: Chart, title: Line, name: str, drawn: list[tuple[str, list[
         else:
             plot.plot(xs, ys, line_style=colour, hires_mode=HiResMode.BRAILLE)
             legend.append(f"[{colour}]━[/] {escape(worker)}")
-    plot.set_x_formatter(TimeAxis(window))
+    plot.set_x_formatter(TimeAxis(window, 3 if plot.size.width < NARROW_COLUMNS else 5))
     plot.set_xlimits(-window, 0)
     top = max((max(ys) for _, _, ys, _ in drawn), default=0.0)
     plot.set_ylimits(0, 100 if name == "kv" else max(1.0, top * 1.1))
@@ -119,11 +140,12 @@ class HistoryCharts(Grid, can_focus=True):
         super().__init__(**kwargs)
         self.window = WINDOWS_S[1]
         self._shown: dict[str, tuple] = {}     # chart -> what it last drew
-        self.plotted: dict[str, list] = {}     # chart -> the series it drew (label, xs, ys)
+        self.plotted: dict[str, list] = {}     # chart -> its series (label, xs, ys) before fit_columns
+        self._last: tuple | None = None          # show_history's last arguments
 
     def compose(self):
         for chart in CHARTS:
-            with Vertical(classes="chart"):
+            with Vertical(classes="chart -spare" if chart in SPARE else "chart"):
                 yield Line(id=f"chart-{chart}-title", classes="chart-title")
                 yield Chart(id=f"chart-{chart}")
 
@@ -132,15 +154,27 @@ class HistoryCharts(Grid, can_focus=True):
         self._shown.clear()
         return self.window
 
+    def on_resize(self) -> None:
+        self.set_class(self.size.height < SHORT_ROWS, "-short")
+        # shown (h) or zoomed (z): the charts have other columns; redraw them from the last points
+        if self._last is not None:
+            self.call_after_refresh(self.show_history, *self._last)
+
     def show_history(self, history: dict[int, History], names: dict[int, str], clock: float) -> None:
+        """Each chart redrawn when a column of its dots has filled: a point a second is more
+        than a column holds (a 5-minute window over 80 columns: one every 3.75 s), and a
+        redraw costs tens of milliseconds of the UI thread (docs/benchmarks.md, chart ms)."""
+        self._last = (history, names, clock)
         colours = self.app.theme_variables
         for chart, (_, parts, scale) in CHARTS.items():
-            drawn = [(label + suffix, xs, ys, suffix) for series, suffix in parts
-                     for label, xs, ys in chart_series(history, names, clock, self.window, series, scale)]
-            key = (int(clock), self.window, tuple((label, len(xs), xs[-1] if xs else None) for label, xs, _, _ in drawn))
+            plot = self.query_one(f"#chart-{chart}", Chart)
+            step = self.window / plot.dot_columns
+            series = [(label + suffix, xs, ys, suffix) for name, suffix in parts
+                      for label, xs, ys in chart_series(history, names, clock, self.window, name, scale)]
+            key = (int(clock // step), self.window, plot.size, tuple(label for label, *_ in series))
             if self._shown.get(chart) == key:
                 continue
             self._shown[chart] = key
-            self.plotted[chart] = [(label, xs, ys) for label, xs, ys, _ in drawn]
-            draw_chart(self.query_one(f"#chart-{chart}", Chart), self.query_one(f"#chart-{chart}-title", Line),
-                       chart, drawn, self.window, colours)
+            self.plotted[chart] = [(label, xs, ys) for label, xs, ys, _ in series]
+            drawn = [(label, *fit_columns(xs, ys, clock, step), suffix) for label, xs, ys, suffix in series]
+            draw_chart(plot, self.query_one(f"#chart-{chart}-title", Line), chart, drawn, self.window, colours)

@@ -24,7 +24,8 @@ SIM_FRAME_DEVICE = "sim:gpu0:prefill=20000,decode=20"   # slow decode: the reque
 
 def bench_dashboard(args, with_dashboard: DashboardDriver, frame_ms=None, chart_ms=None) -> dict:
     """The same burst through the engine headless, and with the dashboard open (rendering
-    at 200x60 in a headless Textual driver), workers in their own processes in both; then,
+    at 200x60 in a headless Textual driver, the latency panel, the timeline and the history
+    charts shown), workers in their own processes in both; then,
     with frame_ms (app/bench.py), what one frame costs with 200 requests live (a simulated
     worker keeps them live: its rates are labelled simulated, the frame is real); with chart_ms,
     what redrawing one history chart costs (four series of 900 points)."""
