@@ -306,18 +306,31 @@ PUBLISHED = {
 
 
 def braced(commands: list[str]) -> str:
-    """Commands differing in one word each, as one with that word's values in braces."""
-    split = [c.split(" ") for c in commands]
-    if len(split) > 1 and len({len(s) for s in split}) == 1:
-        differ = [i for i in range(len(split[0])) if len({s[i] for s in split}) > 1]
-        if len(differ) == 1:
-            i = differ[0]
-            values = list(dict.fromkeys(s[i] for s in split))
-            head = os.path.commonprefix(values)
-            tail = os.path.commonprefix([v[len(head):][::-1] for v in values])[::-1]
-            inner = [v[len(head):len(v) - len(tail)] for v in values]
-            return " ".join(split[0][:i] + [head + "{" + ",".join(inner) + "}" + tail] + split[0][i + 1:])
-    return "`; `".join(dict.fromkeys(commands))
+    """The commands, those differing in one word each as one with that word's values in braces."""
+    groups: list[tuple[list[list[str]], int | None]] = []      # (commands split, the index they differ at)
+    for words in (c.split(" ") for c in dict.fromkeys(commands)):
+        for n, (members, at) in enumerate(groups):
+            first = members[0]
+            differ = [i for i in range(len(first)) if first[i] != words[i]] if len(first) == len(words) else []
+            if len(differ) == 1 and at in (None, differ[0]):
+                members.append(words)
+                groups[n] = (members, differ[0])
+                break
+        else:
+            groups.append(([words], None))
+    out = []
+    for members, i in groups:
+        if i is None:
+            out.append(" ".join(members[0]))
+            continue
+        values = [m[i] for m in members]
+        head = os.path.commonprefix(values)
+        head = head[:max(head.rfind(c) for c in "/_.=") + 1]          # the braces hold whole names
+        tail = os.path.commonprefix([v[len(head):][::-1] for v in values])[::-1]
+        tail = tail[min([tail.find(c) for c in "/_." if c in tail] or [len(tail)]):]
+        inner = [v[len(head):len(v) - len(tail)] for v in values]
+        out.append(" ".join(members[0][:i] + [head + "{" + ",".join(inner) + "}" + tail] + members[0][i + 1:]))
+    return "`; `".join(out)
 
 
 def side(run: dict, name: str) -> dict:
