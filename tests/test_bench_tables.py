@@ -321,3 +321,12 @@ def test_seeds_show_ours_beside_the_published(bench_dir):
     # 100 tokens after the first: over 5 s on the off side, 5.5 s on B's
     assert "| `spec_code_edit` | 20.0 | 18.2 (**−9.1%**) | 18.2 (**−9.1%**) | +38.3%, 98.5% accepted |" in text
     assert "Batching: no report of this class kept" in text and "Why Continuous Batching" in text
+
+
+def test_seeds_batching_rows_beside_the_published(bench_dir):
+    bench_dir("compare-seeds-zen4", {"experiments": {}})
+    bench_dir("batching-zen4", {"batching": [{"n": 1, "batched_tok_s": 30.0}, {"n": 3, "batched_tok_s": 60.0}],
+                                "paged_vs_contiguous": [], "aggregate_n8_over_n1": None})
+    text = bt.sec_seeds()
+    assert "| 3 | 60.0 | 2.00× | 17.41 | 13.05 | 17.52 |" in text
+    assert "| 2 | — | — | 16.15 | 8.70 | 16.25 |" in text
