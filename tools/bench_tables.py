@@ -6,6 +6,7 @@ import json
 import os
 import re
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -22,6 +23,8 @@ them. docs/kernels.md: the measurements behind the kernels' forms and the defaul
 report backs. The hand-written text lives here, the figures come from the reports only.
   python tools/bench_tables.py            rewrite both pages
   python tools/bench_tables.py --check    exit 1 if either page differs from what this gives
+  python tools/bench_tables.py --bundle docs/bench/compare-seeds-CLASS.json --run EXPERIMENT LABEL REPORT COMMAND ...
+                                          one kept report of several `tokentop compare` reports
 """
 
 # --- CPU classes -----------------------------------------------------------------------------
@@ -431,7 +434,7 @@ def sec_seeds() -> str:
     title = "compare: mini-vllm-rs's experiments, ours beside the published"
     if not found:
         return unmeasured(title, TEXT["seeds"], "tokentop compare BURST --a ... --b ... (bundled by "
-                          "python tools/compare_bundle.py docs/bench/compare-seeds-CLASS.json --run ...)")
+                          "python tools/bench_tables.py --bundle docs/bench/compare-seeds-CLASS.json --run ...)")
     body = "\n\n".join(parts) + f"\n\nPublished: {PUBLISHED_SOURCE}."
     return f"## {title}\n\n{TEXT['seeds']}\n\n{body}\n\n{BOUNDS['seeds']}\n"
 
@@ -810,7 +813,7 @@ budget D; `ngram`: proposals from the context.""",
     "seeds": """\
 The burst files that reproduce mini-vllm-rs's experiments (sample_prompts/README.md), each run by
 `tokentop compare` under two settings (a fresh engine per side, the 0.5B on one CPU worker unless
-said), bundled with the commands by `tools/compare_bundle.py`; ours one run a row, theirs as published.""",
+said), bundled with the commands by `tools/bench_tables.py --bundle`; ours one run a row, theirs as published.""",
     "seeds_single_flight": """\
 Single flight: N identical 529-token greedy requests at once, 128 tokens; mean TTFT, followers
 released when the leader completes against after its prefill.""",
@@ -1002,10 +1005,32 @@ to the CPU pays under load (48 requests), not at 8.""",
 }
 
 
+def bundle(runs: list[tuple[str, str, str, str]]) -> dict:
+    """One kept report of several `tokentop compare` reports: compare records neither the machine
+    nor its command line, so each run keeps its command and the report this machine's CPU."""
+    sys.path.insert(0, str(ROOT))
+    from engine.bench import machine
+    experiments: dict[str, list[dict]] = {}
+    for experiment, label, path, command in runs:
+        report = json.loads(Path(path).read_text())
+        experiments.setdefault(experiment, []).append({"label": label, "command": command, "report": report})
+    return {"scenario": "compare-seeds", "command": "tokentop compare (one run per entry, its command kept with it)",
+            "machine": machine(), "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "experiments": experiments}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, epilog=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="only compare: exit 1 if the page is out of date")
+    ap.add_argument("--bundle", metavar="OUT", help="instead: write one kept report OUT (e.g. docs/bench/"
+                    "compare-seeds-zen4.json) of the --run compare reports, on the machine that ran them")
+    ap.add_argument("--run", nargs=4, action="append", metavar=("EXPERIMENT", "LABEL", "REPORT", "COMMAND"),
+                    help="with --bundle: a `tokentop compare` report, its experiment (single_flight, routing, "
+                         "spec), a label and the command that wrote it")
     args = ap.parse_args()
+    if args.bundle:
+        Path(args.bundle).write_text(json.dumps(bundle([tuple(r) for r in args.run or ()]), indent=1,
+                                                ensure_ascii=False) + "\n")
+        return 0
     stale = 0
     for path, page in pages().items():
         if not args.check:
