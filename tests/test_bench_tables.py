@@ -27,7 +27,7 @@ def test_every_report_is_on_the_page():
     assert not missing
 
 
-@pytest.mark.parametrize("path, kib", [(bt.PAGE, 25), (bt.KERNELS_PAGE, 15)], ids=lambda v: getattr(v, "name", v))
+@pytest.mark.parametrize("path, kib", [(bt.PAGE, 32), (bt.KERNELS_PAGE, 15)], ids=lambda v: getattr(v, "name", v))
 def test_the_page_is_short_and_has_no_history(path, kib):
     page = path.read_text()
     assert len(page.encode()) <= kib * 1024
@@ -41,7 +41,7 @@ def test_the_benchmarks_intro_links_the_kernels_page_and_back():
 
 
 def test_one_report_per_benchmark_and_cpu_class_named_after_both():
-    assert len(FILES) <= 20
+    assert len(FILES) <= 22
     seen = set()
     for p in FILES:
         m = NAME.fullmatch(p.name)
@@ -289,3 +289,45 @@ def test_every_pointer_names_a_heading_or_entry_of_the_page_it_names():
     assert {page for _, page, _ in cited} == set(PAGE_OF), "pointers into each page are found"
     dangling = [f"{path}: docs/{page}.md, {name!r}" for path, page, name in cited if normal(name) not in names[page]]
     assert not dangling, "pointers to no heading or bold entry of the page they name:\n" + "\n".join(dangling)
+
+
+def compare_run(burst: str, a: dict, b: dict, requests: list[tuple], workers=({"index": 0, "simulated": False},),
+                per_worker=None, completion=(10.0, 9.0)) -> dict:
+    """A compare report's fields the seeds section reads; requests: (ttft, e2e, output_tokens) per request,
+    the same on both sides but B's TTFT halved."""
+    def side(settings, half, completion_s):
+        reqs = [{"ttft": t / (2 if half else 1), "e2e": e, "output_tokens": n} for t, e, n in requests]
+        tokens = sum(n for _, _, n in requests)
+        return {"settings": settings, "requests": reqs,
+                "summary": {"completion_s": completion_s, "aggregate_tok_s": tokens / completion_s,
+                            "requests_per_worker": per_worker or {"0": len(requests)}}}
+    return {"label": burst, "command": f"tokentop compare sample_prompts/{burst}.jsonl --a x --b y",
+            "report": {"burst": f"sample_prompts/{burst}.jsonl", "requests": len(requests), "workers": list(workers),
+                       "a": side(a, False, completion[0]), "b": side(b, True, completion[1])}}
+
+
+def test_seeds_show_ours_beside_the_published(bench_dir):
+    assert "no report kept: `tokentop compare" in bt.sec_seeds()
+    sf = [compare_run(f"single_flight_{n}", {"single-flight": "at-completion"}, {"single-flight": "after-prefill"},
+                      [(1.0, 5.0, 128)] * n) for n in (2, 8)]
+    routing = [compare_run("warm_prefix_8", {"worker": 1}, {"router-policy": "cost"}, [(0.5, 9.0, 128)] * 8,
+                           ({"index": 0, "simulated": False}, {"index": 1, "simulated": True}), {"0": 1, "1": 7})]
+    spec = [compare_run("spec_code_edit", {"speculate": "off"}, {"speculate": mode}, [(1.0, 6.0, 101)])
+            for mode in ("ngram", "draft")]
+    bench_dir("compare-seeds-zen4", {"experiments": {"single_flight": sf, "routing": routing, "spec": spec}})
+    text = bt.sec_seeds()
+    assert "`tokentop compare sample_prompts/single_flight_{2,8}.jsonl --a x --b y`" in text
+    assert "| 2 | 1,000 | 500 | **−50.0%** | 1,357.5 | 584.7 | −56.9% |" in text
+    assert "| 8 | 10.00 | 9.00 | **−10.0%** | +11.1% | 1 | 11.47 | 10.35 | −9.8% | — | 1 |" in text
+    # 100 tokens after the first: over 5 s on the off side, 5.5 s on B's
+    assert "| `spec_code_edit` | 20.0 | 18.2 (**−9.1%**) | 18.2 (**−9.1%**) | +38.3%, 98.5% accepted |" in text
+    assert "Batching: no report of this class kept" in text and "Why Continuous Batching" in text
+
+
+def test_seeds_batching_rows_beside_the_published(bench_dir):
+    bench_dir("compare-seeds-zen4", {"experiments": {}})
+    bench_dir("batching-zen4", {"batching": [{"n": 1, "batched_tok_s": 30.0}, {"n": 3, "batched_tok_s": 60.0}],
+                                "paged_vs_contiguous": [], "aggregate_n8_over_n1": None})
+    text = bt.sec_seeds()
+    assert "| 3 | 60.0 | 2.00× | 17.41 | 13.05 | 17.52 |" in text
+    assert "| 2 | — | — | 16.15 | 8.70 | 16.25 |" in text

@@ -166,3 +166,27 @@ def test_compare_figures_agree_with_bench_on_the_same_burst(tiny_model_path):
         assert s["ok"] == n and s["output_tokens"] == n * out_tokens
         assert s["aggregate_tok_s"] == pytest.approx(bench, rel=0.1), (side, s["aggregate_tok_s"], bench)
     assert bench == pytest.approx(400, rel=0.15)
+
+
+def test_no_side_is_measured_on_the_torch_fallback():
+    """A worker building its kernels (first use) serves on torch matmuls: compare waits for it."""
+    from types import SimpleNamespace
+
+    from engine.errors import TokentopError
+    from engine.facade.compare import wait_for_kernels
+
+    class Engine:
+        def __init__(self, building_for: int):
+            self.polls, self.building_for = 0, building_for
+
+        def snapshot(self):
+            self.polls += 1
+            return SimpleNamespace(workers=[SimpleNamespace(index=0, state="ready", kernels_building=False),
+                                            SimpleNamespace(index=1, state="ready",
+                                                            kernels_building=self.polls <= self.building_for)])
+    said = []
+    engine = Engine(building_for=3)
+    wait_for_kernels(engine, said.append, poll_s=0)
+    assert engine.polls == 4 and said == ["waiting for worker(s) 1 to build their kernels (first use)"]
+    with pytest.raises(TokentopError, match="still on the torch fallback"):
+        wait_for_kernels(Engine(building_for=10**9), said.append, limit_s=0, poll_s=0)

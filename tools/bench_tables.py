@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -21,6 +23,8 @@ them. docs/kernels.md: the measurements behind the kernels' forms and the defaul
 report backs. The hand-written text lives here, the figures come from the reports only.
   python tools/bench_tables.py            rewrite both pages
   python tools/bench_tables.py --check    exit 1 if either page differs from what this gives
+  python tools/bench_tables.py --bundle docs/bench/compare-seeds-CLASS.json --run EXPERIMENT LABEL REPORT COMMAND ...
+                                          one kept report of several `tokentop compare` reports
 """
 
 # --- CPU classes -----------------------------------------------------------------------------
@@ -282,6 +286,157 @@ def sec_spec() -> str:
                      f"off {f(b['off_tok_s'])} tok/s, draft model {f(b['draft_tok_s'])} ({x(b['draft_vs_off'])}), "
                      f"n-gram {f(b['ngram_tok_s'])} ({x(b['ngram_vs_off'])}).")
     return section("spec: speculative decoding", TEXT["spec"], found, "\n\n".join(parts), BOUNDS["spec"])
+
+
+# --- mini-vllm-rs's experiments: ours beside the published figures ------------------------------
+# Pujun Lun's mini-vllm-rs articles; the figures as printed there (their machine: an Apple M2).
+PUBLISHED_SOURCE = ("mini-vllm-rs (Pujun Lun), as published: single flight from \"Why My Prefix Cache Missed "
+                    "Identical Requests\" (4-bit Qwen2.5 0.5B, M2 Metal); routing from \"When LLM Inference on "
+                    "CPU Beats Waiting for the GPU\" (Qwen2.5 0.5B, M2 CPU + Metal, means of 3 runs); speculation "
+                    "from \"What I Gave Up to Make Speculative Decoding Faster\" (Qwen2.5 7B target, 0.5B draft, "
+                    "greedy); batching from \"Why Continuous Batching Made My LLM Inference Engine Slower\" "
+                    "(4-bit Qwen2.5 7B, M2 Metal, 512 tokens a request)")
+PUBLISHED = {
+    # N: mean TTFT ms, release at completion -> after prefill (128 tokens, identical requests)
+    "single_flight": {2: (1357.5, 584.7), 4: (1757.9, 617.1), 8: (1984.4, 646.7)},
+    # requests: completion s forced-GPU -> mixed routing, requests to the CPU, throughput change %
+    "routing": {8: (11.47, 10.35, 1, None), 48: (68.43, 60.88, 6, 12.4)},
+    # prompt: adaptive draft count's decode throughput against target-only (greedy), acceptance
+    "spec": {"spec_code_edit": ("+38.3%", "98.5%"), "spec_creative": ("−36.8%", None)},
+    # N: aggregate tok/s unbatched, batched GEMM, batched row-wise GEMV (N = 2's GEMM: 8.7 against 16.8 unbatched)
+    "batching": {2: (16.15, 8.7, 16.25), 3: (17.41, 13.05, 17.52), 4: (17.22, 16.55, 18.07), 5: (17.44, 19.92, 18.06)},
+}
+
+
+def braced(commands: list[str]) -> str:
+    """The commands, those differing in one word each as one with that word's values in braces."""
+    groups: list[tuple[list[list[str]], int | None]] = []      # (commands split, the index they differ at)
+    for words in (c.split(" ") for c in dict.fromkeys(commands)):
+        for n, (members, at) in enumerate(groups):
+            first = members[0]
+            differ = [i for i in range(len(first)) if first[i] != words[i]] if len(first) == len(words) else []
+            if len(differ) == 1 and at in (None, differ[0]):
+                members.append(words)
+                groups[n] = (members, differ[0])
+                break
+        else:
+            groups.append(([words], None))
+    out = []
+    for members, i in groups:
+        if i is None:
+            out.append(" ".join(members[0]))
+            continue
+        values = [m[i] for m in members]
+        head = os.path.commonprefix(values)
+        head = head[:max(head.rfind(c) for c in "/_.=") + 1]          # the braces hold whole names
+        tail = os.path.commonprefix([v[len(head):][::-1] for v in values])[::-1]
+        tail = tail[min([tail.find(c) for c in "/_." if c in tail] or [len(tail)]):]
+        inner = [v[len(head):len(v) - len(tail)] for v in values]
+        out.append(" ".join(members[0][:i] + [head + "{" + ",".join(inner) + "}" + tail] + members[0][i + 1:]))
+    return "`; `".join(out)
+
+
+def side(run: dict, name: str) -> dict:
+    return run["report"][name]
+
+
+def mean_ttft_ms(s: dict) -> float:
+    values = [r["ttft"] for r in s["requests"] if r["ttft"] is not None]
+    return 1000 * sum(values) / len(values)
+
+
+def decode_tok_s(s: dict) -> float:
+    """Median over the side's requests of (output − 1) / (e2e − TTFT), as bench spec measures it."""
+    rates = sorted((r["output_tokens"] - 1) / (r["e2e"] - r["ttft"]) for r in s["requests"] if r["e2e"] and r["ttft"])
+    mid = len(rates) // 2
+    return rates[mid] if len(rates) % 2 else (rates[mid - 1] + rates[mid]) / 2
+
+
+def pct(new: float, old: float) -> str:
+    return f"{100 * (new - old) / old:+.1f}%".replace("-", "−")
+
+
+def to_worker(s: dict, index: int) -> int:
+    return s["summary"]["requests_per_worker"].get(str(index), 0)
+
+
+def seeds_single_flight(runs: list[dict]) -> str:
+    rows = []
+    for run in runs:
+        n = run["report"]["requests"]
+        a, b = mean_ttft_ms(side(run, "a")), mean_ttft_ms(side(run, "b"))
+        pa, pb = PUBLISHED["single_flight"].get(n, (None, None))
+        rows.append([str(n), f(a, 0), f(b, 0), f"**{pct(b, a)}**", f(pa), f(pb), pct(pb, pa) if pa else "—"])
+    return table(["N", "at-completion TTFT ms", "after-prefill", "change", "published", "after-prefill", "change"], rows)
+
+
+def seeds_routing(runs: list[dict]) -> str:
+    rows = []
+    for run in runs:
+        rep = run["report"]
+        n, a, b = rep["requests"], side(run, "a")["summary"], side(run, "b")["summary"]
+        cpu = next(w["index"] for w in rep["workers"] if not w["simulated"])
+        pa, pb, pcpu, ptput = PUBLISHED["routing"].get(n, (None,) * 4)
+        rows.append([str(n), f(a["completion_s"], 2), f(b["completion_s"], 2),
+                     f"**{pct(b['completion_s'], a['completion_s'])}**",
+                     pct(b["aggregate_tok_s"], a["aggregate_tok_s"]), str(to_worker(side(run, "b"), cpu)),
+                     f(pa, 2), f(pb, 2), pct(pb, pa) if pa else "—", f"+{ptput}%" if ptput else "—",
+                     "—" if pcpu is None else str(pcpu)])
+    return table(["requests", "forced GPU s", "cost s", "change", "tok/s", "to CPU", "published", "mixed s",
+                  "change", "tok/s", "to CPU"], rows)
+
+
+def seeds_spec(runs: list[dict]) -> str:
+    by_burst: dict[str, dict[str, dict]] = {}
+    for run in runs:
+        by_burst.setdefault(Path(run["report"]["burst"]).stem, {})[side(run, "b")["settings"]["speculate"]] = run
+    rows = []
+    for burst, modes in by_burst.items():
+        off = [decode_tok_s(side(r, "a")) for r in modes.values()]
+        cells = ["–".join(dict.fromkeys((f(min(off)), f(max(off)))))]
+        for mode in ("ngram", "draft"):
+            r = modes.get(mode)
+            cells.append("—" if r is None else
+                         f"{f(decode_tok_s(side(r, 'b')))} (**{pct(decode_tok_s(side(r, 'b')), decode_tok_s(side(r, 'a')))}**)")
+        published, acceptance = PUBLISHED["spec"].get(burst, ("—", None))
+        rows.append([f"`{burst}`", *cells, published + (f", {acceptance} accepted" if acceptance else "")])
+    return table(["burst", "off decode tok/s", "n-gram (vs its off)", "draft, adaptive:cost", "published, adaptive"],
+                 rows)
+
+
+def seeds_batching(r: Report | None) -> str:
+    if r is None:
+        return "Batching: no report of this class kept (`tokentop bench batching --sizes 1,2,3,4,5,6,7,8`)."
+    by_n = {t["n"]: t for t in r["batching"]}
+    one = by_n.get(1, {}).get("batched_tok_s")
+    rows = []
+    for n in sorted(set(by_n) | set(PUBLISHED["batching"])):
+        t, p = by_n.get(n, {}).get("batched_tok_s"), PUBLISHED["batching"].get(n, (None,) * 3)
+        rows.append([str(n), f(t), x(t / one) if t and one else "—", *(f(v, 2) for v in p)])
+    return (f"Batching ({r.link}: N concurrent 128-token greedy streams of the 0.5B in one engine, aggregate "
+            "tok/s; published: the 7B, 512 tokens, N = 2's GEMM against 16.8 unbatched in its own run):\n\n" +
+            table(["N", "tok/s", "× N = 1", "published unbatched", "batched GEMM", "row-wise GEMV"], rows))
+
+
+def sec_seeds() -> str:
+    found = newest_per_class(reports("compare-seeds-*.json"))
+    parts = []
+    for r in found:
+        ex = r["experiments"]
+        batching = next((b for b in newest_per_class(reports("batching-*.json")) if b.cls == r.cls), None)
+        parts.append(f"{r.cls}, {r.link}; " + "; ".join(
+            f"{name.replace('_', ' ')}: `{braced([run['command'] for run in runs])}`" for name, runs in ex.items()) + ".")
+        for name, render_runs in (("single_flight", seeds_single_flight), ("routing", seeds_routing),
+                                  ("spec", seeds_spec)):
+            if name in ex:
+                parts.append(f"{TEXT['seeds_' + name]}\n\n{render_runs(ex[name])}")
+        parts.append(seeds_batching(batching))
+    title = "compare: mini-vllm-rs's experiments, ours beside the published"
+    if not found:
+        return unmeasured(title, TEXT["seeds"], "tokentop compare BURST --a ... --b ... (bundled by "
+                          "python tools/bench_tables.py --bundle docs/bench/compare-seeds-CLASS.json --run ...)")
+    body = "\n\n".join(parts) + f"\n\nPublished: {PUBLISHED_SOURCE}."
+    return f"## {title}\n\n{TEXT['seeds']}\n\n{body}\n\n{BOUNDS['seeds']}\n"
 
 
 def sec_serve() -> str:
@@ -597,7 +752,7 @@ def join(parts: list[str]) -> str:
 def render() -> str:
     """docs/benchmarks.md."""
     return join([TEXT["intro"], "## Headline\n\n" + headline() + "\n", sec_single(), sec_batching(),
-                 sec_llama_server(), sec_routing(), sec_router(), sec_prefix(), sec_spec(), sec_serve(),
+                 sec_llama_server(), sec_routing(), sec_router(), sec_prefix(), sec_spec(), sec_seeds(), sec_serve(),
                  sec_dashboard(), sec_trace(), sec_record(), sec_soak(), sec_first_start(), sec_gpu(), sec_fuzz(),
                  sec_reports()])
 
@@ -656,6 +811,21 @@ Speculative decoding on the CPU, one request at a time: decode tok/s = (output �
 so a draft model's catch-up on the prompt counts; acceptance = accepted / drafted, length = tokens
 a verify step. `draft`: the 0.5B drafts; `mentored`: its distribution within a total-variation
 budget D; `ngram`: proposals from the context.""",
+    "seeds": """\
+The burst files that reproduce mini-vllm-rs's experiments (sample_prompts/README.md), each run by
+`tokentop compare` under two settings (a fresh engine per side, the 0.5B on one CPU worker unless
+said), bundled with the commands by `tools/bench_tables.py --bundle`; ours one run a row, theirs as published.""",
+    "seeds_single_flight": """\
+Single flight: N identical 529-token greedy requests at once, 128 tokens; mean TTFT, followers
+released when the leader completes against after its prefill.""",
+    "seeds_routing": """\
+Routing: the CPU worker and `sim:gpu0` (mini-vllm-rs's Metal rates), both warmed with the 512-token
+note (`--warm`), 520-token prompts 50 ms apart, 128 tokens, ≤ 4 active per worker; every request
+to the GPU (`worker=1`) against `router-policy=cost`; completion of the burst, aggregate tok/s.""",
+    "seeds_spec": """\
+Speculation, the 1.5B as target: decode tok/s = (output − 1) / (e2e − TTFT), median over the
+burst's requests, each mode against an off side of its own run; `spec_code_edit` greedy (as
+theirs), `spec_creative` three requests at once sampled at 0.7 (theirs: greedy, one request).""",
     "serve": """\
 8 concurrent streams of 64 tokens (0.5B) through one engine, measured by the client: in process
 (`engine.submit`, async iteration) against `tokentop serve`'s HTTP API (streamed over loopback),
@@ -810,6 +980,16 @@ What bounds them: this report ran an earlier engine (torch int4 planes), whose k
 one row from 5 rows on: a k = 4 verify cost almost a second target step, a 0.5B draft step ~0.45 of
 a 1.5B one, while n-gram proposals cost nothing and win on code edits. `adaptive:cost` measures
 these costs and stays at or above target-only everywhere.""",
+    "seeds": """\
+What bounds them: theirs ran on an M2 (GPU; its CPU for routing), ours on 2 Zen 4 cores, so the
+changes compare, not the rates. Single flight: every first token waits for the leader's prefill
+(~1 s here); at-completion adds the leader's 128 tokens, so the change tends to 1 − prefill /
+(prefill + decode) as N grows. Routing: `sim:gpu0` holds its profiled rate with 4 rows (their
+M2 took 11.5 s for 8 requests, ours 3.6 s), so the seconds do not compare, the changes and the
+requests offloaded do. Speculation: `adaptive:cost` drafts less where drafts are rejected, yet the
+draft model still costs decode speed on the sampled creative prompt, as it did theirs; why n-gram
+gains this little on the code edit against 1.9× in the spec report (an earlier engine) these runs
+cannot say: compare keeps no acceptance.""",
     "serve": """\
 What bounds them: both clients drive the same engine, so throughput is the engine's; the HTTP path
 adds request parsing, SSE framing and loopback per streamed token.""",
@@ -826,10 +1006,32 @@ to the CPU pays under load (48 requests), not at 8.""",
 }
 
 
+def bundle(runs: list[tuple[str, str, str, str]]) -> dict:
+    """One kept report of several `tokentop compare` reports: compare records neither the machine
+    nor its command line, so each run keeps its command and the report this machine's CPU."""
+    sys.path.insert(0, str(ROOT))
+    from engine.bench import machine
+    experiments: dict[str, list[dict]] = {}
+    for experiment, label, path, command in runs:
+        report = json.loads(Path(path).read_text())
+        experiments.setdefault(experiment, []).append({"label": label, "command": command, "report": report})
+    return {"scenario": "compare-seeds", "command": "tokentop compare (one run per entry, its command kept with it)",
+            "machine": machine(), "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "experiments": experiments}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, epilog=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="only compare: exit 1 if the page is out of date")
+    ap.add_argument("--bundle", metavar="OUT", help="instead: write one kept report OUT (e.g. docs/bench/"
+                    "compare-seeds-zen4.json) of the --run compare reports, on the machine that ran them")
+    ap.add_argument("--run", nargs=4, action="append", metavar=("EXPERIMENT", "LABEL", "REPORT", "COMMAND"),
+                    help="with --bundle: a `tokentop compare` report, its experiment (single_flight, routing, "
+                         "spec), a label and the command that wrote it")
     args = ap.parse_args()
+    if args.bundle:
+        Path(args.bundle).write_text(json.dumps(bundle([tuple(r) for r in args.run or ()]), indent=1,
+                                                ensure_ascii=False) + "\n")
+        return 0
     stale = 0
     for path, page in pages().items():
         if not args.check:

@@ -31,6 +31,7 @@ from engine.pacing import paced
 from engine.stats import percentile
 
 REQUEST_TIMEOUT_S = 1800.0
+KERNEL_WAIT_S = 900.0     # a worker's first use builds its kernels in the background (a minute or two)
 SEED_BASE = 1000          # the seed of the i-th request that names none: SEED_BASE + i, on both sides
 
 
@@ -183,6 +184,20 @@ def seeded(items: list[BurstRequest]) -> list[SamplingParams]:
             for i, item in enumerate(items)]
 
 
+def wait_for_kernels(engine, say: Callable[[str], None], limit_s: float = KERNEL_WAIT_S, poll_s: float = 0.5) -> None:
+    """Measure no side on the torch fallback: a worker on its first use serves on torch matmuls
+    (~4x slower decode) until its kernels are built, which would load one side only."""
+    deadline, said = time.monotonic() + limit_s, False
+    while building := [w.index for w in engine.snapshot().workers if w.state == "ready" and w.kernels_building]:
+        if not said:
+            say(f"waiting for worker(s) {', '.join(map(str, building))} to build their kernels (first use)")
+            said = True
+        if time.monotonic() > deadline:
+            raise TokentopError(f"worker(s) {', '.join(map(str, building))} still on the torch fallback after "
+                                f"{limit_s:.0f} s of building kernels: the comparison would not be fair")
+        time.sleep(poll_s)
+
+
 def run_side(name: str, config: EngineConfig, settings: dict[str, Any], items: list[BurstRequest], *,
              interval_s: float = 0.0, warm: list[BurstRequest] = (), timeout: float = REQUEST_TIMEOUT_S,
              progress: Callable[[str], None] | None = None) -> SideResult:
@@ -199,6 +214,7 @@ def run_side(name: str, config: EngineConfig, settings: dict[str, Any], items: l
         ready = [w.index for w in snap.workers if w.state == "ready"]
         if force is not None and force not in ready:
             raise TokentopError(f"worker={force}: that worker did not start")
+        wait_for_kernels(engine, say)
         for item in warm:                       # every worker's prefix cache gets the warm-up
             for w in ready:
                 engine.submit(item.prompt, messages=item.messages, params=item.params, worker=w,
