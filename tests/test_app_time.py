@@ -319,10 +319,12 @@ async def test_a_burst_runs_across_the_live_timeline(tiny_model, tmp_path):
         await wait_for(pilot, lambda: any(g == "█" for lane in timeline._lanes
                                           for g, _ in lane_cells(lane[3], timeline._clock - 5, 0.1, 50)),
                        "decode on a lane")
-        await pilot.pause(0.3)
-        lines = [timeline.render_line(y).text for y in range(1, 5)]     # as painted: newest on top
-        assert [line.split()[0] for line in lines] == ["r4", "r3", "r2", "r1"]
-        assert any(g in line for line in lines for g in "▒▓█")
+        def painted() -> list[str]:
+            return [timeline.render_line(y).text for y in range(1, 5)]     # as painted: newest on top
+
+        # the next refresh paints it: waited for, not assumed within a fixed pause on a busy machine
+        await wait_for(pilot, lambda: any(g in line for line in painted() for g in "▒▓█"), "a phase painted")
+        assert [line.split()[0] for line in painted()] == ["r4", "r3", "r2", "r1"]
 
 
 # --- history charts ----------------------------------------------------------------------------

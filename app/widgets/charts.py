@@ -142,6 +142,7 @@ class HistoryCharts(Grid, can_focus=True):
         self._shown: dict[str, tuple] = {}     # chart -> what it last drew
         self.plotted: dict[str, list] = {}     # chart -> its series (label, xs, ys) before fit_columns
         self._last: tuple | None = None          # show_history's last arguments
+        self.every_frame = False                  # replay: a position draws its own points, however reached
 
     def compose(self):
         for chart in CHARTS:
@@ -171,7 +172,8 @@ class HistoryCharts(Grid, can_focus=True):
             step = self.window / plot.dot_columns
             series = [(label + suffix, xs, ys, suffix) for name, suffix in parts
                       for label, xs, ys in chart_series(history, names, clock, self.window, name, scale)]
-            key = (int(clock // step), self.window, plot.size, tuple(label for label, *_ in series))
+            when = clock if self.every_frame else int(clock // step)
+            key = (when, self.window, plot.size, tuple(label for label, *_ in series))
             if self._shown.get(chart) == key:
                 continue
             self._shown[chart] = key
