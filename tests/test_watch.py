@@ -343,32 +343,11 @@ def test_a_refused_snapshot_falls_back_to_metrics_and_says_so(keyed_server, caps
 
 def test_an_older_server_without_snapshot_is_read_from_metrics(server, capsys):
     """An older tokentop: its real /metrics and /health (proxied), and no /snapshot (404)."""
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
     _, http = server
-
-    class Older(BaseHTTPRequestHandler):
-        def do_GET(self):
-            if self.path in ("/metrics", "/health"):
-                r = httpx.get(http.url + self.path, timeout=5)
-                code, body = r.status_code, r.content
-            else:
-                code, body = 404, b"Not Found"
-            self.send_response(code)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    older = ThreadingHTTPServer(("127.0.0.1", 0), Older)
-    threading.Thread(target=older.serve_forever, daemon=True).start()
-    try:
-        (s,) = _watch_once(capsys, f"http://127.0.0.1:{older.server_address[1]}")
-    finally:
-        older.shutdown()
-        older.server_close()
+    pages = {"/metrics": lambda: httpx.get(http.url + "/metrics", timeout=5).text,
+             "/health": lambda: httpx.get(http.url + "/health", timeout=5).json()}
+    with _fixture_server(pages) as url:
+        (s,) = _watch_once(capsys, url)
     assert s["kind"] == "tokentop" and s["state"] == "up"
     assert s["source"] == "metrics" and s["note"] == "" and s["engine_workers"] == []
 
