@@ -231,7 +231,7 @@ class RequestTable:
         zero = (0, 0, 0, 0)
         for w in workers:
             pre, dec = w.profile   # (0, 0) when it was not calibrated, e.g. a lone worker
-            ld = WorkerLoad(w.index, w.info.name if w.info is not None else w.info_or_config().name,
+            ld = WorkerLoad(w.index, w.info_or_config().name,
                             pre or NOMINAL_RATES[0], dec or NOMINAL_RATES[1], w.ready,
                             *self._account.get(w.index, zero), not (pre and dec))
             n = w.stats.external_requests if w.stats is not None and w.cfg.remote else 0
