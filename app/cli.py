@@ -351,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError("--json prints one snapshot: add --once")
             if args.interval <= 0:
                 raise ConfigError(f"--interval must be a positive number of seconds, got {args.interval:g}")
+            if args.api_key is not None and not args.api_key.strip():
+                raise ConfigError("--api-key is empty: give the key the servers were started with, or leave it out")
             from app.watch import run_watch
             return run_watch(args.urls, args.interval, args.once, args.json, args.api_key)
         if args.command == "status":

@@ -403,6 +403,8 @@ def test_bad_watch_flags_are_one_line(capsys):
     assert e.value.code == 2 and "write the server's URL" in capsys.readouterr().err
     assert main(["watch", "http://127.0.0.1:1", "--json"]) == 2
     assert "--json prints one snapshot: add --once" in capsys.readouterr().err
+    assert main(["watch", "http://127.0.0.1:1", "--once", "--api-key", " "]) == 2
+    assert "--api-key is empty" in capsys.readouterr().err
 
 
 @pytest.mark.slow
