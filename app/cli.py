@@ -73,6 +73,16 @@ def _positive_minutes(text: str) -> float:
     return value
 
 
+def _timeout_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value <= 3600:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds from 0 to 3600; e.g. 5 or 0.5")
+    return value
+
+
 def _sizes(text: str) -> str:
     """bench batching's N,N,...: positive counts, checked when read (not after a first bench)."""
     parts = [p.strip() for p in text.split(",")]
@@ -281,6 +291,9 @@ def build_parser() -> OneLineParser:
     w.add_argument("--interval", type=float, default=1.0, help="seconds between looks (default 1)")
     w.add_argument("--once", action="store_true", help="print one snapshot and exit (1 if a server is down)")
     w.add_argument("--json", action="store_true", help="with --once: the snapshot as JSON")
+    w.add_argument("--timeout", type=_timeout_seconds, default=3.0, metavar="SECONDS",
+                   help="seconds one look at a server may take, every request and body included; "
+                        "past it the server shows as down (default 3)")
     w.add_argument("--api-key", default=None,
                    help="for tokentop servers started with --api-key: read their /snapshot (workers, "
                         "the engine's percentiles and alerts); without it they are read from /metrics")
@@ -294,7 +307,8 @@ def build_parser() -> OneLineParser:
     st.add_argument("--json", action="store_true", help="print the snapshot's JSON as the server sent it")
     st.add_argument("--api-key", default=None, help="the server's --api-key, if it has one")
     st.add_argument("--window", choices=LATENCY_WINDOW_NAMES, default="60s", help="latency window shown")
-    st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
+    st.add_argument("--timeout", type=_timeout_seconds, default=5.0, metavar="SECONDS",
+                    help="seconds the whole answer may take, body included (default 5)")
     return p
 
 
@@ -354,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.api_key is not None and not args.api_key.strip():
                 raise ConfigError("--api-key is empty: give the key the servers were started with, or leave it out")
             from app.watch import run_watch
-            return run_watch(args.urls, args.interval, args.once, args.json, args.api_key)
+            return run_watch(args.urls, args.interval, args.once, args.json, args.api_key, args.timeout)
         if args.command == "status":
             from app.status import cmd_status
             return cmd_status(args)
