@@ -191,6 +191,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="the flight recorder keeps the last this long, e.g. 120s, 5m (default 120s)")
     g.add_argument("--trace-memory", type=_size, default="64MiB", metavar="SIZE",
                    help="... or at most this much memory per worker and for the facade (default 64MiB)")
+    g.add_argument("--trace-keep", type=_positive_int, default=20, metavar="N",
+                   help="trace files kept in the trace folder; writing one more deletes the oldest (default 20)")
+    g.add_argument("--trace-keep-mib", type=_positive_int, default=512, metavar="MIB",
+                   help="... and at most this many MiB of them (default 512)")
     g.add_argument("--routing-log", default=None, help="append every routing decision as JSON lines")
 
 
@@ -202,7 +206,8 @@ def engine_config_from(args: argparse.Namespace, default_mode: str = "process") 
     return EngineConfig(workers=workers, router_policy=args.router_policy, trace_dir=args.trace_dir,
                         routing_log=args.routing_log, worker_mode=args.worker_mode or default_mode,
                         trace_detail=args.trace_detail or "", trace_window_s=args.trace_window,
-                        trace_memory=args.trace_memory)
+                        trace_memory=args.trace_memory, trace_keep=args.trace_keep,
+                        trace_keep_mib=args.trace_keep_mib)
 
 
 def build_parser() -> OneLineParser:
@@ -603,10 +608,11 @@ def cmd_replay(args) -> int:
     return 0
 
 
-def write_trace(engine) -> None:
-    """Headless `t`: the flight recorder's trace, and where it went (or why not), on stderr."""
+def write_trace(engine, refuse_busy: bool = False) -> None:
+    """Headless `t`: the flight recorder's trace, and where it went (or why not), on stderr.
+    refuse_busy (SIGUSR1): a signal while one is being written, or right after, writes none."""
     try:
-        path = engine.export_trace()
+        path = engine.export_trace(refuse_busy=refuse_busy)
     except TokentopError as exc:
         print(f"tokentop: error: {exc}", file=sys.stderr, flush=True)
         return
@@ -654,7 +660,7 @@ def cmd_serve(args) -> int:
     threading.Thread(target=start_engine, name="tokentop-start", daemon=True).start()
     signal.signal(signal.SIGTERM, lambda *_: setattr(http.server, "should_exit", True))
     # kill -USR1: write the flight recorder, off the signal handler (it waits on the workers)
-    signal.signal(signal.SIGUSR1, lambda *_: threading.Thread(target=write_trace, args=(engine,),
+    signal.signal(signal.SIGUSR1, lambda *_: threading.Thread(target=write_trace, args=(engine, True),
                                                               name="tokentop-trace", daemon=True).start())
     try:
         http.run()
