@@ -54,7 +54,7 @@ def _fetch_failed(base: str, exc, timeout: float) -> str:
                 "running there?")
     if exc.kind == "late":
         return f"{visible(base)}/snapshot: {exc.reason}; a slow server may need more --timeout (now {timeout:g})"
-    return f"{visible(base)}/snapshot: {exc.reason}: is it a tokentop server?"
+    return f"{visible(base)}/snapshot: {exc.reason}; is it a tokentop server?"
 
 
 def status_text(snap: dict, url: str, window: str) -> str:
@@ -100,6 +100,13 @@ def cmd_status(args) -> int:
     snap = fetch_snapshot(args.url, args.api_key, args.timeout)
     if args.json:
         print(json.dumps(snap, indent=2))
-    else:
-        print(status_text(snap, args.url, args.window))
+        return 0
+    try:
+        text = status_text(snap, args.url, args.window)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:   # a field missing or mistyped
+        from engine.watch.fetch import one_line
+        raise TokentopError(f"{visible(args.url)}/snapshot does not have version {SNAPSHOT_VERSION}'s shape "
+                            f"({type(exc).__name__}: {one_line(str(exc), 80)}): use the same tokentop release "
+                            "on both ends") from None
+    print(text)
     return 0

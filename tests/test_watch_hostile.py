@@ -280,3 +280,14 @@ def test_status_json_of_a_500_mb_snapshot_stays_small_and_prints_none_of_it(page
     assert rc == 2 and out == "" and err.count("\n") == 1 and "16,777,216-byte limit" in err, err
     assert peak < RSS_LIMIT, f"peak RSS {peak / 2**20:.0f} MiB"
     assert took < 20, took
+
+
+@pytest.mark.parametrize("snap", [{"version": 1}, {**SNAPSHOT, "workers": [{"name": ESC}]},
+                                  {**SNAPSHOT, "latency": {"60s": ESC}}, {**SNAPSHOT, "workers": ESC}],
+                         ids=["bare", "worker fields missing", "latency a string", "workers a string"])
+def test_status_text_of_a_snapshot_of_another_shape_is_one_line(snap, capsys):
+    with hostile_server({"/snapshot": answer(snap)}) as url:
+        assert main(["status", url, "--timeout", str(TIMEOUT)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and _no_escape(err) and "Traceback" not in err, err
+    assert "/snapshot does not have version 1's shape" in err and "same tokentop release" in err, err

@@ -146,8 +146,8 @@ def _describe(exc: Exception) -> str:
 def _check_length(r: httpx.Response, url: str, max_bytes: int) -> None:
     declared = r.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_bytes:
-        raise FetchError(url, f"the answer is {int(declared):,} bytes, over the {max_bytes:,}-byte "
-                              "limit; not read", "limit")
+        raise FetchError(url, f"the answer is {int(declared):,} bytes, over the {max_bytes:,}-byte limit",
+                         "limit")
 
 
 def _read_capped(r: httpx.Response, url: str, max_bytes: int) -> bytes:
@@ -155,6 +155,6 @@ def _read_capped(r: httpx.Response, url: str, max_bytes: int) -> bytes:
     for chunk in r.iter_bytes():
         size += len(chunk)
         if size > max_bytes:
-            raise FetchError(url, f"the answer runs past the {max_bytes:,}-byte limit; not read", "limit")
+            raise FetchError(url, f"the answer runs past the {max_bytes:,}-byte limit", "limit")
         chunks.append(chunk)
     return b"".join(chunks)
