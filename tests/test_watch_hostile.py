@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+import app.watch  # noqa: F401  (the dashboard's imports, once, outside every timed case)
 from app.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -202,7 +203,7 @@ WATCH_CASES = [c for c in CASES if not c[0].startswith("trickled")]
 def test_watch_marks_a_hostile_server_down_with_the_reason_in_time(name, pages, watch_says, status_says, capsys):
     with hostile_server(pages) as url:
         server, took = _watch(url, capsys)
-    assert took < 2 * TIMEOUT + INTERVAL + 1, took
+    assert took < (TIMEOUT if watch_says[0] == "down" else 2 * TIMEOUT) + INTERVAL + 1, took   # one look when down
     state, reason = watch_says
     assert server["state"] == state, server
     said = server["error"] if state == "down" else server["note"]
@@ -242,7 +243,7 @@ def test_one_hostile_server_leaves_the_others_updating(capsys):
               "--timeout", str(TIMEOUT)])
         took = time.monotonic() - start
     servers = {s["url"]: s for s in json.loads(capsys.readouterr().out)}
-    assert took < 2 * TIMEOUT + INTERVAL + 1, took         # looked at side by side, not one after another
+    assert took < TIMEOUT + INTERVAL + 1, took             # side by side, and no second look at one down
     assert servers[fine]["state"] == "up" and servers[fine]["kind"] == "vllm"
     assert servers[nested]["state"] == servers[slow]["state"] == servers[slower]["state"] == "down"
     assert "nested deeper than" in servers[nested]["error"]

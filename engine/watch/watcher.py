@@ -174,9 +174,11 @@ class Watcher:
         self._pool = ThreadPoolExecutor(min(len(self.urls), MAX_PARALLEL_LOOKS) or 1,
                                         thread_name_prefix="tokentop-look")
 
-    def poll(self) -> list[ServerStatus]:
-        samples = self._pool.map(lambda url: look(self.client, url, self.api_key, self.timeout), self.urls)
-        for url, sample in zip(self.urls, samples):
+    def poll(self, urls: list[str] | None = None) -> list[ServerStatus]:
+        """Look at every server (or those of `urls`) side by side; every server's status."""
+        urls = self.urls if urls is None else urls
+        samples = self._pool.map(lambda url: look(self.client, url, self.api_key, self.timeout), urls)
+        for url, sample in zip(urls, samples):
             self.tracks[url].add(sample)
         return self.status()
 
