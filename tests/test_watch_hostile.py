@@ -177,6 +177,10 @@ CASES = [
      ("down", "^["), None),
     ("deep workers", tokentop_pages(workers=answer('{"workers": ' + "[" * 10_000 + "]" * 10_000 + "}")),
      ("down", "nested deeper than"), None),
+    ("thousands of workers", tokentop_pages(snapshot=answer({**SNAPSHOT, "workers": [WORKER] * 5000})),
+     ("up", "more than 1024 workers or alerts"), None),
+    ("thousands of router workers", tokentop_pages(workers=answer({"workers": [{"url": "x"}] * 5000})),
+     ("down", "lists more than 1024 workers"), None),
     ("slow but whole", tokentop_pages(snapshot=slow_but_whole(SNAPSHOT)), ("up", ""), None),
 ]
 

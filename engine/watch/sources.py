@@ -61,6 +61,7 @@ ROUTER_REQUESTS = "vllm_router_requests_total"
 SNAPSHOT_VERSION = 1          # the /snapshot shape read here (engine/serve/snapshot_json.py)
 SNAPSHOT_WINDOWS = ("60s", "session")   # a metric's percentiles from the first with a request in it
 SNAPSHOT_METRICS = ("ttft", "itl", "e2e")
+MAX_LISTED = 1024             # workers or alerts of one server, more than any real one has
 
 
 @dataclass
@@ -157,6 +158,8 @@ def apply_snapshot(sample: Sample, snap: dict) -> None:
     another shape raises KeyError, TypeError or ValueError and changes nothing."""
     if not isinstance(snap, dict) or snap.get("version") != SNAPSHOT_VERSION:
         raise ValueError(f"version {snap.get('version') if isinstance(snap, dict) else None!r}")
+    if len(snap["workers"]) > MAX_LISTED or len(snap["alerts"]) > MAX_LISTED:
+        raise ValueError(f"more than {MAX_LISTED} workers or alerts")
     workers = [engine_worker(w) for w in snap["workers"]]
     percentiles = {}
     for metric in SNAPSHOT_METRICS:
@@ -242,6 +245,8 @@ def _router_workers(client: httpx.Client, url: str, deadline: Deadline) -> list[
     body = r.json()
     if not isinstance(body, dict) or not isinstance(body.get("workers"), list):
         return None
+    if len(body["workers"]) > MAX_LISTED:
+        raise OutsideDataError(f"{visible(url)}/workers lists more than {MAX_LISTED} workers; not read")
     return [{"url": w.get("url"), "healthy": bool(w.get("is_healthy")), "load": w.get("load")}
             for w in body["workers"] if isinstance(w, dict)]
 
