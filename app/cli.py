@@ -73,6 +73,16 @@ def _positive_minutes(text: str) -> float:
     return value
 
 
+def _timeout_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value <= 3600:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds from 0 to 3600; e.g. 5 or 0.5")
+    return value
+
+
 def _sizes(text: str) -> str:
     """bench batching's N,N,...: positive counts, checked when read (not after a first bench)."""
     parts = [p.strip() for p in text.split(",")]
@@ -181,6 +191,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="the flight recorder keeps the last this long, e.g. 120s, 5m (default 120s)")
     g.add_argument("--trace-memory", type=_size, default="64MiB", metavar="SIZE",
                    help="... or at most this much memory per worker and for the facade (default 64MiB)")
+    g.add_argument("--trace-keep", type=_positive_int, default=20, metavar="N",
+                   help="trace files kept in the trace folder; writing one more deletes the oldest (default 20)")
+    g.add_argument("--trace-keep-mib", type=_positive_int, default=512, metavar="MIB",
+                   help="... and at most this many MiB of them (default 512)")
     g.add_argument("--routing-log", default=None, help="append every routing decision as JSON lines")
 
 
@@ -192,7 +206,8 @@ def engine_config_from(args: argparse.Namespace, default_mode: str = "process") 
     return EngineConfig(workers=workers, router_policy=args.router_policy, trace_dir=args.trace_dir,
                         routing_log=args.routing_log, worker_mode=args.worker_mode or default_mode,
                         trace_detail=args.trace_detail or "", trace_window_s=args.trace_window,
-                        trace_memory=args.trace_memory)
+                        trace_memory=args.trace_memory, trace_keep=args.trace_keep,
+                        trace_keep_mib=args.trace_keep_mib)
 
 
 def build_parser() -> OneLineParser:
@@ -281,6 +296,9 @@ def build_parser() -> OneLineParser:
     w.add_argument("--interval", type=float, default=1.0, help="seconds between looks (default 1)")
     w.add_argument("--once", action="store_true", help="print one snapshot and exit (1 if a server is down)")
     w.add_argument("--json", action="store_true", help="with --once: the snapshot as JSON")
+    w.add_argument("--timeout", type=_timeout_seconds, default=3.0, metavar="SECONDS",
+                   help="seconds one look at a server may take, every request and body included; "
+                        "past it the server shows as down (default 3)")
     w.add_argument("--api-key", default=None,
                    help="for tokentop servers started with --api-key: read their /snapshot (workers, "
                         "the engine's percentiles and alerts); without it they are read from /metrics")
@@ -294,7 +312,8 @@ def build_parser() -> OneLineParser:
     st.add_argument("--json", action="store_true", help="print the snapshot's JSON as the server sent it")
     st.add_argument("--api-key", default=None, help="the server's --api-key, if it has one")
     st.add_argument("--window", choices=LATENCY_WINDOW_NAMES, default="60s", help="latency window shown")
-    st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
+    st.add_argument("--timeout", type=_timeout_seconds, default=5.0, metavar="SECONDS",
+                    help="seconds the whole answer may take, body included (default 5)")
     return p
 
 
@@ -354,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.api_key is not None and not args.api_key.strip():
                 raise ConfigError("--api-key is empty: give the key the servers were started with, or leave it out")
             from app.watch import run_watch
-            return run_watch(args.urls, args.interval, args.once, args.json, args.api_key)
+            return run_watch(args.urls, args.interval, args.once, args.json, args.api_key, args.timeout)
         if args.command == "status":
             from app.status import cmd_status
             return cmd_status(args)
@@ -589,10 +608,11 @@ def cmd_replay(args) -> int:
     return 0
 
 
-def write_trace(engine) -> None:
-    """Headless `t`: the flight recorder's trace, and where it went (or why not), on stderr."""
+def write_trace(engine, refuse_busy: bool = False) -> None:
+    """Headless `t`: the flight recorder's trace, and where it went (or why not), on stderr.
+    refuse_busy (SIGUSR1): a signal while one is being written, or right after, writes none."""
     try:
-        path = engine.export_trace()
+        path = engine.export_trace(refuse_busy=refuse_busy)
     except TokentopError as exc:
         print(f"tokentop: error: {exc}", file=sys.stderr, flush=True)
         return
@@ -640,7 +660,7 @@ def cmd_serve(args) -> int:
     threading.Thread(target=start_engine, name="tokentop-start", daemon=True).start()
     signal.signal(signal.SIGTERM, lambda *_: setattr(http.server, "should_exit", True))
     # kill -USR1: write the flight recorder, off the signal handler (it waits on the workers)
-    signal.signal(signal.SIGUSR1, lambda *_: threading.Thread(target=write_trace, args=(engine,),
+    signal.signal(signal.SIGUSR1, lambda *_: threading.Thread(target=write_trace, args=(engine, True),
                                                               name="tokentop-trace", daemon=True).start())
     try:
         http.run()

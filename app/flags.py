@@ -23,6 +23,7 @@ FIELD_FLAGS = {
     "workers": "--device", "router_policy": "--router-policy", "trace_dir": "--trace-dir",
     "routing_log": "--routing-log", "worker_mode": "--worker-mode", "trace_detail": "--trace-detail",
     "trace_window_s": "--trace-window", "trace_memory": "--trace-memory", "cuda_graphs": "--cuda-graphs",
+    "trace_keep": "--trace-keep", "trace_keep_mib": "--trace-keep-mib",
     # ServeConfig: the server flags
     "host": "--host", "port": "--port", "api_key": "--api-key", "max_queue": "--max-queue",
     "max_body": "--max-body", "allowed_hosts": "--allowed-host",

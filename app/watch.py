@@ -18,6 +18,7 @@ from textual.widgets import Footer, Header, Static
 
 from app.flags import as_flags
 from app.widgets.rate_sparkline import spark_bars
+from engine.watch.sources import TIMEOUT
 from engine.watch.watcher import ServerStatus, Watcher
 
 SPARK_WIDTH = 40
@@ -135,13 +136,14 @@ class WatchApp(App):
         self._stop.set()
 
 
-def run_watch(urls: list[str], interval: float, once: bool, as_json: bool, api_key: str | None = None) -> int:
-    watcher = Watcher(urls, api_key=api_key)
+def run_watch(urls: list[str], interval: float, once: bool, as_json: bool, api_key: str | None = None,
+              timeout: float = TIMEOUT) -> int:
+    watcher = Watcher(urls, api_key=api_key, timeout=timeout)
     try:
         if once:
-            watcher.poll()
-            time.sleep(interval)               # a second look: rates need two
-            statuses = watcher.poll()
+            first = watcher.poll()
+            time.sleep(interval)               # a second look at those up: rates need two
+            statuses = watcher.poll([s.url for s in first if s.state == "up"])
             print(json.dumps([{**s.to_json(), "note": as_flags(s.note)} for s in statuses], indent=2)
                   if as_json else as_text(statuses))
             return 1 if any(s.state == "down" for s in statuses) else 0

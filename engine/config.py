@@ -253,6 +253,8 @@ class EngineConfig:
     trace_detail: str = ""                # off | light | full; "" = full with trace_dir, else light
     trace_window_s: float = 120.0         # the last this many seconds ...
     trace_memory: int = 64 * 2**20        # ... or this many bytes per ring, whichever is smaller
+    trace_keep: int = 20                  # trace files kept in trace_dir, the oldest deleted ...
+    trace_keep_mib: int = 512             # ... and at most this many MiB of them
 
 
 def parse_size(text: str) -> int:

@@ -24,6 +24,7 @@ from starlette.routing import Route
 
 from engine.config import shown
 from engine.facade.engine import Engine, RequestFailed
+from engine.facade.recorder import TraceBusy
 from engine.errors import ConfigError, InvalidRequest, TokentopError, describe_error
 from engine.serve import protocol as P
 from engine.serve.metrics import CONTENT_TYPE, EngineMetrics
@@ -165,11 +166,16 @@ class OpenAIServer:
     async def write_trace(self, request: Request) -> Response:
         """POST /trace: write the flight recorder's last window (every worker's ring) as a
         Perfetto trace in the server's --trace-dir (default ./traces); {"path": where}. Needs
-        the API key when one is set: the file lands on the server's disk."""
+        the API key when one is set: the file lands on the server's disk. 429 with Retry-After
+        while one is being written or right after; the folder keeps the newest --trace-keep."""
         try:
             self._auth(request)
             try:
-                path = await asyncio.to_thread(self.engine.export_trace)
+                path = await asyncio.to_thread(self.engine.export_trace, refuse_busy=True)
+            except TraceBusy as exc:     # one at a time, and not faster than one is written
+                response = self._error(P.ApiError(429, str(exc), type="rate_limit_error", code="trace_busy"))
+                response.headers["Retry-After"] = str(exc.retry_after)
+                return response
             except TokentopError as exc:
                 raise P.ApiError(500, str(exc), type="server_error", code="trace_not_written") from None
         except P.ApiError as exc:
