@@ -28,7 +28,7 @@ from engine.trace import DETAILS, check_trace_dir
 EXIT_USAGE = 2
 MAX_PROMPT_FILE_BYTES = 8 * 2**20   # ~8 million characters: far beyond any model's context
 LATENCY_WINDOW_NAMES = ("10s", "60s", "session")   # engine/facade/latency.py WINDOWS, as /snapshot names them
-COMMANDS = ("generate", "bench", "models", "serve", "replay", "compare", "watch", "status")   # else: the dashboard's
+COMMANDS = ("generate", "bench", "models", "serve", "replay", "compare", "watch", "web", "status")   # else: the dashboard's
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -299,9 +299,23 @@ def build_parser() -> OneLineParser:
     w.add_argument("--timeout", type=_timeout_seconds, default=3.0, metavar="SECONDS",
                    help="seconds one look at a server may take, every request and body included; "
                         "past it the server shows as down (default 3)")
-    w.add_argument("--api-key", default=None,
+    w.add_argument("--api-key", default=os.environ.get("TOKENTOP_WATCH_API_KEY"),
                    help="for tokentop servers started with --api-key: read their /snapshot (workers, "
-                        "the engine's percentiles and alerts); without it they are read from /metrics")
+                        "the engine's percentiles and alerts); without it they are read from /metrics "
+                        "(default: $TOKENTOP_WATCH_API_KEY)")
+
+    web = sub.add_parser("web", help="tokentop watch in a browser (textual-serve: one process per tab)")
+    web.add_argument("urls", nargs="*", metavar="URL", type=_http_url, default=["http://127.0.0.1:8000"],
+                     help="the servers to watch (default http://127.0.0.1:8000: a local tokentop serve "
+                          "or a dashboard started with --serve 8000)")
+    web.add_argument("--host", default="127.0.0.1", help="address the page listens on (default: loopback only)")
+    web.add_argument("--port", type=int, default=8080, help="the page's port (default 8080)")
+    web.add_argument("--api-key", default=None,
+                     help="the key the page asks for (open /?key=KEY once); required beyond loopback")
+    web.add_argument("--server-api-key", default=os.environ.get("TOKENTOP_WATCH_API_KEY"),
+                     help="the watched tokentop servers' --api-key (default: $TOKENTOP_WATCH_API_KEY)")
+    web.add_argument("--interval", type=float, default=1.0, help="seconds between looks (default 1)")
+    web.add_argument("--max-tabs", type=int, default=8, help="browser tabs open at once, each a process (default 8)")
 
     m = sub.add_parser("models", help="list bundled models and whether they are installed")
     m.add_argument("--json", action="store_true")
@@ -374,6 +388,12 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError("--api-key is empty: give the key the servers were started with, or leave it out")
             from app.watch import run_watch
             return run_watch(args.urls, args.interval, args.once, args.json, args.api_key, args.timeout)
+        if args.command == "web":
+            if args.interval <= 0:
+                raise ConfigError(f"--interval must be a positive number of seconds, got {args.interval:g}")
+            from app.web import run_web
+            return run_web(args.urls, args.host, args.port, args.interval, args.api_key,
+                           args.server_api_key, args.max_tabs)
         if args.command == "status":
             from app.status import cmd_status
             return cmd_status(args)
