@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+from app.printing import out
 from app.widgets.fmt import fmt_mib, fmt_rate, fmt_seconds, fmt_uptime, short_worker
 from engine.errors import TokentopError
 
@@ -86,5 +87,5 @@ def cmd_status(args) -> int:
     if args.json:
         print(json.dumps(snap, indent=2))
     else:
-        print(status_text(snap, args.url, args.window))
+        out(status_text(snap, args.url, args.window))    # every name in it is the server's
     return 0
