@@ -58,7 +58,8 @@ def format_candidate(c: Candidate, decision: RouteDecision, width: int) -> str:
 def format_decision(d: RouteDecision, width: int = 10_000) -> str:
     chosen = next((c.name for c in d.candidates if c.worker == d.chosen), f"w{d.chosen}")
     reason = f" ({d.reason})" if d.reason else ""
-    parts = [(0, f"[bold]{outside_markup(d.request_id)}[/] → [bold $accent]{outside_markup(short_worker(chosen))}[/]"),
+    to = outside_markup(short_worker(chosen))
+    parts = [(0, f"[bold]{outside_markup(d.request_id)}[/] → [bold $accent]{to}[/]"),
              (1, f"[$text-muted]{outside_markup(d.policy + reason)}[/]"),
              (3, f"[$text-muted]{POLICY_NOTE.get(d.policy, '')}[/]"),
              (2, f"[$text-muted]prompt {d.prompt_tokens} · max {d.max_tokens}[/]")]

@@ -65,8 +65,11 @@ def drafted_ranges(r: RequestView, label: str, width: int, max_lines: int = TAIL
         return []
     tail = r.text_tail
     n = len(shown_text(tail))
-    # a control character is drawn wider (^[): an offset in the text moves by what precedes it
-    shown_at = (lambda i: i) if n == len(tail.replace("\r", "")) else (lambda i: len(shown_text(tail[:i])))
+    as_drawn = n == len(tail.replace("\r", ""))
+
+    def shown_at(i: int) -> int:
+        """Where offset i of the tail is drawn: a control character before it is drawn wider (^[)."""
+        return i if as_drawn else len(shown_text(tail[:i]))
     budget = max(1, width * max_lines - len(label) - 1)
     first, at = (n - (budget - 1), len(label) + 2) if n > budget else (0, len(label) + 1)
     out = []

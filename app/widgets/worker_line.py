@@ -51,8 +51,8 @@ class WorkerLine(Line):
 
     def show_text(self, state: str, text: str) -> None:
         style = STATE_STYLE.get(state, "$text")
-        self.set_parts([(0, self._head), (0, f"[{style}]● {outside_markup(state)}[/]"), (1, f"[{style}]{outside_markup(text)}[/]")],
-                       sep="  ")
+        self.set_parts([(0, self._head), (0, f"[{style}]● {outside_markup(state)}[/]"),
+                        (1, f"[{style}]{outside_markup(text)}[/]")], sep="  ")
 
     def show_assembly(self, done: int, total: int) -> None:
         self.show_text("loading", f"assembling the model file: {done / 2**20:.0f}/{total / 2**20:.0f} MiB")
