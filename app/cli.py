@@ -22,6 +22,7 @@ from engine.config import (CUDA_GRAPHS, KV_DTYPES, KV_MODES, PREFIX_CACHE, ROUTE
 from engine.facade.devices import parse_devices
 from engine.config import parse_size
 from app.flags import as_flags, describe_error, worker_from_flags
+from app.printing import err, json_text, out, stream_text
 from engine.errors import ConfigError, TokentopError
 from engine.trace import DETAILS, check_trace_dir
 
@@ -400,15 +401,14 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().print_help()
         return EXIT_USAGE
     except TokentopError as exc:
-        print(f"tokentop: error: {describe_error(exc)}", file=sys.stderr)
+        err(f"tokentop: error: {describe_error(exc)}")
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # noqa: BLE001 - unexpected: one line; TOKENTOP_DEBUG=1 shows where
         if os.environ.get("TOKENTOP_DEBUG"):
             raise
-        print(f"tokentop: error: {describe_error(exc)} (run with TOKENTOP_DEBUG=1 for the traceback)",
-              file=sys.stderr)
+        err(f"tokentop: error: {describe_error(exc)} (run with TOKENTOP_DEBUG=1 for the traceback)")
         return 1
 
 
@@ -464,17 +464,17 @@ def cmd_generate(args) -> int:
         kw = {"messages": [{"role": "user", "content": prompt}]} if args.chat else {"prompt": prompt}
         handle = engine.submit(params=params, **kw)
         if handle.notice:
-            print(f"tokentop: note: {as_flags(handle.notice)}", file=sys.stderr)
+            err(f"tokentop: note: {as_flags(handle.notice)}")
         if not args.json:
             for delta in handle:
-                sys.stdout.write(delta.text)
+                sys.stdout.write(stream_text(delta.text))
                 sys.stdout.flush()
             sys.stdout.write("\n")
         result = handle.result()
         if result.finish_reason == "error":
             raise TokentopError(result.error or "generation failed")
         if args.json:
-            print(json.dumps(result_json(engine, result, args.model), ensure_ascii=False))
+            print(json_text(result_json(engine, result, args.model)))
         if args.trace_dir:
             path = engine.export_trace(args.trace_dir)
             print(f"trace written to {path}", file=sys.stderr)
@@ -487,7 +487,7 @@ def print_startup_warnings(engine) -> None:
     """What the engine's start-up warned of, on stderr (the dashboard shows its log instead)."""
     for line in engine.snapshot().log:
         if line.level == "warning":
-            print(f"tokentop: warning: {as_flags(line.text)}", file=sys.stderr)
+            err(f"tokentop: warning: {as_flags(line.text)}")
 
 
 def result_json(engine, result, model: str) -> dict:
@@ -599,9 +599,12 @@ def cmd_compare(args) -> int:
     if len(config.workers) == 1:
         config = replace(config, worker_mode=args.worker_mode or "thread")
     report = compare(config, items, a, b, burst=args.burst, interval_s=args.interval_ms / 1000, warm=warm,
-                     progress=lambda text: print(f"tokentop: {text}", file=sys.stderr, flush=True))
+                     progress=lambda text: err(f"tokentop: {text}"))
     path = write_report(report, args.out)
-    print(json.dumps(report, indent=2, ensure_ascii=False) if args.json else format_report(report))
+    if args.json:
+        print(json_text(report, indent=2))
+    else:
+        out(format_report(report))     # the burst file's ids are outside text
     print(f"tokentop: report written to {path}", file=sys.stderr)
     return 0
 
@@ -634,7 +637,7 @@ def write_trace(engine, refuse_busy: bool = False) -> None:
     try:
         path = engine.export_trace(refuse_busy=refuse_busy)
     except TokentopError as exc:
-        print(f"tokentop: error: {exc}", file=sys.stderr, flush=True)
+        err(f"tokentop: error: {describe_error(exc)}")
         return
     engine.log("info", f"trace written to {path}")
     print(f"tokentop: trace written to {path}", file=sys.stderr, flush=True)
@@ -667,8 +670,7 @@ def cmd_serve(args) -> int:
         try:
             engine.start(wait=True)
             print_startup_warnings(engine)
-            print(f"tokentop: serving {http.api.model} on {http.url}/v1 (metrics at {http.url}/metrics)",
-                  file=sys.stderr, flush=True)
+            err(f"tokentop: serving {http.api.model} on {http.url}/v1 (metrics at {http.url}/metrics)")
         except Exception as exc:  # noqa: BLE001 - one line, then stop serving
             failed.append(describe_error(exc))
             http.server.should_exit = True

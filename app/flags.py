@@ -8,6 +8,7 @@ import re
 from engine import errors
 from engine.config import WorkerConfig, parse_size
 from engine.errors import ConfigError
+from engine.outside import visible
 
 # Every setting field the command line sets, with the flag that sets it.
 FIELD_FLAGS = {
@@ -44,8 +45,10 @@ def as_flags(text: str) -> str:
 
 
 def describe_error(exc: BaseException) -> str:
-    """engine.errors.describe_error, with the settings it names as flags."""
-    return as_flags(errors.describe_error(exc))
+    """engine.errors.describe_error, with the settings it names as flags, ready to print or
+    draw: an error quotes what it refused (a value, a file name, a server's answer), which
+    may hold control characters."""
+    return visible(as_flags(errors.describe_error(exc)))
 
 
 def worker_from_flags(flags) -> WorkerConfig:

@@ -22,7 +22,6 @@ import platformdirs
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal
-from textual.markup import escape
 from textual.screen import Screen
 from textual.widgets import Footer
 
@@ -40,7 +39,7 @@ from app.settings import load_settings, save_settings
 from app.widgets.workers import WorkersRow
 from app.widgets.charts import HistoryCharts, window_label
 from app.widgets.event_log import EventLog
-from app.widgets.fmt import fmt_rate, fmt_seconds, fmt_uptime, short_worker
+from app.widgets.fmt import fmt_rate, fmt_seconds, fmt_uptime, outside_markup, short_worker
 from app.widgets.latency import LatencyPanel
 from app.widgets.line import Line
 from app.widgets.panel import Panel
@@ -54,6 +53,7 @@ from engine.facade.engine import Engine
 from engine.errors import TokentopError
 from engine.facade.latency import WINDOWS as LATENCY_WINDOWS
 from engine.facade.snapshot import EngineSnapshot
+from engine.outside import visible
 from themes import KV_DEFAULTS, STYLESHEET, THEMES
 
 REFRESH_S = 0.2              # 5 Hz, as often as workers report their stats
@@ -311,7 +311,7 @@ class TokentopApp(App[int]):
         self.last_snapshot = snap
         self._workers_row.fit(self.size.width, self.size.height)
         self._workers_row.show({w.index: w for w in snap.workers}, self._assembly, self._start_error)
-        names = {w.index: w.name for w in snap.workers}
+        names = worker_names(snap)
         if self._timeline.display:
             self._timeline.show_snapshot(snap)
         else:
@@ -347,19 +347,21 @@ class TokentopApp(App[int]):
         active = sum(r.state.live for r in snap.requests) if snap else 0
         # live: the engine's own (a key changes it before the next snapshot); else the picture's
         detail = self.engine.recorder.detail if self.live or snap is None else snap.trace_detail
-        tracing = "[b $success]full[/]" if detail == "full" else detail
+        tracing = "[b $success]full[/]" if detail == "full" else outside_markup(detail)
         parts = [(0, "[b $accent]tokentop[/]")]
         if snap is not None and snap.alerts:
             parts.append((0, alert_badge(snap.alerts)))
         for run in self.bursts:
-            parts.append((0, f"burst {run.name} {run.submitted}/{run.spec.count}"))
+            parts.append((0, f"burst {outside_markup(run.name)} {run.submitted}/{run.spec.count}"))
         parts += [(1, f"{ready}/{len(self.config.workers)} ready"), (1, f"{active} active")]
         if snap is not None:
             live = [w for w in workers if w.state == "ready"]
             parts.append((2, f"decode {fmt_rate(sum(w.decode_tps for w in live))} tok/s"))
             parts.append((5, f"prefill {fmt_rate(sum(w.prefill_tps for w in live))} tok/s"))
             parts += self._latency_parts(snap)
-        parts += [(3, f"router [b]{self.router_policy}[/]"), (3, f"sched [b]{self.scheduler_policy}[/]"),
+        # a replay's policies are the recording's words
+        parts += [(3, f"router [b]{outside_markup(self.router_policy)}[/]"),
+                  (3, f"sched [b]{outside_markup(self.scheduler_policy)}[/]"),
                   (3, f"trace {tracing}")]
         if self.serve_url:
             parts.append((1, f"api {self.serve_url}"))
@@ -389,6 +391,13 @@ class TokentopApp(App[int]):
             summary = run.summary()
             self.engine.log("info", summary.text())
             self.notify(summary.text(), title="burst finished", timeout=6)
+
+    def notify(self, message: str, *, title: str = "", severity="information", timeout: float | None = None,
+               markup: bool = True) -> None:
+        """Every notification as plain text: most quote something from outside (a request id,
+        a file name, an error naming a value), which must neither move the terminal's cursor
+        nor be read as markup."""
+        super().notify(visible(message), title=visible(title), severity=severity, timeout=timeout, markup=False)
 
     # --- actions --------------------------------------------------------------------------
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
@@ -666,8 +675,13 @@ def alert_badge(alerts) -> str:
     """The header's badge: the one alert active, or how many (the log says what each is)."""
     if len(alerts) == 1:
         a = alerts[0]
-        return f"[b reverse $error] ⚠ {a.kind} {escape(short_worker(a.worker_name))} [/]"
+        return f"[b reverse $error] ⚠ {outside_markup(a.kind)} {outside_markup(short_worker(a.worker_name))} [/]"
     return f"[b reverse $error] ⚠ {len(alerts)} alerts [/]"
+
+
+def worker_names(snap: EngineSnapshot) -> dict[int, str]:
+    """Each worker's name as the panels show it: a replayed or watched one is outside text."""
+    return {w.index: visible(w.name) for w in snap.workers}
 
 
 def _next(options: Iterable[str], current: str) -> str:

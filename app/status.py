@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+from app.printing import out
 from app.widgets.fmt import fmt_mib, fmt_rate, fmt_seconds, fmt_uptime, short_worker
 from engine.errors import TokentopError
 from engine.outside import visible
@@ -108,5 +109,5 @@ def cmd_status(args) -> int:
         raise TokentopError(f"{visible(args.url)}/snapshot does not have version {SNAPSHOT_VERSION}'s shape "
                             f"({type(exc).__name__}: {one_line(str(exc), 80)}): use the same tokentop release "
                             "on both ends") from None
-    print(text)
+    out(text)    # every name in it is the server's
     return 0

@@ -18,6 +18,7 @@ from textual.widgets import Footer, Header, Static
 
 from app.flags import as_flags
 from app.widgets.rate_sparkline import spark_bars
+from engine.outside import visible
 from engine.watch.sources import TIMEOUT
 from engine.watch.watcher import ServerStatus, Watcher
 
@@ -35,7 +36,12 @@ def _secs(v) -> str:
 
 
 def lines(s: ServerStatus) -> list[tuple[str, str]]:
-    """(style, text) lines of one server's group; the same in the dashboard and --once."""
+    """(style, text) lines of one server's group; the same in the dashboard and --once. All a
+    server sends is outside text: every line is made visible here, once, for both."""
+    return [(style, visible(text)) for style, text in _lines(s)]
+
+
+def _lines(s: ServerStatus) -> list[tuple[str, str]]:
     head = f"{s.url}  {s.kind}  {s.state}" + (f"  model {s.model}" if s.model else "")
     out = [("bold green" if s.state == "up" and not s.alerts else "bold yellow" if s.state == "up"
             else "bold red", head)]
@@ -111,7 +117,7 @@ class WatchApp(App):
         yield Header()
         with VerticalScroll():
             for url in self.watcher.urls:
-                panel = Static(f"{url}  (looking)", classes="server")
+                panel = Static(Text(visible(f"{url}  (looking)")), classes="server")
                 self.panels[url] = panel
                 yield panel
         yield Footer()

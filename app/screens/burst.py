@@ -13,12 +13,12 @@ from pathlib import Path
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Grid, Horizontal, Vertical
-from textual.markup import escape
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select, Static
 
 from app.burst_runner import BurstPlan
 from app.bursts import BurstFileError, load_burst
+from app.widgets.fmt import outside_markup
 
 DEFAULTS = {"count": "16", "interval": "100", "max_tokens": "64", "temperature": "0.0"}
 DEFAULT_FILE = "mixed.jsonl"
@@ -56,7 +56,7 @@ class BurstDialog(ModalScreen[BurstPlan | None]):
             yield Static("[b]Fire a burst[/b]", classes="dialog-title")
             with Grid(id="burst-fields"):
                 yield Label("burst file")
-                yield Select([(p.name, p) for p in self.files], value=initial, allow_blank=False,
+                yield Select([(outside_markup(p.name), p) for p in self.files], value=initial, allow_blank=False,
                              id="burst-file", compact=True)
                 yield Label("or a path")
                 yield Input(placeholder="your own file, e.g. ~/prompts.jsonl", id="burst-path",
@@ -79,7 +79,7 @@ class BurstDialog(ModalScreen[BurstPlan | None]):
         """The dialog is reused: pick up burst files added since it was built."""
         if files != self.files:
             self.files = files
-            self.query_one("#burst-file", Select).set_options((p.name, p) for p in files)
+            self.query_one("#burst-file", Select).set_options((outside_markup(p.name), p) for p in files)
 
     def on_screen_resume(self) -> None:
         self.query_one("#burst-error", Static).update("")
@@ -111,6 +111,6 @@ class BurstDialog(ModalScreen[BurstPlan | None]):
                               value("#burst-temperature"))
             load_burst(spec.path)          # its own messages name the file and line
         except (ValueError, BurstFileError) as exc:
-            self.query_one("#burst-error", Static).update(escape(str(exc)))
+            self.query_one("#burst-error", Static).update(outside_markup(str(exc)))
             return
         self.dismiss(spec)

@@ -12,11 +12,11 @@ from pathlib import Path
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
-from textual.markup import escape
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select, Static
 
 from app.bursts import BurstFileError, load_burst
+from app.widgets.fmt import outside_markup
 from engine.errors import ConfigError
 from engine.facade.compare import parse_settings
 
@@ -46,7 +46,7 @@ class CompareDialog(ModalScreen[CompareSpec | None]):
             yield Static("[b]A/B compare a burst[/b]", classes="dialog-title")
             with Grid(id="compare-fields"):
                 yield Label("burst file")
-                yield Select([(p.name, p) for p in self.files], value=initial, allow_blank=False,
+                yield Select([(outside_markup(p.name), p) for p in self.files], value=initial, allow_blank=False,
                              id="compare-file", compact=True)
                 yield Label("or a path")
                 yield Input(placeholder="your own file, e.g. ~/prompts.jsonl", id="compare-path", compact=True)
@@ -95,7 +95,7 @@ class CompareDialog(ModalScreen[CompareSpec | None]):
                 raise ValueError(f"interval must be between 0 and 60000 ms, got {interval}")
             load_burst(path)
         except (ValueError, ConfigError, BurstFileError) as exc:
-            self.query_one("#compare-error", Static).update(escape(str(exc)))
+            self.query_one("#compare-error", Static).update(outside_markup(str(exc)))
             return
         self.dismiss(CompareSpec(path, a, b, interval))
 
@@ -112,8 +112,8 @@ class CompareResult(ModalScreen[None]):
     def compose(self) -> ComposeResult:
         with VerticalScroll(id="compare-result", classes="dialog"):
             yield Static("[b]A/B compare[/b]", classes="dialog-title")
-            yield Static(escape(self.text), id="compare-table")
-            yield Static(f"[$text-muted]report: {escape(self.path)} · Esc closes[/]", classes="dialog-hint")
+            yield Static(outside_markup(self.text, multiline=True), id="compare-table")
+            yield Static(f"[$text-muted]report: {outside_markup(self.path)} · Esc closes[/]", classes="dialog-hint")
 
     def action_close(self) -> None:
         self.dismiss(None)

@@ -15,11 +15,10 @@ from __future__ import annotations
 from typing import Sequence
 
 from textual.containers import Grid, Vertical
-from textual.markup import escape
 from textual_plot import HiResMode, PlotWidget
 from textual_plot.axis_formatter import AxisFormatter
 
-from app.widgets.fmt import short_worker
+from app.widgets.fmt import outside_markup, short_worker
 from app.widgets.line import Line
 from engine.facade.history import WINDOWS_S, History
 
@@ -126,7 +125,7 @@ def draw_chart(plot: Chart, title: Line, name: str, drawn: list[tuple[str, list[
             plot.scatter(xs, ys, marker_style=colour, hires_mode=HiResMode.BRAILLE)
         else:
             plot.plot(xs, ys, line_style=colour, hires_mode=HiResMode.BRAILLE)
-            legend.append(f"[{colour}]━[/] {escape(worker)}")
+            legend.append(f"[{colour}]━[/] {outside_markup(worker)}")
     plot.set_x_formatter(TimeAxis(window, 3 if plot.size.width < NARROW_COLUMNS else 5))
     plot.set_xlimits(-window, 0)
     top = max((max(ys) for _, _, ys, _ in drawn), default=0.0)

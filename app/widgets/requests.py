@@ -25,6 +25,7 @@ from textual.strip import Strip
 from app.widgets.fmt import fmt_seconds, short_worker
 from app.widgets.scroll import keep_row_in_view, set_virtual_size
 from engine.facade.snapshot import LIVE_STATES, RequestState, RequestView
+from engine.outside import visible
 
 # (header, width). The columns that matter most come first: on a narrow terminal the last
 # ones are cut off (left / right scroll, z zooms the panel).
@@ -54,11 +55,12 @@ def shown_state(r: RequestView) -> str:
 
 
 def request_cells(r: RequestView, names: dict[int, str] | None = None) -> tuple[str, ...]:
+    """A row's cells, as drawn: what came from outside (ids, names, errors) in caret notation."""
     worker = "-" if r.worker is None else short_worker((names or {}).get(r.worker, str(r.worker)))
     state = f"follow {r.leader}" if r.leader else r.state    # single flight: waits on r.leader
-    return (r.id, worker, state,
-            f"{r.output_tokens}/{r.max_tokens}", fmt_seconds(r.ttft), fmt_seconds(r.itl_mean),
-            fmt_seconds(r.e2e), end_text(r), str(r.prompt_tokens), str(r.cached_tokens), spec_text(r))
+    return tuple(visible(cell) for cell in (
+        r.id, worker, state, f"{r.output_tokens}/{r.max_tokens}", fmt_seconds(r.ttft), fmt_seconds(r.itl_mean),
+        fmt_seconds(r.e2e), end_text(r), str(r.prompt_tokens), str(r.cached_tokens), spec_text(r)))
 
 
 def spec_text(r: RequestView) -> str:

@@ -24,6 +24,7 @@ from app.widgets.requests import RequestChosen, request_number
 from app.widgets.scroll import keep_row_in_view, set_virtual_size
 from engine.facade.snapshot import EngineSnapshot, RequestState
 from engine.facade.timeline import Timeline
+from engine.outside import visible
 
 # phase -> (glyph, theme colour); a tick (chunk or verify round) in a column -> the dense glyph
 PHASE_LOOK = {"queued": ("·", "text-muted"), "waiting-on-leader": ("~", "accent"), "prefill": ("▒", "warning"),
@@ -196,7 +197,7 @@ class TimelinePanel(ScrollView, can_focus=True):
         rid, worker, state, timeline = self._lanes[index]
         if index == self._cursor:
             base += cursor
-        segments = [Segment(f"{rid:<6}{worker[:5]:<6}"[:LABEL], base)]
+        segments = [Segment(f"{visible(rid):<6}{visible(worker)[:5]:<6}"[:LABEL], base)]
         step = self.span / bars if bars else self.span
         run_text, run_colour = "", None
         for glyph, colour in lane_cells(timeline, self._clock - self.span, step, bars):
