@@ -28,7 +28,7 @@ _BOUNDS: dict[str, dict] = {
     "best_of": {"const": 1},
     "logprobs": {"minimum": 0, "maximum": 20},
     "top_logprobs": {"minimum": 0, "maximum": 20},
-    "stop": {"items": {"type": "string", "minLength": 1, "maxLength": C.MAX_STOP_CHARS}, "maxItems": 4,
+    "stop": {"items": {"type": "string", "minLength": 1, "maxLength": C.MAX_STOP_CHARS}, "maxItems": C.MAX_STOPS,
              "minLength": 1, "maxLength": C.MAX_STOP_CHARS},
     "stop_token_ids": {"items": {"type": "integer", "minimum": 0, "maximum": C.MAX_COUNT},
                        "maxItems": C.MAX_STOP_TOKEN_IDS},
