@@ -94,10 +94,18 @@ def scraped(real_model_path):
 
 
 def wait_for_stats(engine) -> None:
-    """Until every worker's stats report has its residency counts (5 a second)."""
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and not all(w.kv_residency for w in engine.snapshot().workers):
-        time.sleep(0.05)
+    """Until every worker has reported its residency counts and they stay put for half a second
+    (stats come 5 times a second: the last report after the last page event has arrived)."""
+    def counts():
+        return [w.kv_residency for w in engine.snapshot().workers]
+    deadline, last = time.monotonic() + 10, None
+    while time.monotonic() < deadline:
+        now = counts()
+        if all(now) and now == last:
+            return
+        last = now
+        time.sleep(0.5)
+    raise AssertionError("the workers' residency counts did not settle")
 
 
 def family(fams: dict, name: str, kind: str):
