@@ -530,7 +530,7 @@ def cmd_models(args) -> int:
 # --- serve -------------------------------------------------------------------------------
 # the server flags' defaults (also: which flags were given; the dashboard uses them with --serve only)
 SERVER_FLAG_DEFAULTS = {"--port": 8000, "--host": "127.0.0.1", "--api-key": None, "--max-queue": 256,
-                        "--max-body": "4MiB", "--allowed-host": None}
+                        "--max-body": "4MiB", "--allowed-host": None, "--enable-per-request-metrics": False}
 
 
 def add_serve_flags(p) -> None:
@@ -546,6 +546,9 @@ def add_serve_flags(p) -> None:
     g.add_argument("--allowed-host", action="append", default=SERVER_FLAG_DEFAULTS["--allowed-host"],
                    metavar="NAME", help="on loopback, also answer requests whose Host header is NAME "
                                         "(repeatable; localhost and the bound address always are)")
+    g.add_argument("--enable-per-request-metrics", action="store_true",
+                   help="add a `metrics` object (TTFT, queue, generation time, ITL, tokens/s, speculative "
+                        "acceptance) to each response, on the final usage chunk when streaming")
 
 
 def check_dashboard_server_flags(args) -> None:
@@ -572,7 +575,8 @@ def serve_config_from(args, host: str | None = None, port: int | None = None):
         raise ConfigError(f"--port {args.port}: the port must be 0..65535 (0 picks a free one), e.g. --port 8000")
     return ServeConfig(host=args.host if host is None else host, port=args.port if port is None else port,
                        api_key=args.api_key, max_queue=args.max_queue, max_body=parse_size(args.max_body),
-                       allowed_hosts=tuple(args.allowed_host or ())).check()
+                       allowed_hosts=tuple(args.allowed_host or ()),
+                       per_request_metrics=args.enable_per_request_metrics).check()
 
 
 def start_recording(engine, path: str | None):

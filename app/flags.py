@@ -28,6 +28,7 @@ FIELD_FLAGS = {
     # ServeConfig: the server flags
     "host": "--host", "port": "--port", "api_key": "--api-key", "max_queue": "--max-queue",
     "max_body": "--max-body", "allowed_hosts": "--allowed-host",
+    "per_request_metrics": "--enable-per-request-metrics",
 }
 FIELD_IN_MESSAGE = re.compile(r"`([a-z][a-z0-9_]*)(?:=([^`]*))?`")
 

@@ -31,6 +31,7 @@ from engine.serve.metrics import CONTENT_TYPE, EngineMetrics
 from engine.serve.router_api import RouterApi
 from engine.serve.snapshot_json import snapshot_json
 from engine.serve.openapi import openapi_schema
+from engine.serve.request_metrics import response_metrics
 
 THREAD_JSON_BYTES = 64 * 2**10   # bodies larger than this are decoded off the event loop
 # Prompts are tokenized on a few threads of their own: the BPE of a long prompt needs ~25x its
@@ -48,6 +49,7 @@ class ServeConfig:
     allowed_hosts: tuple[str, ...] = ()   # Host header names accepted besides the loopback ones
     header_timeout: float = 10.0          # seconds for a request's line and headers to arrive
     body_timeout: float = 30.0            # seconds for its whole body
+    per_request_metrics: bool = False     # a `metrics` object on each response (request_metrics.py)
 
     def check(self) -> "ServeConfig":
         if self.api_key is not None and not self.api_key.strip():
@@ -353,11 +355,13 @@ class OpenAIServer:
                     pending, first = [], False
                 result = handle.result(0)
                 finish = result.finish_reason
-                yield _sse(self._chunk(p, rid, created, pending, fmt, first, finish))
+                last = self._chunk(p, rid, created, pending, fmt, first, finish)
                 if p.include_usage:
+                    yield _sse(last)
                     n_out = result.metrics.output_tokens if result.metrics else len(result.token_ids)
-                    yield _sse(P.usage_chunk(rid, self.model, created, p.kind,
-                                             P.usage(_prompt_tokens(result, n_prompt), n_out)))
+                    last = P.usage_chunk(rid, self.model, created, p.kind,
+                                         P.usage(_prompt_tokens(result, n_prompt), n_out))
+                yield _sse(self._with_metrics(last, result))   # on the usage chunk, if there is one
             except RequestFailed as exc:
                 yield _sse({"error": {"message": str(exc), "type": "server_error", "param": None,
                                       "code": "request_failed"}})
@@ -394,7 +398,13 @@ class OpenAIServer:
                                  P.usage(_prompt_tokens(result, n_prompt), n_out,
                                          result.metrics.cached_tokens if result.metrics else 0),
                                  token_ids=result.token_ids if p.return_token_ids else None)
-        return JSONResponse(body)
+        return JSONResponse(self._with_metrics(body, result))
+
+    def _with_metrics(self, body: dict, result) -> dict:
+        """--enable-per-request-metrics: the request record's figures as the body's `metrics`."""
+        if self.config.per_request_metrics:
+            body["metrics"] = response_metrics(result.metrics)
+        return body
 
     async def _abort_on_disconnect(self, request: Request, handle) -> None:
         while True:

@@ -1,8 +1,10 @@
 """Prometheus metrics for one Engine, built with prometheus_client (never by hand).
 
 Where a metric means what vLLM's does, it has vLLM's name, so vllm-top, Grafana dashboards
-and llmtop read tokentop unchanged; every series is labelled by worker (its name, e.g. `cpu`,
-`sim:gpu0`, `remote:a`). What vLLM has no name for is under `tokentop:`.
+and llmtop read tokentop unchanged; every series of a worker is labelled by it twice: `worker`
+(its name, e.g. `cpu`, `sim:gpu0`, `remote:a`) and `engine` (its index, where vLLM puts its
+engine core's). What vLLM has no name for is under `tokentop:`. What routers and gateways read
+beyond that (legacy names, cache_config_info, KV residency) is in metrics_compat.py.
 
 Counters and histograms are fed by the engine's observer hook (every finished request, every
 routing decision: requests from the dashboard and bursts count too, not only HTTP ones);
@@ -16,6 +18,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from engine.serve.metrics_compat import WORKER_LABELS, RouterCompatCollector
 
 # vLLM's buckets, so dashboards built for vLLM bin the same way
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -33,7 +37,7 @@ class EngineMetrics:
         self.engine = engine
         self.model = model_name
         self.registry = CollectorRegistry()
-        r, lab = self.registry, ["model_name", "worker"]
+        r, lab = self.registry, list(WORKER_LABELS)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests.", lab, registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens of finished requests.",
                                          lab, registry=r)
@@ -55,8 +59,13 @@ class EngineMetrics:
         self.http_rejected = Counter("tokentop:http_rejected_requests", "HTTP requests refused before queueing.",
                                      ["model_name", "status"], registry=r)
         self.registry.register(_GaugeCollector(self))
+        self.registry.register(RouterCompatCollector(self))
         self._names: dict[int, str] = {}
         engine.add_observer(self.observe)
+
+    def worker_labels(self, index: int | None) -> tuple[str, str, str]:
+        """model_name, worker, engine of a worker's series."""
+        return self.model, self.worker_name(index), "" if index is None else str(index)
 
     def worker_name(self, index: int | None) -> str:
         if index is None:
@@ -74,7 +83,7 @@ class EngineMetrics:
         if kind != "finished":
             return
         worker, f = payload
-        labels = (self.model, self.worker_name(worker))
+        labels = self.worker_labels(worker)
         m = f.metrics
         if m is not None:
             self.prompt_tokens.labels(*labels).inc(m.prompt_tokens)
@@ -109,7 +118,7 @@ class _GaugeCollector:
 
     def collect(self):
         snap = self.m.engine.snapshot()
-        lab = ["model_name", "worker"]
+        lab = list(WORKER_LABELS)
         running = GaugeMetricFamily("vllm:num_requests_running", "Requests running on the worker.", labels=lab)
         waiting = GaugeMetricFamily("vllm:num_requests_waiting", "Requests waiting on the worker.", labels=lab)
         kv = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV cache usage (1 = full).", labels=lab)
@@ -123,7 +132,7 @@ class _GaugeCollector:
         decode = GaugeMetricFamily("tokentop:decode_tokens_per_second", "Measured decode rate, recent.",
                                    labels=lab)
         for w in snap.workers:
-            values = [self.m.model, w.name]
+            values = [self.m.model, w.name, str(w.index)]
             running.add_metric(values, w.running)
             waiting.add_metric(values, w.waiting)
             if w.pages_total:
@@ -142,8 +151,8 @@ class _GaugeCollector:
                                        labels=lab)
         for w in snap.workers:
             if w.prefix:
-                prefix_q.add_metric([self.m.model, w.name], w.prefix["prefix_cache_queries"])
-                prefix_h.add_metric([self.m.model, w.name], w.prefix["prefix_cache_hits"])
+                prefix_q.add_metric([self.m.model, w.name, str(w.index)], w.prefix["prefix_cache_queries"])
+                prefix_h.add_metric([self.m.model, w.name, str(w.index)], w.prefix["prefix_cache_hits"])
         alerts = CounterMetricFamily("tokentop:alerts", "Alert episodes (engine/facade/alerts.py) by kind "
                                      "(stall, kv-pressure, imbalance, worker-dead, remote-down) and worker.",
                                      labels=["model_name", "kind", "worker"])
@@ -169,7 +178,7 @@ class _GaugeCollector:
         for w in snap.workers:
             if not w.spec:
                 continue
-            values = [self.m.model, w.name]
+            values = [self.m.model, w.name, str(w.index)]
             for key, fam in fams.items():
                 fam.add_metric(values, w.spec[key])
             for i, count in enumerate(w.spec.get("accepted_per_position", [])):

@@ -28,7 +28,7 @@ _BOUNDS: dict[str, dict] = {
     "best_of": {"const": 1},
     "logprobs": {"minimum": 0, "maximum": 20},
     "top_logprobs": {"minimum": 0, "maximum": 20},
-    "stop": {"items": {"type": "string", "minLength": 1, "maxLength": C.MAX_STOP_CHARS}, "maxItems": 4,
+    "stop": {"items": {"type": "string", "minLength": 1, "maxLength": C.MAX_STOP_CHARS}, "maxItems": C.MAX_STOPS,
              "minLength": 1, "maxLength": C.MAX_STOP_CHARS},
     "stop_token_ids": {"items": {"type": "integer", "minimum": 0, "maximum": C.MAX_COUNT},
                        "maxItems": C.MAX_STOP_TOKEN_IDS},
@@ -61,6 +61,19 @@ _USAGE = {"type": ["object", "null"], "properties": {
     "prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"},
     "total_tokens": {"type": "integer"}}}
 
+_MS = {"type": ["number", "null"]}
+_METRICS = {"type": "object", "description": "only with `per_request_metrics` (on the final usage "
+            "chunk, or the last chunk, when streaming); milliseconds from the engine's record of the request",
+            "properties": {
+                **{name: _MS for name in ("queue_time_ms", "time_to_first_token_ms", "generation_time_ms",
+                                          "mean_itl_ms", "e2e_latency_ms", "tokens_per_second")},
+                "speculative_decoding": {"type": "object", "description": "when the request speculated",
+                                         "properties": {
+                    "mean_acceptance_length": {"type": "number"}, "draft_acceptance_rate": {"type": "number"},
+                    "acceptance_histogram": {"type": "array", "items": {"type": "integer"}},
+                    **{name: {"type": "integer"} for name in ("num_spec_steps", "num_accepted_draft_tokens",
+                                                              "num_draft_tokens", "num_spec_tokens")}}}}}
+
 
 def _field(name: str, types: tuple) -> dict:
     kinds = list(dict.fromkeys(_JSON_TYPES[t] for t in types))
@@ -85,7 +98,8 @@ def _errors(*codes: int) -> dict:
 def _generation(summary: str, request: dict, choice: dict) -> dict:
     body = {"type": "object", "required": ["id", "object", "created", "model", "choices"], "properties": {
         "id": {"type": "string"}, "object": {"type": "string"}, "created": {"type": "integer"},
-        "model": {"type": "string"}, "choices": {"type": "array", "items": choice}, "usage": _USAGE}}
+        "model": {"type": "string"}, "choices": {"type": "array", "items": choice}, "usage": _USAGE,
+        "metrics": _METRICS}}
     return {"post": {
         "summary": summary, "security": [{"bearer": []}, {}],
         "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
