@@ -14,6 +14,7 @@ from textual.markup import escape
 from textual.widgets import Static
 
 from app.widgets.fmt import fit_parts, fmt_seconds, short_worker
+from app.widgets.panel import PanelSpec
 from engine.facade.latency import HIST_EDGES, METRICS, LatencyView, Summary
 
 LABELS = {"ttft": "TTFT", "itl": "ITL", "e2e": "e2e", "queue": "queue"}
@@ -105,3 +106,7 @@ class LatencyPanel(VerticalScroll):
             layout = text.count("\n") != self._shown.count("\n")
             self._shown = text
             self.body.update(text, layout=layout)
+
+
+PANEL = PanelSpec(LatencyPanel, id="latency", box="latency", row="middle", title="latency",
+                  draw=lambda panel, f: panel.show_latency(f.snap.latency.get(f.latency_window), f.names))

@@ -13,6 +13,7 @@ from textual.markup import escape
 from textual.widgets import Static
 
 from app.widgets.fmt import fit_parts, fmt_rate, fmt_seconds, short_worker
+from app.widgets.panel import PanelSpec
 from engine.facade.router import Candidate, RouteDecision
 
 SHOWN = 12
@@ -94,3 +95,9 @@ class RoutingPanel(VerticalScroll):
             lines = text.count("\n") + 1
             self.body.update(text, layout=lines != self._lines)
             self._lines = lines
+
+
+# terminal columns from which the routing panel is shown (below, the latency panel has its place)
+MIN_WIDTH = 120
+PANEL = PanelSpec(RoutingPanel, id="routing", box="routing", row="middle", title="routing",
+                  min_width=MIN_WIDTH, draw=lambda panel, f: panel.show_decisions(f.snap.routing))
