@@ -270,22 +270,23 @@ class TokentopApp(EngineCommands, App[int]):
         self._redraw()
 
     def action_toggle_timeline(self) -> None:
-        self._swap("timeline")
+        self._swap("toggle_timeline")
 
     def action_toggle_charts(self) -> None:
-        self._swap("charts")
+        self._swap("toggle_charts")
 
     def action_cycle_chart_window(self) -> None:
         self.panels["charts"].cycle_window()
         self._retitle("streams")
         self._redraw()
 
-    def _swap(self, panel_id: str) -> None:
-        """A hidden panel takes its box's place from the one shown there, or gives it back;
-        focus follows the one shown, so `z` zooms what is on screen."""
-        box = next(p.box for p in PANELS if p.id == panel_id)
-        panel, mate = self.panels[panel_id], next(self.panels[p.id] for p in PANELS
-                                                    if p.box == box and p.id != panel_id)
+    def _swap(self, action: str) -> None:
+        """The panel this action's key swaps in takes its box's place from the one shown there,
+        or gives it back; focus follows the one shown, so `z` zooms what is on screen."""
+        spec = next(p for p in PANELS if p.key == action)
+        box = spec.box
+        panel, mate = self.panels[spec.id], next(self.panels[p.id] for p in PANELS
+                                                 if p.box == box and p.id != spec.id)
         showing = not panel.display
         had_focus = panel.has_focus
         panel.display, mate.display = showing, not showing
