@@ -54,24 +54,21 @@ def _writable_file(path: str) -> str:
     return path
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number; e.g. 3")
-    return value
+def _positive(kind: type, what: str):
+    """An argparse type: a positive, finite number of `kind`; else a one-line error saying `what`."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = kind(0)
+        if not 0 < value < float("inf"):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        return value
+    return parse
 
 
-def _positive_minutes(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of minutes; e.g. 2 or 0.5")
-    return value
+_positive_int = _positive(int, "a positive whole number; e.g. 3")
+_positive_minutes = _positive(float, "a positive number of minutes; e.g. 2 or 0.5")
 
 
 def _timeout_seconds(text: str) -> float:
@@ -214,7 +211,13 @@ def engine_config_from(args: argparse.Namespace, default_mode: str = "process") 
 def build_parser() -> OneLineParser:
     p = OneLineParser(prog="tokentop", description="htop for an LLM inference engine")
     sub = p.add_subparsers(dest="command", parser_class=OneLineParser)
+    for add in (_add_generate, _add_bench, _add_serve, _add_replay, _add_compare, _add_watch, _add_web, _add_models,
+                _add_status):
+        add(sub)
+    return p
 
+
+def _add_generate(sub) -> None:
     g = sub.add_parser("generate", help="generate text from a prompt (streams to stdout)")
     g.add_argument("prompt", nargs="?", help="the prompt text")
     g.add_argument("--prompt-file", help="read the prompt from this file ('-' = stdin)")
@@ -231,6 +234,8 @@ def build_parser() -> OneLineParser:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     add_engine_flags(g)
 
+
+def _add_bench(sub) -> None:
     b = sub.add_parser("bench", help="benchmarks (JSON out)")
     b.add_argument("scenario", choices=["single", "batching", "routing", "dashboard", "trace", "record", "prefix", "serve",
                                         "spec", "router", "soak", "first-start"])
@@ -256,6 +261,8 @@ def build_parser() -> OneLineParser:
                         "compares it with tokentop's HTTP server through one client at N=1 and N=8")
     add_engine_flags(b)
 
+
+def _add_serve(sub) -> None:
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP API (with /metrics), headless")
     add_serve_flags(s)
     add_record_flag(s)
@@ -266,6 +273,8 @@ def build_parser() -> OneLineParser:
                         "(for KV-aware routers; needs tokentop[kv-events])")
     add_engine_flags(s)
 
+
+def _add_replay(sub) -> None:
     r = sub.add_parser("replay", help="play a --record recording in the dashboard (read-only), or make it a trace")
     r.add_argument("file", help="a recording written by tokentop --record FILE or tokentop serve --record FILE")
     r.add_argument("--trace", default=None, metavar="OUT.json",
@@ -275,6 +284,8 @@ def build_parser() -> OneLineParser:
     r.add_argument("--speed", type=float, default=1.0, choices=(0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0),
                    help="playback speed to start at (+ and - change it)")
 
+
+def _add_compare(sub) -> None:
     c = sub.add_parser("compare", help="one burst under settings A, then B, side by side (fresh engines, "
                                        "same requests, arrival times and seeds)")
     c.add_argument("burst", help="a burst file (JSONL, see sample_prompts/README.md)")
@@ -291,6 +302,8 @@ def build_parser() -> OneLineParser:
     c.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
     add_engine_flags(c)
 
+
+def _add_watch(sub) -> None:
     w = sub.add_parser("watch", help="the dashboard over running servers: tokentop serve, vLLM, SGLang, "
                                      "llama.cpp's server, vllm-router")
     w.add_argument("urls", nargs="+", metavar="URL", type=_http_url, help="a server's base URL, e.g. http://10.0.0.2:8000")
@@ -305,6 +318,8 @@ def build_parser() -> OneLineParser:
                         "the engine's percentiles and alerts); without it they are read from /metrics "
                         "(default: $TOKENTOP_WATCH_API_KEY)")
 
+
+def _add_web(sub) -> None:
     web = sub.add_parser("web", help="tokentop watch in a browser (textual-serve: one process per tab)")
     web.add_argument("urls", nargs="*", metavar="URL", type=_http_url, default=["http://127.0.0.1:8000"],
                      help="the servers to watch (default http://127.0.0.1:8000: a local tokentop serve "
@@ -318,9 +333,13 @@ def build_parser() -> OneLineParser:
     web.add_argument("--interval", type=float, default=1.0, help="seconds between looks (default 1)")
     web.add_argument("--max-tabs", type=int, default=8, help="browser tabs open at once, each a process (default 8)")
 
+
+def _add_models(sub) -> None:
     m = sub.add_parser("models", help="list bundled models and whether they are installed")
     m.add_argument("--json", action="store_true")
 
+
+def _add_status(sub) -> None:
     st = sub.add_parser("status", help="a running server's workers, latency and alerts, once (GET /snapshot)")
     st.add_argument("url", nargs="?", default="http://127.0.0.1:8000",
                     help="the server's address (default http://127.0.0.1:8000)")
@@ -329,7 +348,6 @@ def build_parser() -> OneLineParser:
     st.add_argument("--window", choices=LATENCY_WINDOW_NAMES, default="60s", help="latency window shown")
     st.add_argument("--timeout", type=_timeout_seconds, default=5.0, metavar="SECONDS",
                     help="seconds the whole answer may take, body included (default 5)")
-    return p
 
 
 def build_dashboard_parser() -> OneLineParser:
@@ -362,8 +380,7 @@ def with_worker(args):
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in COMMANDS:
-        from app.main import run_dashboard
-        return run_dashboard(argv)
+        return cmd_dashboard(build_dashboard_parser().parse_args(argv))
     args = build_parser().parse_args(argv)
     try:
         if args.command == "generate":
@@ -701,6 +718,65 @@ def cmd_serve(args) -> int:
     if failed:
         raise TokentopError(failed[0])
     return 0
+
+
+def cmd_dashboard(args) -> int:
+    """`tokentop` with no subcommand: the dashboard (app/main.py), with --serve and --record."""
+    from app.main import TokentopApp
+
+    try:
+        check_dashboard_server_flags(args)
+        burst = startup_burst(args.burst_file) if args.burst_file else None
+        config = engine_config_from(args, default_mode="process")
+        # the routing panel shows the cost router's estimates: every worker gets a speed
+        # profile (cached after its first start-up; measured then, as a start-up stage)
+        config = replace(config, workers=tuple(replace(w, calibrate=True) for w in config.workers))
+        app = TokentopApp(replace(config, worker_log=str(dashboard_log())), startup_burst=burst)
+        http = start_dashboard_http(app, args) if args.serve else None
+        recorder = start_recording(app.engine, args.record)
+    except (TokentopError, OSError) as exc:
+        print(f"tokentop: error: {describe_error(exc)}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        app.run()
+    finally:
+        if http is not None:
+            http.stop()
+        if recorder is not None:
+            recorder.close()
+    app.wait_for_shutdown()
+    return app.return_code or 0
+
+
+def dashboard_log():
+    import platformdirs
+    from pathlib import Path
+
+    return Path(platformdirs.user_log_dir("tokentop")) / "workers.log"
+
+
+def startup_burst(path: str):
+    """--burst-file: checked now (a bad file is a one-line error before anything loads);
+    fired once every worker has started."""
+    from pathlib import Path
+    from app.burst_runner import BurstPlan
+    from app.bursts import load_burst
+    from app.screens.burst import DEFAULTS
+
+    items = load_burst(path)
+    return BurstPlan(path=Path(path), count=len(items), interval_ms=int(DEFAULTS["interval"]),
+                     max_tokens=None, temperature=None)
+
+
+def start_dashboard_http(app, args):
+    """`--serve`: the HTTP API on the app's own engine, so its requests appear in the panels."""
+    from engine.serve.server import HttpServer, parse_bind
+
+    host, port = parse_bind(args.serve, default_host=args.host)
+    http = HttpServer(app.engine, serve_config_from(args, host=host, port=port), quiet=True).start()
+    app.serve_url = http.url
+    app.engine.log("info", f"serving the OpenAI API on {http.url}/v1 (metrics at {http.url}/metrics)")
+    return http
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -76,8 +76,8 @@ class ReplayApp(TokentopApp):
     def on_mount(self) -> None:
         super().on_mount()
         self._bar = self.query_one("#replay-bar", Line)
-        self._timeline.pausable = False     # space pauses the recording instead
-        self._charts.every_frame = True     # a frame's charts never lag its position by a column
+        self.panels["timeline"].pausable = False     # space pauses the recording instead
+        self.panels["charts"].every_frame = True     # a frame's charts never lag its position by a column
         self.show_position()
         self._last_tick = time.monotonic()
         self.set_interval(TICK_S, self._tick)

@@ -35,8 +35,8 @@ async def test_s_cycles_the_mode_and_the_panel_shows_acceptance(tmp_path):
                    for _ in range(2)]
         results = [h.result(60) for h in handles]
         assert all(r.metrics.spec["mode"] == "ngram" for r in results)
-        await wait_for(pilot, lambda: "pos 1" in app._spec._shown, "acceptance by position")
-        assert "acc " in app._spec._shown and "new requests: [b]ngram" in app._spec._shown
+        await wait_for(pilot, lambda: "pos 1" in app.panels["spec"]._shown, "acceptance by position")
+        assert "acc " in app.panels["spec"]._shown and "new requests: [b]ngram" in app.panels["spec"]._shown
         await pilot.press("s")
         assert app.engine.spec_mode == "off"
         off = app.engine.submit("zebra " * 20, params=SamplingParams(max_tokens=5)).result(60)

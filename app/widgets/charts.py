@@ -20,6 +20,7 @@ from textual_plot.axis_formatter import AxisFormatter
 
 from app.widgets.fmt import outside_markup, short_worker
 from app.widgets.line import Line
+from app.widgets.panel import PanelSpec
 from engine.facade.history import WINDOWS_S, History
 
 # chart id -> (title, [(series, label suffix)], scale)
@@ -149,6 +150,9 @@ class HistoryCharts(Grid, can_focus=True):
                 yield Line(id=f"chart-{chart}-title", classes="chart-title")
                 yield Chart(id=f"chart-{chart}")
 
+    def box_title(self) -> str:
+        return f"history · {window_label(self.window)} (m, h: streams)"
+
     def cycle_window(self) -> int:
         self.window = WINDOWS_S[(WINDOWS_S.index(self.window) + 1) % len(WINDOWS_S)]
         self._shown.clear()
@@ -179,3 +183,7 @@ class HistoryCharts(Grid, can_focus=True):
             self.plotted[chart] = [(label, xs, ys) for label, xs, ys, _ in series]
             drawn = [(label, *fit_columns(xs, ys, clock, step), suffix) for label, xs, ys, suffix in series]
             draw_chart(plot, self.query_one(f"#chart-{chart}-title", Line), chart, drawn, self.window, colours)
+
+
+PANEL = PanelSpec(HistoryCharts, id="charts", box="streams", row="bottom", hidden=True, key="toggle_charts",
+                  draw=lambda charts, f: charts.show_history(f.snap.history, f.names, f.snap.clock))

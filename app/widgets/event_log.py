@@ -10,6 +10,7 @@ from rich.text import Text
 from textual.widgets import RichLog
 
 from app.flags import as_flags
+from app.widgets.panel import PanelSpec
 from engine.facade.snapshot import LogLine
 from engine.outside import visible
 
@@ -61,3 +62,7 @@ class EventLog(RichLog):
             self._shown.append(line)
             self.write(self._format(line))
         self._last = lines[-1]
+
+
+PANEL = PanelSpec(EventLog, id="log", box="log", row="bottom", title="log",
+                  draw=lambda log, f: log.show_lines(f.snap.log))

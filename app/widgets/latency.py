@@ -13,6 +13,7 @@ from textual.containers import VerticalScroll
 from textual.widgets import Static
 
 from app.widgets.fmt import fit_parts, fmt_seconds, outside_markup, short_worker
+from app.widgets.panel import PanelSpec
 from engine.facade.latency import HIST_EDGES, METRICS, LatencyView, Summary
 
 LABELS = {"ttft": "TTFT", "itl": "ITL", "e2e": "e2e", "queue": "queue"}
@@ -104,3 +105,7 @@ class LatencyPanel(VerticalScroll):
             layout = text.count("\n") != self._shown.count("\n")
             self._shown = text
             self.body.update(text, layout=layout)
+
+
+PANEL = PanelSpec(LatencyPanel, id="latency", box="latency", row="middle", title="latency",
+                  draw=lambda panel, f: panel.show_latency(f.snap.latency.get(f.latency_window), f.names))

@@ -12,6 +12,7 @@ from textual.containers import VerticalScroll
 from textual.widgets import Static
 
 from app.widgets.fmt import fit_parts, fmt_rate, fmt_seconds, outside_markup, short_worker
+from app.widgets.panel import PanelSpec
 from engine.facade.router import Candidate, RouteDecision
 
 SHOWN = 12
@@ -95,3 +96,9 @@ class RoutingPanel(VerticalScroll):
             lines = text.count("\n") + 1
             self.body.update(text, layout=lines != self._lines)
             self._lines = lines
+
+
+# terminal columns from which the routing panel is shown (below, the latency panel has its place)
+MIN_WIDTH = 120
+PANEL = PanelSpec(RoutingPanel, id="routing", box="routing", row="middle", title="routing",
+                  min_width=MIN_WIDTH, draw=lambda panel, f: panel.show_decisions(f.snap.routing))

@@ -12,6 +12,7 @@ from textual.widgets import Static
 
 from app.widgets.fmt import outside_markup, short_worker
 from app.widgets.rate_sparkline import spark_bars
+from app.widgets.panel import PanelSpec
 from engine.facade.snapshot import LIVE_STATES, RequestView, WorkerView
 
 BAR_WIDTH = 12
@@ -86,3 +87,10 @@ class SpecPanel(VerticalScroll):
             width = body.size.width
             if not width or body.visual.get_height(body.styles, width) != body.size.height:
                 body.refresh(layout=True)
+
+
+# terminal columns from which the panel is shown: below, the request table's spec column and
+# the help carry it (z zooms a panel)
+MIN_WIDTH = 120
+PANEL = PanelSpec(SpecPanel, id="spec", box="spec", row="bottom", title="speculation", min_width=MIN_WIDTH,
+                  draw=lambda panel, f: panel.show_spec(f.snap.workers, f.snap.requests, f.spec_mode))

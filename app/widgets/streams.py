@@ -20,6 +20,7 @@ from textual.visual import Visual
 from app.widgets.fmt import short_worker
 from app.widgets.requests import request_number
 from app.widgets.scroll import set_virtual_size
+from app.widgets.panel import PanelSpec
 from engine.facade.snapshot import LIVE_STATES, RequestState, RequestView
 from engine.outside import visible
 
@@ -187,3 +188,7 @@ class StreamsPanel(ScrollView, can_focus=True):
                 drawn = self._drawn[at] = self._draw(stream_content(r, self._width, self._names)[0])
             lines = drawn[index - self._starts[at]:]
         return lines[0] if lines else Strip([])     # padded with the panel's background
+
+
+PANEL = PanelSpec(StreamsPanel, id="streams", box="streams", row="bottom", title="streams",
+                  draw=lambda panel, f: panel.show_streams(f.snap.requests, f.names))

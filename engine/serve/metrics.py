@@ -30,6 +30,13 @@ REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
                    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 WORKER_STATES = ("starting", "loading", "ready", "degraded", "down", "dead", "stopped")
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# per-worker gauges read from a WorkerView field of the same meaning: (name, help, field)
+WORKER_GAUGES = (
+    ("vllm:num_requests_running", "Requests running on the worker.", "running"),
+    ("vllm:num_requests_waiting", "Requests waiting on the worker.", "waiting"),
+    ("tokentop:prefill_tokens_per_second", "Measured prefill rate, recent.", "prefill_tps"),
+    ("tokentop:decode_tokens_per_second", "Measured decode rate, recent.", "decode_tps"),
+)
 
 
 class EngineMetrics:
@@ -119,22 +126,17 @@ class _GaugeCollector:
     def collect(self):
         snap = self.m.engine.snapshot()
         lab = list(WORKER_LABELS)
-        running = GaugeMetricFamily("vllm:num_requests_running", "Requests running on the worker.", labels=lab)
-        waiting = GaugeMetricFamily("vllm:num_requests_waiting", "Requests waiting on the worker.", labels=lab)
+        gauges = {field: GaugeMetricFamily(name, doc, labels=lab) for name, doc, field in WORKER_GAUGES}
         kv = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV cache usage (1 = full).", labels=lab)
         pages = GaugeMetricFamily("tokentop:kv_pages", "KV pages by use.", labels=lab + ["use"])
         state = GaugeMetricFamily("tokentop:worker_state", "1 for the worker's current state.",
                                   labels=lab + ["state"])
         info = GaugeMetricFamily("tokentop:worker_info", "Worker identity (value 1).",
                                  labels=lab + ["device", "simulated", "remote"])
-        prefill = GaugeMetricFamily("tokentop:prefill_tokens_per_second", "Measured prefill rate, recent.",
-                                    labels=lab)
-        decode = GaugeMetricFamily("tokentop:decode_tokens_per_second", "Measured decode rate, recent.",
-                                   labels=lab)
         for w in snap.workers:
             values = [self.m.model, w.name, str(w.index)]
-            running.add_metric(values, w.running)
-            waiting.add_metric(values, w.waiting)
+            for field, family in gauges.items():
+                family.add_metric(values, getattr(w, field))
             if w.pages_total:
                 kv.add_metric(values, w.pages_used / w.pages_total)
                 pages.add_metric(values + ["used"], w.pages_used)
@@ -143,8 +145,6 @@ class _GaugeCollector:
                 state.add_metric(values + [s], 1.0 if w.state == s else 0.0)
             info.add_metric(values + [w.device, str(w.simulated).lower(),
                                       str(w.device.startswith("remote:")).lower()], 1.0)
-            prefill.add_metric(values, w.prefill_tps)
-            decode.add_metric(values, w.decode_tps)
         prefix_q = CounterMetricFamily("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                                        labels=lab)
         prefix_h = CounterMetricFamily("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
@@ -163,8 +163,7 @@ class _GaugeCollector:
                                         "Requests submitted and not finished, all workers.",
                                         labels=["model_name"])
         outstanding.add_metric([self.m.model], sum(r.state.live for r in snap.requests))
-        return [running, waiting, kv, pages, state, info, prefill, decode, outstanding, prefix_q, prefix_h, alerts,
-                *spec]
+        return [*gauges.values(), kv, pages, state, info, outstanding, prefix_q, prefix_h, alerts, *spec]
 
     def _spec_families(self, snap, lab: list[str]) -> list:
         """Speculative decoding totals under vLLM's spec_decode_* names (engine/speculative/stats.py)."""
