@@ -24,8 +24,8 @@ import httpx
 import pytest
 from textual.content import Content
 
-from app.cli import build_dashboard_parser
-from app.main import TokentopApp, _start_http
+from app.cli import build_dashboard_parser, start_dashboard_http
+from app.main import TokentopApp
 from app.printing import json_text, stream_text
 from app.replay import ReplayApp
 from app.screens.burst import BurstDialog
@@ -139,7 +139,7 @@ async def test_a_chat_request_with_escapes_is_shown_in_caret_notation_when_opene
     when the operator opens the request (Enter)."""
     app = TokentopApp(sim_config(tiny_model, ["sim:gpu0:prefill=20000,decode=100"]),
                       settings_path=tmp_path / "s.json")
-    http = _start_http(app, build_dashboard_parser().parse_args(["--serve", "127.0.0.1:0"]))
+    http = start_dashboard_http(app, build_dashboard_parser().parse_args(["--serve", "127.0.0.1:0"]))
     try:
         async with app.run_test(size=(120, 40), notifications=True) as pilot:
             await wait_for(pilot, lambda: app.engine.ready, "the engine")
