@@ -568,7 +568,8 @@ def cmd_compare(args) -> int:
 
 
 def cmd_replay(args) -> int:
-    from engine.facade.snapshot_file import RecordingError, read_recording
+    from engine.facade.recording_read import read_recording
+    from engine.facade.snapshot_file import RecordingError
 
     try:
         recording = read_recording(args.file, partial=args.partial)

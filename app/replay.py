@@ -20,7 +20,7 @@ from app.main import ACTIONS, DASHBOARD_ACTIONS, TokentopApp
 from app.screens.help import HelpScreen
 from app.widgets.line import Line
 from engine.config import EngineConfig, WorkerConfig
-from engine.facade.snapshot_file import Recording
+from engine.facade.recording_read import Recording
 
 TICK_S = 0.05
 SEEK_S = 5.0
