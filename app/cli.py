@@ -273,6 +273,7 @@ def build_parser() -> OneLineParser:
     c.add_argument("--out", default=None, type=_writable_file,
                    help="the JSON report (default ./compare-YYYYmmdd-HHMMSS.json)")
     c.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
+    add_burst_limit_flag(c)
     add_engine_flags(c)
 
     w = sub.add_parser("watch", help="the dashboard over running servers: tokentop serve, vLLM, SGLang, "
@@ -307,9 +308,17 @@ def build_dashboard_parser() -> OneLineParser:
                         "workers have started: each line once, with its own sampling settings")
     p.add_argument("--serve", default=None, metavar="[HOST:]PORT", type=_bind_address,
                    help="also serve the OpenAI-compatible API here; its requests show in the panels")
+    add_burst_limit_flag(p)
     add_serve_flags(p)
     add_record_flag(p)
     return p
+
+
+def add_burst_limit_flag(p) -> None:
+    from app.bursts import MAX_BURST_REQUESTS
+    p.add_argument("--max-burst-requests", type=_positive_int, default=MAX_BURST_REQUESTS, metavar="N",
+                   help=f"the most requests a burst file may hold (default {MAX_BURST_REQUESTS:,}): "
+                        "each is queued at once")
 
 
 def add_record_flag(p) -> None:
@@ -554,8 +563,8 @@ def cmd_compare(args) -> int:
     a, b = parse_settings(args.a, "--a"), parse_settings(args.b, "--b")
     if args.interval_ms < 0:
         raise ConfigError(f"--interval-ms must be >= 0, got {args.interval_ms}")
-    items = load_burst(args.burst)
-    warm = load_burst(args.warm) if args.warm else []
+    items = load_burst(args.burst, args.max_burst_requests)
+    warm = load_burst(args.warm, args.max_burst_requests) if args.warm else []
     config = engine_config_from(args, default_mode="process")
     if len(config.workers) == 1:
         config = replace(config, worker_mode=args.worker_mode or "thread")

@@ -27,7 +27,7 @@ from textual.screen import Screen
 from textual.widgets import Footer
 
 from app.burst_runner import BurstRun, BurstPlan
-from app.bursts import default_prompts_dir, list_burst_files, load_burst
+from app.bursts import MAX_BURST_REQUESTS, default_prompts_dir, list_burst_files, load_burst
 from app.cli import (EXIT_USAGE, build_dashboard_parser, check_dashboard_server_flags, engine_config_from,
                      serve_config_from, start_recording)
 from app.flags import describe_error   # engine messages with their settings as flags
@@ -115,10 +115,10 @@ def reported(command: Callable) -> Callable:
     return run
 
 
-def startup_burst(path: str) -> BurstPlan:
+def startup_burst(path: str, max_requests: int = MAX_BURST_REQUESTS) -> BurstPlan:
     """--burst-file: checked now (a bad file is a one-line error before anything loads);
     fired once every worker has started."""
-    items = load_burst(path)
+    items = load_burst(path, max_requests)
     return BurstPlan(path=Path(path), count=len(items), interval_ms=int(DEFAULTS["interval"]),
                      max_tokens=None, temperature=None)
 
@@ -127,13 +127,14 @@ def run_dashboard(argv: list[str]) -> int:
     args = build_dashboard_parser().parse_args(argv)
     try:
         check_dashboard_server_flags(args)
-        burst = startup_burst(args.burst_file) if args.burst_file else None
+        burst = startup_burst(args.burst_file, args.max_burst_requests) if args.burst_file else None
         config = engine_config_from(args, default_mode="process")
         # the routing panel shows the cost router's estimates: every worker gets a speed
         # profile (cached after its first start-up; measured then, as a start-up stage)
         config = replace(config, workers=tuple(replace(w, calibrate=True) for w in config.workers))
         log = Path(platformdirs.user_log_dir("tokentop")) / "workers.log"
-        app = TokentopApp(replace(config, worker_log=str(log)), startup_burst=burst)
+        app = TokentopApp(replace(config, worker_log=str(log)), startup_burst=burst,
+                          max_burst_requests=args.max_burst_requests)
         http = _start_http(app, args) if args.serve else None
         recorder = start_recording(app.engine, args.record)
     except (TokentopError, OSError) as exc:
@@ -167,12 +168,14 @@ class TokentopApp(App[int]):
     BINDINGS = list(ACTIONS)
 
     def __init__(self, config: EngineConfig, *, settings_path: Path | None = None,
-                 live: bool = True, startup_burst: BurstPlan | None = None) -> None:
+                 live: bool = True, startup_burst: BurstPlan | None = None,
+                 max_burst_requests: int = MAX_BURST_REQUESTS) -> None:
         """live=False: the engine is not started and nothing refreshes by itself; the caller
         feeds show_snapshot() (snapshot tests, replays). startup_burst is fired once the
-        engine is ready (--burst-file)."""
+        engine is ready (--burst-file); a burst file may hold max_burst_requests requests."""
         super().__init__()
         self.startup_burst = startup_burst
+        self.max_burst_requests = max_burst_requests
         self.config = config
         self.settings_path = settings_path
         self.settings = load_settings(settings_path)
@@ -424,7 +427,7 @@ class TokentopApp(App[int]):
     def fire_burst(self, spec: BurstPlan | None) -> None:
         if spec is None or not self._engine_ready():
             return
-        items = load_burst(spec.path)
+        items = load_burst(spec.path, self.max_burst_requests)
         self.burst_count += 1
         if spec.max_tokens is not None and spec.temperature is not None:
             self.prompt_params = replace(self.prompt_params, max_tokens=spec.max_tokens,
@@ -450,7 +453,7 @@ class TokentopApp(App[int]):
     def start_compare(self, spec: CompareSpec | None) -> None:
         if spec is None:
             return
-        items = load_burst(spec.path)
+        items = load_burst(spec.path, self.max_burst_requests)
         self._compare = threading.Thread(target=self._run_compare, args=(spec, items), name="tokentop-compare",
                                          daemon=True)
         self._compare.start()

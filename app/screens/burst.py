@@ -109,7 +109,7 @@ class BurstDialog(ModalScreen[BurstPlan | None]):
             spec = parse_spec(self.chosen_path(), value("#burst-count"),
                               value("#burst-interval"), value("#burst-max-tokens"),
                               value("#burst-temperature"))
-            load_burst(spec.path)          # its own messages name the file and line
+            load_burst(spec.path, self.app.max_burst_requests)   # its messages name the file and line
         except (ValueError, BurstFileError) as exc:
             self.query_one("#burst-error", Static).update(escape(str(exc)))
             return

@@ -93,7 +93,7 @@ class CompareDialog(ModalScreen[CompareSpec | None]):
             interval = int(value("#compare-interval") or "0")
             if not 0 <= interval <= 60_000:
                 raise ValueError(f"interval must be between 0 and 60000 ms, got {interval}")
-            load_burst(path)
+            load_burst(path, self.app.max_burst_requests)
         except (ValueError, ConfigError, BurstFileError) as exc:
             self.query_one("#compare-error", Static).update(escape(str(exc)))
             return

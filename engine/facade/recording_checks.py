@@ -64,53 +64,53 @@ def check_header(header: Any) -> tuple[float, tuple[WorkerConfig, ...]]:
         raise ValueError(f"its header: {exc}") from None
     started = header.get("started", 0.0)
     if not _number(started) or not 0 <= started <= MAX_NUMBER:
-        raise ValueError("its header's `started` is not a time (seconds since 1970)")
+        raise ValueError("its header's 'started' is not a time (seconds since 1970)")
     interval = header.get("interval_s", 0.2)
     if not _number(interval) or not 0 < interval <= MAX_SECONDS:
-        raise ValueError("its header's `interval_s` is not a positive number of seconds")
+        raise ValueError("its header's 'interval_s' is not a positive number of seconds")
     workers = header.get("workers", [])
     if not isinstance(workers, list) or len(workers) > MAX_WORKERS:
-        raise ValueError(f"its header's `workers` is not a list of up to {MAX_WORKERS} worker settings")
+        raise ValueError(f"its header's 'workers' is not a list of up to {MAX_WORKERS} worker settings")
     try:
         configs = tuple(build(WorkerConfig, w) for w in workers)
     except BUILD_ERRORS as exc:
-        raise ValueError(f"its header's `workers` are not worker settings ({exc})") from None
+        raise ValueError(f"its header's 'workers' are not worker settings ({exc})") from None
     return float(started), configs
 
 
 def check_time(delta: dict, previous: float) -> float:
-    """A frame line's `t`: seconds since the start, not before the frame before it."""
+    """A frame line's 't': seconds since the start, not before the frame before it."""
     t = delta.get("t")
     if not _number(t) or not 0 <= t <= MAX_SECONDS:
-        raise ValueError(f"its time `t` {_short(t)} is not a number of seconds from 0 to {MAX_SECONDS:g}")
+        raise ValueError(f"its time 't' {_short(t)} is not a number of seconds from 0 to {MAX_SECONDS:g}")
     if t < previous:
-        raise ValueError(f"its time `t` {t} goes back (the frame before it is at {previous})")
+        raise ValueError(f"its time 't' {t} goes back (the frame before it is at {previous})")
     return t
 
 
 def check_changes(state: dict, delta: dict) -> None:
-    """A frame line's shape, before it is applied to `state`."""
+    """A frame line's shape, before it is applied to 'state'."""
     if not isinstance(delta.get("top", {}), dict):
-        raise ValueError("its `top` is not an object")
+        raise ValueError("its 'top' is not an object")
     for c in COLLECTIONS:
         changes = delta.get(c)
         if changes is None:
             continue
         if not isinstance(changes, dict):
-            raise ValueError(f"its `{c}` is not an object")
+            raise ValueError(f"its '{c}' is not an object")
         items = state[c]["items"]
         changed, new, gone = changes.get("s", {}), changes.get("n", []), changes.get("x", [])
         if not isinstance(changed, dict) or not all(isinstance(v, dict) for v in changed.values()):
-            raise ValueError(f"its `{c}.s` is not an object of objects")
+            raise ValueError(f"its '{c}.s' is not an object of objects")
         for name, keys in (("n", new), ("x", gone), ("o", changes.get("o", []))):
             if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
-                raise ValueError(f"its `{c}.{name}` is not a list of keys")
+                raise ValueError(f"its '{c}.{name}' is not a list of keys")
         if any(k not in items for k in gone) or len(set(gone)) != len(gone):
-            raise ValueError(f"its `{c}.x` removes a key that is not there")
+            raise ValueError(f"its '{c}.x' removes a key that is not there")
         if any(k not in changed or (k in items and k not in gone) for k in new) or len(set(new)) != len(new):
-            raise ValueError(f"its `{c}.n` adds a key without its fields, or one already there")
+            raise ValueError(f"its '{c}.n' adds a key without its fields, or one already there")
         if any(k not in items and k not in new for k in changed):
-            raise ValueError(f"its `{c}.s` changes a key that was never added")
+            raise ValueError(f"its '{c}.s' changes a key that was never added")
 
 
 def check_applied(state: dict, delta: dict) -> None:
@@ -124,11 +124,11 @@ def check_applied(state: dict, delta: dict) -> None:
             continue
         keys, items = state[c]["keys"], state[c]["items"]
         if len(keys) != len(items) or set(keys) != set(items):
-            raise ValueError(f"its `{c}` order does not name every item exactly once")
+            raise ValueError(f"its '{c}' order does not name every item exactly once")
         for key in changes.get("s", {}):
             try:
                 ITEMS[c](items[key], state["t"])
             except BUILD_ERRORS as exc:
-                raise ValueError(f"its `{c}` item {key!r} is not valid ({exc})") from None
+                raise ValueError(f"its '{c}' item {key!r} is not valid ({exc})") from None
         if c == "h" and not all(k.isascii() and k.isdigit() and len(k) < 7 for k in keys):
-            raise ValueError("its `h` keys are not worker numbers")
+            raise ValueError("its 'h' keys are not worker numbers")
