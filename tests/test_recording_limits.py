@@ -147,12 +147,16 @@ def test_seeking_anywhere_shows_the_frame_reading_in_order_shows(monkeypatch):
         assert rec.frame(i) == expected[i], i
 
 
+def log_frames(n: int, text=lambda i: "x" * 40_000) -> list[str]:
+    """n frame lines, each replacing the one log line with a new one (40 KiB of x by default)."""
+    return [json.dumps({"t": i / 5, "l": {"s": {f"k{i}": {"time": i, "level": "info", "text": text(i)}},
+                                          "n": [f"k{i}"], **({"x": [f"k{i - 1}"]} if i else {})}})
+            for i in range(n)]
+
+
 def test_a_recording_is_read_a_line_at_a_time(tmp_path):
     """20 MiB of frames, each replacing a 40 KiB log line: the reader never holds them all."""
-    frames = [json.dumps({"t": i / 5, "l": {"s": {f"k{i}": {"time": i, "level": "info", "text": "x" * 40_000}},
-                                            "n": [f"k{i}"], **({"x": [f"k{i - 1}"]} if i else {})}})
-              for i in range(500)]
-    path = write(tmp_path / "long.rec", [LINES[0], *frames, '{"end":500}'])
+    path = write(tmp_path / "long.rec", [LINES[0], *log_frames(500), '{"end":500}'])
     tracemalloc.start()
     try:
         rec = read_recording(path)
@@ -229,3 +233,19 @@ def test_a_string_that_never_ends_is_refused_in_linear_time():
         load_json('"' + '\\"' * 20_000, source="x.json", line=3)
     assert json_depth("[[" + '"' + '\\"' * 20_000 + "[[[") == 2
     assert time.monotonic() - start < 5
+
+
+async def test_a_recording_changed_under_the_replay_is_a_notice_not_a_crash(tmp_path):
+    from app.replay import ReplayApp
+    noise = lambda i: random.Random(i).randbytes(2000).hex()   # noqa: E731 - compresses only by half
+    path = write(tmp_path / "long.rec", [LINES[0], *log_frames(400, noise), '{"end":400}'])
+    rec = read_recording(path)
+    path.write_bytes(gzip.compress(b"garbage\n" * 5000))
+    with pytest.raises(RecordingError, match=r"changed since it was read: frame 2\d\d no longer reads \("):
+        rec.frame(300)
+    app = ReplayApp(rec, settings_path=tmp_path / "settings.json", position=rec.times[300], paused=True)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause(0.2)
+        assert app.paused and app.shown_index == -1
+        assert any("changed since it was read" in n.message for n in app._notifications)
+        await pilot.press("right")

@@ -88,7 +88,9 @@ class Recording:
         while self._at < index:
             try:
                 line = self._reader().next_line(MAX_FRAME_BYTES)
-                apply_delta(self._state, load_json(line or b"", source=self.path, line=self._lines.number))
+                if line is None:
+                    raise ValueError("the file ends before it")
+                apply_delta(self._state, load_json(line, source=f"line {self._lines.number}"))
             except (OutsideDataError, *_APPLY_ERRORS) as exc:
                 self._state = None     # start again from a checkpoint next time
                 raise RecordingError(f"{self.path} changed since it was read: frame {self._at + 2} "
