@@ -168,6 +168,20 @@ def test_a_recording_is_read_a_line_at_a_time(tmp_path):
     assert peak < 3 << 20, f"{peak:,} bytes at the peak for a 20 MiB recording"
 
 
+def test_frames_that_only_add_stop_at_the_state_cap(tmp_path, monkeypatch):
+    """Each line adds a 300 KiB log line and removes none: the state would grow with the file."""
+    monkeypatch.setattr(recording_read, "MAX_STATE_BYTES", 4 << 20)
+    monkeypatch.setattr(recording_read, "STATE_CHECK_BYTES", 1 << 20)
+    adding = [json.dumps({"t": i / 5, "l": {"s": {f"k{i}": {"time": i, "level": "info", "text": "x" * 300_000}},
+                                            "n": [f"k{i}"]}}) for i in range(40)]
+    path = write(tmp_path / "grow.rec", [LINES[0], *adding, '{"end":40}'])
+    with pytest.raises(RecordingError, match=r"cut short after \d+ frames .*: line \d+ makes one frame's state "
+                                             r"over 4,194,304 bytes"):
+        read_recording(path)
+    rec = read_recording(path, partial=True)
+    assert 12 <= len(rec) < 20 and len(rec.frame(len(rec) - 1)[0].log) == len(rec)
+
+
 def gzip_of(head: bytes, filler: bytes, mib: int) -> bytes:
     """`head`, then `mib` MiB of `filler` repeated, as one gzip member; each MiB after the first
     compresses to the same bytes (a full flush resets the window), so 1 GiB is made fast."""

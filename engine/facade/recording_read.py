@@ -26,6 +26,8 @@ from engine.outside import OutsideDataError, load_json
 
 MAX_HEADER_BYTES = 1 << 20       # the header: worker settings and the command line
 MAX_FRAME_BYTES = 16 << 20       # one frame line (the first holds every request's text)
+MAX_STATE_BYTES = 64 << 20       # one frame's whole state, as JSON: what the frames add up to
+STATE_CHECK_BYTES = 16 << 20     # lines read between two measures of the state
 _APPLY_ERRORS = (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError)
 _WRITERS = "the dashboard and `tokentop serve` write one when asked to record"
 
@@ -164,6 +166,7 @@ def scan_frames(lines: GzipLines, path: str) -> Scan:
     checkpoints, up to the end marker or the first line that is not a valid frame."""
     scan = Scan([], [])
     state = empty_state()
+    unmeasured = 0      # bytes of lines applied since the state was last measured
     while True:
         try:
             line = lines.next_line(MAX_FRAME_BYTES)
@@ -185,6 +188,12 @@ def scan_frames(lines: GzipLines, path: str) -> Scan:
         except _APPLY_ERRORS as exc:
             scan.cut = f"line {lines.number} is not a valid frame: {exc}"
             return scan
+        unmeasured += len(line)
+        if unmeasured > STATE_CHECK_BYTES:     # frames that only add (items, slid text) grow it
+            unmeasured = 0
+            if len(json.dumps(state)) > MAX_STATE_BYTES:
+                scan.cut = f"line {lines.number} makes one frame's state over {MAX_STATE_BYTES:,} bytes"
+                return scan
         if len(scan.times) % CHECKPOINT_EVERY == 0:
             scan.checkpoints.append(Checkpoint(zlib.compress(json.dumps(state).encode(), 1), lines.mark()))
         scan.times.append(state["t"])

@@ -1,8 +1,8 @@
 """Recordings of what the dashboard shows: the snapshot stream on disk, and read back.
 
 `SnapshotRecorder` takes `engine.snapshot()` five times a second (`--record FILE`) and writes
-each as the difference from the one before; `read_recording()` gives them back as the same
-EngineSnapshot objects, frame by frame, for `tokentop replay`.
+each as the difference from the one before; engine/facade/recording_read.py gives them back
+as the same EngineSnapshot objects, frame by frame, for `tokentop replay`.
 
 File: a gzip stream (stdlib: no dependency, readable with zcat, and flushed after every frame
 so a recording stays readable up to its last frame) of JSON lines:
