@@ -168,6 +168,17 @@ def test_a_recording_is_read_a_line_at_a_time(tmp_path):
     assert peak < 3 << 20, f"{peak:,} bytes at the peak for a 20 MiB recording"
 
 
+def test_a_frame_of_many_keys_reads_in_linear_time(tmp_path):
+    keys = [f"k{i}" for i in range(20_000)]
+    many = {"t": 0, "l": {"s": {k: {"time": 1.0, "level": "info", "text": k} for k in keys}, "n": keys}}
+    fewer = {"t": 1, "l": {"x": keys[::2]}}
+    path = write(tmp_path / "many.rec", [LINES[0], json.dumps(many), json.dumps(fewer), '{"end":2}'])
+    start = time.monotonic()
+    rec = read_recording(path)
+    assert len(rec.frame(0)[0].log) == 20_000 and len(rec.frame(1)[0].log) == 10_000
+    assert time.monotonic() - start < 5
+
+
 def test_frames_that_only_add_stop_at_the_state_cap(tmp_path, monkeypatch):
     """Each line adds a 300 KiB log line and removes none: the state would grow with the file."""
     monkeypatch.setattr(recording_read, "MAX_STATE_BYTES", 4 << 20)

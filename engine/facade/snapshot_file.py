@@ -411,10 +411,11 @@ def apply_delta(state: dict, delta: dict) -> None:
             continue
         keys, items = state[c]["keys"], state[c]["items"]
         new = changes.get("n", ())
+        added = set(new)
         for k in changes.get("x", ()):
             del items[k]
         for k, fields in changes.get("s", {}).items():
-            if k in new:
+            if k in added:
                 items[k] = dict(fields)
             else:
                 apply_fields(items[k], fields)
