@@ -179,6 +179,15 @@ def test_a_frame_of_many_keys_reads_in_linear_time(tmp_path):
     assert time.monotonic() - start < 5
 
 
+def test_a_slide_cannot_copy_a_long_field_every_frame(tmp_path):
+    """A 20-byte line that slides a 70,000-character text would copy it whole, every frame."""
+    first = {"t": 0, "l": {"s": {"k": {"time": 1.0, "level": "info", "text": "x" * 70_000}}, "n": ["k"]}}
+    slides = [json.dumps({"t": i, "l": {"s": {"k": {"~text": [0, "y"]}}}}) for i in range(1, 1000)]
+    path = write(tmp_path / "slide.rec", [LINES[0], json.dumps(first), *slides, '{"end":1000}'])
+    with pytest.raises(RecordingError, match=r"after 1 frames .*line 3 is not a valid frame: text slides past 65,536"):
+        read_recording(path)
+
+
 def test_frames_that_only_add_stop_at_the_state_cap(tmp_path, monkeypatch):
     """Each line adds a 300 KiB log line and removes none: the state would grow with the file."""
     monkeypatch.setattr(recording_read, "MAX_STATE_BYTES", 4 << 20)

@@ -50,6 +50,7 @@ CHECKPOINT_EVERY = 250    # frames between the states a reader keeps for seeking
 MAX_PAGES = 1 << 24       # KV pages a worker's page_states may expand to (16 MiB)
 MAX_NUMBER = 1e15         # a float read back: a unix time in µs fits, so sums and traces stay finite
 MAX_INTEGER = 2 ** 64     # an integer read back (a seed may use all 64 bits)
+MAX_SLID = 1 << 16        # a text or list read back as a slide (a text tail, a chart's points)
 COLLECTIONS = {"w": "workers", "r": "requests", "d": "routing", "l": "log", "tl": "timelines", "h": "history"}
 TOP_FIELDS = ("router_policy", "tracing", "uptime", "trace_detail")
 
@@ -361,7 +362,10 @@ def apply_fields(fields: dict, delta: dict) -> None:
         if name[0] == "~":
             name = name[1:]
             k, tail = value
-            fields[name] = fields[name][k:] + tail
+            slid = fields[name][k:] + tail
+            if len(slid) > MAX_SLID:      # each slide copies the field: a few bytes must not copy megabytes
+                raise ValueError(f"{name} slides past {MAX_SLID:,} items")
+            fields[name] = slid
         else:
             fields[name] = value
 
