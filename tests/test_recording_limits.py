@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import random
 import time
 import tracemalloc
@@ -106,6 +107,16 @@ def test_a_partial_trace_stops_before_a_non_finite_time_and_holds_no_nan(value, 
     def refuse(constant):
         raise AssertionError(f"{constant} in the trace")
     json.loads(out.read_text(), parse_constant=refuse)
+
+
+def test_a_named_pipe_or_a_folder_is_refused_without_waiting(tmp_path):
+    fifo = tmp_path / "pipe.rec"
+    os.mkfifo(fifo)
+    for path, words in [(fifo, "is not a tokentop recording (it is a named pipe)"), (tmp_path, "Is a directory")]:
+        out = run_bounded(f"from engine.facade.recording_read import read_recording\n"
+                          f"try:\n    read_recording({str(path)!r})\nexcept Exception as e:\n    print(e)\n",
+                          timeout_s=30)
+        assert words in out.stdout and out.stdout.count("\n") == 1, out.stdout + out.stderr
 
 
 def test_a_damaged_crc_trailer_costs_no_frame(tmp_path, capsys):

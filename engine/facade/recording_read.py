@@ -13,15 +13,17 @@ from __future__ import annotations
 import bisect
 import json
 import os
+import stat
 import zlib
 from dataclasses import dataclass
 
 from engine.facade.gzip_lines import GzipLines, LineTooLong, Mark
-from engine.facade.recording_checks import (NotARecording, check_applied, check_changes, check_header,
-                                            check_finite, check_time)
+from engine.facade.recording_checks import (NotARecording, check_applied, check_changes, check_finite,
+                                            check_header, check_time)
 from engine.facade.snapshot import EngineSnapshot
 from engine.facade.snapshot_file import (CHECKPOINT_EVERY, RecordingError, apply_delta, empty_state,
                                          state_snapshot)
+from engine.models.catalog import file_kind
 from engine.outside import OutsideDataError, load_json
 
 MAX_HEADER_BYTES = 1 << 20       # the header: worker settings and the command line
@@ -130,8 +132,11 @@ def read_recording(path: str | os.PathLike, *, partial: bool = False) -> Recordi
 
 
 def _open(path: str) -> GzipLines:
-    try:
-        with open(path, "rb") as f:
+    try:   # without blocking: a named pipe would wait for a writer forever
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            if not stat.S_ISREG(mode):
+                raise RecordingError(f"{path} is not a tokentop recording (it is {file_kind(mode)}); {_WRITERS}")
             magic = f.read(2)
         if magic != b"\x1f\x8b":
             raise RecordingError(f"{path} is not a tokentop recording (not a gzip stream); {_WRITERS}")
