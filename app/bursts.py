@@ -15,8 +15,10 @@ from pathlib import Path
 from engine.config import SamplingParams
 from engine.errors import InvalidRequest
 from engine.models.catalog import file_kind
+from engine.outside import OutsideDataError, load_json
 
 MAX_BURST_FILE_BYTES = 16 * 2**20   # ~16 million characters of prompts: far beyond any burst
+MAX_BURST_REQUESTS = 10_000         # requests in one file (--max-burst-requests): each is queued at once
 
 ROLES = ("system", "user", "assistant")
 
@@ -52,7 +54,9 @@ class BurstItem:
     source: str                        # "file.jsonl:LINE", for messages about this item
 
 
-def load_burst(path: str | Path) -> list[BurstItem]:
+def load_burst(path: str | Path, max_requests: int = MAX_BURST_REQUESTS) -> list[BurstItem]:
+    """The file's requests; a BurstFileError naming the file and line for the first mistake,
+    or past `max_requests` requests."""
     path = Path(path)
     try:
         text = read_text_file(path, MAX_BURST_FILE_BYTES)
@@ -65,6 +69,9 @@ def load_burst(path: str | Path) -> list[BurstItem]:
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
+        if len(items) == max_requests:
+            raise BurstFileError(f"{path}:{number}: more than {max_requests:,} requests in one burst file; "
+                                 "split it, or raise the limit with --max-burst-requests")
         item = _parse_line(line, f"{path}:{number}", default_id=f"{path.stem}-{number}")
         if item.id in seen_ids:
             raise BurstFileError(f"{item.source}: id {item.id!r} is already used on {seen_ids[item.id]}; "
@@ -116,9 +123,9 @@ def _parse_line(line: str, where: str, default_id: str) -> BurstItem:
         return BurstFileError(f"{where}: {msg}")
 
     try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise bad(f"not valid JSON ({e.msg} at column {e.colno}).") from None
+        obj = load_json(line, source=where)
+    except OutsideDataError as e:
+        raise BurstFileError(f"{e}.") from None
     if not isinstance(obj, dict):
         raise bad(f"expected a JSON object, got {type(obj).__name__}.")
     unknown = sorted(set(obj) - set(_KEYS))
@@ -144,7 +151,7 @@ def _parse_line(line: str, where: str, default_id: str) -> BurstItem:
         types, expected = _SAMPLING_FIELDS[key]
         # JSON true/false arrive as bool, which Python counts as an int: only ignore_eos takes one.
         if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-            raise bad(f'"{key}" must be {expected}, got {json.dumps(value)}.')
+            raise bad(f'"{key}" must be {expected}, got {_shown(value)}.')
     if "stop" in sampling:
         stop = sampling["stop"]
         stop = [stop] if isinstance(stop, str) else stop
@@ -165,7 +172,13 @@ def _check_messages(messages: object, bad) -> None:
         if not isinstance(m, dict) or set(m) != {"role", "content"}:
             raise bad(f'messages[{i}] must be an object with exactly "role" and "content".')
         if m["role"] not in ROLES:
-            raise bad(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {json.dumps(m['role'])}.")
+            raise bad(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {_shown(m['role'])}.")
         if not isinstance(m["content"], str):
             raise bad(f"messages[{i}].content must be a string.")
 
+
+
+def _shown(value: object) -> str:
+    """A value from the file, short, as it would be written in it."""
+    text = json.dumps(value, ensure_ascii=True)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -300,6 +300,7 @@ def _add_compare(sub) -> None:
     c.add_argument("--out", default=None, type=_writable_file,
                    help="the JSON report (default ./compare-YYYYmmdd-HHMMSS.json)")
     c.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
+    add_burst_limit_flag(c)
     add_engine_flags(c)
 
 
@@ -359,9 +360,17 @@ def build_dashboard_parser() -> OneLineParser:
                         "workers have started: each line once, with its own sampling settings")
     p.add_argument("--serve", default=None, metavar="[HOST:]PORT", type=_bind_address,
                    help="also serve the OpenAI-compatible API here; its requests show in the panels")
+    add_burst_limit_flag(p)
     add_serve_flags(p)
     add_record_flag(p)
     return p
+
+
+def add_burst_limit_flag(p) -> None:
+    from app.bursts import MAX_BURST_REQUESTS
+    p.add_argument("--max-burst-requests", type=_positive_int, default=MAX_BURST_REQUESTS, metavar="N",
+                   help=f"the most requests a burst file may hold (default {MAX_BURST_REQUESTS:,}): "
+                        "each is queued at once")
 
 
 def add_record_flag(p) -> None:
@@ -614,8 +623,8 @@ def cmd_compare(args) -> int:
     a, b = parse_settings(args.a, "--a"), parse_settings(args.b, "--b")
     if args.interval_ms < 0:
         raise ConfigError(f"--interval-ms must be >= 0, got {args.interval_ms}")
-    items = load_burst(args.burst)
-    warm = load_burst(args.warm) if args.warm else []
+    items = load_burst(args.burst, args.max_burst_requests)
+    warm = load_burst(args.warm, args.max_burst_requests) if args.warm else []
     config = engine_config_from(args, default_mode="process")
     if len(config.workers) == 1:
         config = replace(config, worker_mode=args.worker_mode or "thread")
@@ -631,7 +640,8 @@ def cmd_compare(args) -> int:
 
 
 def cmd_replay(args) -> int:
-    from engine.facade.snapshot_file import RecordingError, read_recording
+    from engine.facade.recording_read import read_recording
+    from engine.facade.snapshot_file import RecordingError
 
     try:
         recording = read_recording(args.file, partial=args.partial)
@@ -726,12 +736,13 @@ def cmd_dashboard(args) -> int:
 
     try:
         check_dashboard_server_flags(args)
-        burst = startup_burst(args.burst_file) if args.burst_file else None
+        burst = startup_burst(args.burst_file, args.max_burst_requests) if args.burst_file else None
         config = engine_config_from(args, default_mode="process")
         # the routing panel shows the cost router's estimates: every worker gets a speed
         # profile (cached after its first start-up; measured then, as a start-up stage)
         config = replace(config, workers=tuple(replace(w, calibrate=True) for w in config.workers))
-        app = TokentopApp(replace(config, worker_log=str(dashboard_log())), startup_burst=burst)
+        app = TokentopApp(replace(config, worker_log=str(dashboard_log())), startup_burst=burst,
+                          max_burst_requests=args.max_burst_requests)
         http = start_dashboard_http(app, args) if args.serve else None
         recorder = start_recording(app.engine, args.record)
     except (TokentopError, OSError) as exc:
@@ -755,7 +766,7 @@ def dashboard_log():
     return Path(platformdirs.user_log_dir("tokentop")) / "workers.log"
 
 
-def startup_burst(path: str):
+def startup_burst(path: str, max_requests: int):
     """--burst-file: checked now (a bad file is a one-line error before anything loads);
     fired once every worker has started."""
     from pathlib import Path
@@ -763,7 +774,7 @@ def startup_burst(path: str):
     from app.bursts import load_burst
     from app.screens.burst import DEFAULTS
 
-    items = load_burst(path)
+    items = load_burst(path, max_requests)
     return BurstPlan(path=Path(path), count=len(items), interval_ms=int(DEFAULTS["interval"]),
                      max_tokens=None, temperature=None)
 

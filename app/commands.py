@@ -65,7 +65,7 @@ class EngineCommands:
     def fire_burst(self, spec: BurstPlan | None) -> None:
         if spec is None or not self._engine_ready():
             return
-        items = load_burst(spec.path)
+        items = load_burst(spec.path, self.max_burst_requests)
         self.burst_count += 1
         if spec.max_tokens is not None and spec.temperature is not None:
             self.prompt_params = replace(self.prompt_params, max_tokens=spec.max_tokens,
@@ -91,7 +91,7 @@ class EngineCommands:
     def start_compare(self, spec: CompareSpec | None) -> None:
         if spec is None:
             return
-        self._compare = in_background("compare", run_compare, self, spec, load_burst(spec.path))
+        self._compare = in_background("compare", run_compare, self, spec, load_burst(spec.path, self.max_burst_requests))
         self.notify(f"compare {spec.path.name}: side A, then side B, each on a fresh engine…")
 
     def action_prompt(self) -> None:

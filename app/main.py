@@ -24,6 +24,7 @@ from textual.screen import Screen
 from textual.widgets import Footer
 
 from app.burst_runner import BurstPlan, BurstRun
+from app.bursts import MAX_BURST_REQUESTS
 from app.commands import EngineCommands, next_option
 from app.flags import describe_error   # engine messages with their settings as flags
 from app.header import header_parts
@@ -97,11 +98,13 @@ class TokentopApp(EngineCommands, App[int]):
     BINDINGS = list(ACTIONS)
 
     def __init__(self, config: EngineConfig, *, settings_path: Path | None = None,
-                 live: bool = True, startup_burst: BurstPlan | None = None) -> None:
+                 live: bool = True, startup_burst: BurstPlan | None = None,
+                 max_burst_requests: int = MAX_BURST_REQUESTS) -> None:
         """live=False: the engine is not started and nothing refreshes by itself; the caller
         feeds show_snapshot() (snapshot tests, replays). startup_burst is fired once the
-        engine is ready (--burst-file)."""
+        engine is ready (--burst-file); a burst file may hold max_burst_requests requests."""
         super().__init__()
+        self.max_burst_requests = max_burst_requests
         self.startup_burst = startup_burst
         self.config = config
         self.settings_path = settings_path

@@ -21,7 +21,8 @@ from app.screens.help import HelpScreen
 from app.widgets.fmt import outside_markup
 from app.widgets.line import Line
 from engine.config import EngineConfig, WorkerConfig
-from engine.facade.snapshot_file import Recording
+from engine.facade.recording_read import Recording
+from engine.facade.snapshot_file import RecordingError
 
 TICK_S = 0.05
 SEEK_S = 5.0
@@ -106,7 +107,12 @@ class ReplayApp(TokentopApp):
         """Show the frame at the position (the last one at or before it) and the bar."""
         index = self.recording.index_at(self.position)
         if index != self.shown_index:
-            snap, spec_mode = self.recording.frame(index)
+            try:
+                snap, spec_mode = self.recording.frame(index)
+            except RecordingError as exc:     # the file changed under us: say so, keep what is shown
+                self.paused = True
+                self.notify(str(exc), severity="error", timeout=10)
+                return
             self.engine.spec_mode = spec_mode
             self.router_policy = snap.router_policy
             if snap.workers:

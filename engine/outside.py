@@ -22,8 +22,10 @@ MAX_JSON_BYTES = 16 * 1024 * 1024     # one document: a /snapshot, a frame, a bu
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
 _CONTROL_MULTILINE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff]")
-# A JSON string (escapes included) or one bracket: enough to count nesting without parsing.
-_JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]', re.DOTALL)
+# A JSON string (escapes included), one bracket, or a quote that opens a string never closed:
+# enough to count nesting without parsing. Possessive, with no group repeated per character,
+# so the regex engine keeps no state per character: a 16 MiB string costs no memory to skip.
+_JSON_TOKEN = re.compile(r'"[^"\\]*+(?:\\.[^"\\]*+)*+"|[\[\]{}]|"', re.DOTALL)
 
 
 class OutsideDataError(TokentopError):
@@ -51,7 +53,11 @@ def json_depth(text: str) -> int:
     """The deepest nesting of brackets in a JSON text, strings skipped, in linear time."""
     depth = deepest = 0
     for token in _JSON_TOKEN.finditer(text):
-        char = token.group()
+        if token.end() - token.start() > 1:
+            continue  # a whole string, not copied out
+        char = text[token.start()]
+        if char == '"':
+            break     # a string that never ends: what follows is in it (and json.loads refuses it)
         if char in "[{":
             depth += 1
             deepest = max(deepest, depth)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from app.bursts import MAX_BURST_FILE_BYTES, BurstFileError, default_prompts_dir, list_burst_files, load_burst
+from app.bursts import MAX_BURST_FILE_BYTES, MAX_BURST_REQUESTS, BurstFileError, default_prompts_dir, list_burst_files, load_burst
 from engine.config import SamplingParams
 from engine.errors import InvalidRequest
 from tests.fixtures.bounded import run_bounded
@@ -113,6 +113,10 @@ def test_fields_become_sampling_params_and_ids_default_to_line(tmp_path):
     ('{"prompt": "x", "max_token": 5}', "unknown field max_token; accepted: id, prompt, messages"),
     ('{"prompt": "x", "temperature": -1}', "temperature must be 0 (greedy) or at least 1e-05"),
     ('{"prompt": "x", "max_tokens": 0}', "max_tokens must be a positive integer"),
+    ('{"prompt": "x", "stop": ' + "[" * 100_000 + "]" * 100_000 + "}", "JSON nested deeper than 64 levels"),
+    ("[" * 100_000 + "]" * 100_000, "JSON nested deeper than 64 levels"),
+    ('{"prompt": "x", "stop": ' + "[" * 60 + "]" * 60 + "}", '"stop" must be a string or a list of strings'),
+    ('{"prompt": "x", "seed": "' + "9" * 5000 + '"}', '"seed" must be an integer, got "99999'),
 ])
 def test_bad_line_names_file_and_line(tmp_path, line, message):
     path = _write(tmp_path, '{"prompt": "fine"}', line)
@@ -174,3 +178,31 @@ def test_list_burst_files_sorted_jsonl_only(tmp_path):
         (tmp_path / name).write_text("{}")
     (tmp_path / "dir.jsonl").mkdir()
     assert [p.name for p in list_burst_files(tmp_path)] == ["a.jsonl", "b.jsonl"]
+
+
+def test_a_burst_file_holds_at_most_its_request_cap(tmp_path):
+    """10^6 one-line requests once queued for minutes and gigabytes: the cap stops the read."""
+    assert MAX_BURST_REQUESTS == 10_000
+    path = tmp_path / "many.jsonl"
+    path.write_text('{"prompt": "a"}\n' * (MAX_BURST_REQUESTS + 1))
+    with pytest.raises(BurstFileError, match=rf"many\.jsonl:10001: more than 10,000 requests .*--max-burst-requests"):
+        load_burst(path)
+    assert len(load_burst(path, max_requests=MAX_BURST_REQUESTS + 1)) == MAX_BURST_REQUESTS + 1
+    three = _write(tmp_path, '{"prompt": "a"}', "", '{"prompt": "b"}', '{"prompt": "c"}', name="three.jsonl")
+    with pytest.raises(BurstFileError, match=r"three\.jsonl:4: more than 2 requests"):
+        load_burst(three, max_requests=2)
+
+
+@pytest.mark.parametrize("argv", [["compare", "{path}"], ["--burst-file", "{path}"]], ids=["compare", "dashboard"])
+def test_the_request_cap_is_a_flag_and_a_one_line_error(argv, tmp_path, capsys):
+    from app.cli import main
+    path = _write(tmp_path, *['{"prompt": "a"}'] * 3, name="three.jsonl")
+    argv = [a.format(path=path) for a in argv]
+    assert main([*argv, "--max-burst-requests", "2"]) == 2
+    out, err = capsys.readouterr()
+    assert err.count("\n") == 1 and "three.jsonl:3: more than 2 requests" in err and "Traceback" not in err
+    nested = _write(tmp_path, '{"prompt": "a", "stop": ' + "[" * 5000 + "]" * 5000 + "}", name="nested.jsonl")
+    assert main([a.replace(str(path), str(nested)) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "nested.jsonl:1: JSON nested deeper than 64 levels" in err
+    assert "RecursionError" not in err and "Traceback" not in err

@@ -24,9 +24,10 @@ from engine.config import EngineConfig, SamplingParams, WorkerConfig
 from engine.facade.devices import parse_devices
 from engine.facade.engine import Engine
 from engine.facade.history import History
+from engine.facade.recording_read import read_recording
 from engine.facade.snapshot import LogLine
-from engine.facade.snapshot_file import (RecordingError, SnapshotRecorder, apply_delta, empty_state,
-                                         read_recording, slide, snapshot_state, state_delta, state_snapshot)
+from engine.facade.snapshot_file import (RecordingError, SnapshotRecorder, apply_delta, empty_state, slide,
+                                         snapshot_state, state_delta, state_snapshot)
 from tests.test_app import fixture_snapshot
 from tests.trace_checks import check_chrome_trace
 

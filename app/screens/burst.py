@@ -57,7 +57,7 @@ class BurstDialog(BurstFileDialog):
         try:
             spec = parse_spec(self.chosen_path(), self.field("count"), self.field("interval"),
                               self.field("max-tokens"), self.field("temperature"))
-            load_burst(spec.path)          # its own messages name the file and line
+            load_burst(spec.path, self.app.max_burst_requests)   # its messages name the file and line
         except (ValueError, BurstFileError) as exc:
             self.show_error(str(exc))
             return

@@ -56,7 +56,7 @@ class CompareDialog(BurstFileDialog):
             interval = int(self.field("interval") or "0")
             if not 0 <= interval <= 60_000:
                 raise ValueError(f"interval must be between 0 and 60000 ms, got {interval}")
-            load_burst(path)
+            load_burst(path, self.app.max_burst_requests)
         except (ValueError, ConfigError, BurstFileError) as exc:
             self.show_error(str(exc))
             return

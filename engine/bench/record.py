@@ -23,7 +23,8 @@ GOAL_BYTES_PER_MINUTE = 1_000_000
 def bench_record(args, items: list) -> dict:
     from engine.facade.devices import parse_devices
     from engine.facade.engine import Engine
-    from engine.facade.snapshot_file import SnapshotRecorder, read_recording
+    from engine.facade.recording_read import read_recording
+    from engine.facade.snapshot_file import SnapshotRecorder
 
     seconds = 10.0 if args.quick else 60.0
     workers = parse_devices(DEVICES, base_worker(args, kv_cache_memory=8 * 2**20))

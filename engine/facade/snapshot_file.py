@@ -1,8 +1,8 @@
 """Recordings of what the dashboard shows: the snapshot stream on disk, and read back.
 
 `SnapshotRecorder` takes `engine.snapshot()` five times a second (`--record FILE`) and writes
-each as the difference from the one before; `read_recording()` gives them back as the same
-EngineSnapshot objects, frame by frame, for `tokentop replay`.
+each as the difference from the one before; engine/facade/recording_read.py gives them back
+as the same EngineSnapshot objects, frame by frame, for `tokentop replay`.
 
 File: a gzip stream (stdlib: no dependency, readable with zcat, and flushed after every frame
 so a recording stays readable up to its last frame) of JSON lines:
@@ -23,7 +23,6 @@ frame.
 """
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import gzip
 import json
@@ -34,9 +33,8 @@ import types
 import typing
 import zlib
 from enum import Enum
-from typing import Any
+from typing import Any, Callable
 
-from engine.config import WorkerConfig
 from engine.errors import ConfigError, TokentopError
 from engine.facade.alerts import Alert
 from engine.facade.history import SERIES, History
@@ -49,6 +47,10 @@ FORMAT = "tokentop-recording"
 VERSION = 1
 INTERVAL_S = 0.2          # five frames a second, as often as the dashboard refreshes
 CHECKPOINT_EVERY = 250    # frames between the states a reader keeps for seeking
+MAX_PAGES = 1 << 24       # KV pages a worker's page_states may expand to (16 MiB)
+MAX_NUMBER = 1e15         # a float read back: a unix time in µs fits, so sums and traces stay finite
+MAX_INTEGER = 2 ** 64     # an integer read back (a seed may use all 64 bits)
+MAX_SLID = 1 << 16        # a text or list read back as a slide (a text tail, a chart's points)
 COLLECTIONS = {"w": "workers", "r": "requests", "d": "routing", "l": "log", "tl": "timelines", "h": "history"}
 TOP_FIELDS = ("router_policy", "tracing", "uptime", "trace_detail")
 
@@ -87,42 +89,114 @@ def run_lengths(data: bytes) -> list[int]:
     return out
 
 
-def from_run_lengths(pairs: list[int]) -> bytes:
-    return b"".join(bytes([pairs[i]]) * pairs[i + 1] for i in range(0, len(pairs), 2))
+def from_run_lengths(pairs: list[int], limit: int = MAX_PAGES) -> bytes:
+    """The bytes of run_lengths(); a ValueError for anything else, and before expanding
+    anything if the runs add up to more than `limit` bytes."""
+    if not isinstance(pairs, list) or len(pairs) % 2:
+        raise ValueError("page_states must be a list of (state, count) pairs")
+    if not all(type(n) is int for n in pairs):
+        raise ValueError("page_states must hold integers")
+    values, counts = pairs[0::2], pairs[1::2]
+    if any(not 0 <= v <= 255 for v in values) or any(n < 0 for n in counts):
+        raise ValueError("page_states holds a state outside 0..255 or a negative count")
+    if sum(counts) > limit:
+        raise ValueError(f"page_states counts {sum(counts):,} pages, more than the {limit:,} declared")
+    return b"".join(bytes([v]) * n for v, n in zip(values, counts))
 
 
-_HINTS: dict[type, dict[str, Any]] = {}
+# JSON types a field of each plain hint accepts (bool is an int to Python: kept apart)
+_LEAVES: dict[Any, tuple[type, ...]] = {str: (str,), bool: (bool,), int: (int,), float: (int, float),
+                                        dict: (dict,), list: (list,)}
+_FIELDS: dict[type, list[tuple[str, Callable]]] = {}     # a dataclass's fields and their converters
+_CONVERTERS: dict[Any, Callable] = {}                     # a type hint's converter
 
 
 def build(cls: type, data: dict) -> Any:
     """A dataclass from plain(): fields typed by its annotations; unknown keys ignored,
-    missing ones left at their defaults (a file from another version still reads)."""
-    hints = _HINTS.get(cls)
-    if hints is None:
-        hints = _HINTS[cls] = typing.get_type_hints(cls)
-    kwargs = {f.name: typed(hints[f.name], data[f.name]) for f in dataclasses.fields(cls) if f.name in data}
-    return cls(**kwargs)
+    missing ones left at their defaults (a file from another version still reads). A value
+    of the wrong type is a TypeError naming the field."""
+    if not isinstance(data, dict):
+        raise TypeError(f"{cls.__name__} must be an object, not {type(data).__name__}")
+    fields = _FIELDS.get(cls)
+    if fields is None:
+        hints = typing.get_type_hints(cls)
+        fields = _FIELDS[cls] = [(f.name, converter(hints[f.name])) for f in dataclasses.fields(cls)]
+    return cls(**{name: convert(data[name], name) for name, convert in fields if name in data})
 
 
-def typed(hint: Any, value: Any) -> Any:
-    if value is None:
-        return None
+def typed(hint: Any, value: Any, name: str = "value") -> Any:
+    """`value` (from JSON) as `hint` says: checked, tuples made of lists, dataclasses built."""
+    return converter(hint)(value, name)
+
+
+def converter(hint: Any) -> Callable[[Any, str], Any]:
+    """The function (value, field name) -> value typed as `hint`, made once per hint."""
+    made = _CONVERTERS.get(hint)
+    if made is None:
+        made = _CONVERTERS[hint] = _make_converter(hint)
+    return made
+
+
+def _make_converter(hint: Any) -> Callable[[Any, str], Any]:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin is typing.Union or origin is types.UnionType:
         kinds = [a for a in args if a is not type(None)]
-        return typed(kinds[0], value) if len(kinds) == 1 else value
+        if len(kinds) != 1:
+            return lambda value, name: value
+        inner, optional = converter(kinds[0]), type(None) in args
+        return lambda value, name: None if value is None and optional else inner(value, name)
+    if hint in _LEAVES:
+        return _leaf(hint)
     if hint is bytes:
-        return from_run_lengths(value)
+        return lambda value, name: from_run_lengths(value)
     if origin is tuple:
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(typed(args[0], v) for v in value)
-        return tuple(typed(a, v) for a, v in zip(args, value)) if args else tuple(value)
+        return _tuple(args)
     if isinstance(hint, type) and dataclasses.is_dataclass(hint):
-        return build(hint, value)
+        return lambda value, name: build(hint, value)
     if origin is dict and len(args) == 2:   # JSON keys are strings: an int key comes back as one
-        key = int if args[0] is int else (lambda k: k)
-        return {key(k): typed(args[1], v) for k, v in value.items()}
-    return value
+        key, inner = (int if args[0] is int else str), converter(args[1])
+
+        def mapping(value, name):
+            _need(value, dict, name)
+            return {key(k): inner(v, name) for k, v in value.items()}
+        return mapping
+    return lambda value, name: value
+
+
+def _need(value: Any, kind: type, name: str) -> None:
+    if not isinstance(value, kind):
+        raise TypeError(f"{name} must be {'a list' if kind is list else 'an object'}, not {type(value).__name__}")
+
+
+def _leaf(hint: type) -> Callable[[Any, str], Any]:
+    accepted, no_bool = _LEAVES[hint], hint is not bool
+    bound = MAX_NUMBER if hint is float else MAX_INTEGER if hint is int else None
+
+    def leaf(value, name):
+        if not isinstance(value, accepted) or (no_bool and isinstance(value, bool)):
+            raise TypeError(f"{name} must be {hint.__name__}, not {type(value).__name__}")
+        if bound is not None and not -bound <= value <= bound:     # NaN fails both
+            raise ValueError(f"{name} is out of range ({str(value)[:24]})")
+        return value
+    return leaf
+
+
+def _tuple(args: tuple) -> Callable[[Any, str], Any]:
+    if len(args) == 2 and args[1] is Ellipsis:
+        inner = converter(args[0])
+
+        def each(value, name):
+            _need(value, list, name)
+            return tuple(inner(v, name) for v in value)
+        return each
+    inners = [converter(a) for a in args]
+
+    def fixed(value, name):
+        _need(value, list, name)
+        if inners and len(value) != len(inners):
+            raise TypeError(f"{name} must be a list of {len(inners)}, not of {len(value)}")
+        return tuple(inner(v, name) for inner, v in zip(inners, value)) if inners else tuple(value)
+    return fixed
 
 
 # --- a snapshot as a state of keyed collections ------------------------------------------------
@@ -182,31 +256,66 @@ def empty_state() -> dict:
 def state_snapshot(state: dict, started: float) -> tuple[EngineSnapshot, str]:
     """A frame's state back as the EngineSnapshot the engine gave, and the speculation mode."""
     t = state["t"]
-    requests = []
-    for key in state["r"]["keys"]:
-        fields = dict(state["r"]["items"][key])
-        fields["age"] = max(0.0, round(t - fields.pop("born"), 2))
-        requests.append(build(RequestView, fields))
+    parts = {name: tuple(ITEMS[c](state[c]["items"][k], t) for k in state[c]["keys"])
+             for c, name in COLLECTIONS.items() if name not in ("timelines", "history")}
     top = state["top"]
     snap = EngineSnapshot(
-        time=started + t,
-        workers=tuple(build(WorkerView, state["w"]["items"][k]) for k in state["w"]["keys"]),
-        requests=tuple(requests),
-        routing=tuple(build(RouteDecision, state["d"]["items"][k]) for k in state["d"]["keys"]),
-        router_policy=top.get("router_policy", ""),
-        log=tuple(build(LogLine, state["l"]["items"][k]) for k in state["l"]["keys"]),
-        tracing=bool(top.get("tracing", False)), uptime=top.get("uptime", 0.0),
-        trace_detail=top.get("trace_detail", "light"), clock=top.get("clock", 0.0),
-        latency={name: build(LatencyView, v) for name, v in top.get("latency", {}).items()},
-        alerts=tuple(build(Alert, a) for a in top.get("alerts", ())),
-        alert_counts={(kind, worker): n for kind, worker, n in top.get("alert_counts", ())},
-        timelines={k: build(Timeline, state["tl"]["items"][k]) for k in state["tl"]["keys"]},
-        history={int(k): _history(state["h"]["items"][k]) for k in state["h"]["keys"]})
+        time=started + t, **parts, **top_fields(top),
+        timelines={k: ITEMS["tl"](state["tl"]["items"][k], t) for k in state["tl"]["keys"]},
+        history={int(k): ITEMS["h"](state["h"]["items"][k], t) for k in state["h"]["keys"]})
     return snap, top.get("spec_mode", "")
 
 
-def _history(fields: dict) -> History:
-    return History(tuple(fields["times"]), {name: tuple(fields.get(name, ())) for name in SERIES})
+_TOP_HINTS = {"router_policy": str, "tracing": bool, "uptime": float, "trace_detail": str, "clock": float}
+_TOP_DEFAULTS = {"router_policy": "", "tracing": False, "uptime": 0.0, "trace_detail": "light", "clock": 0.0}
+
+
+def top_fields(top: dict, only: dict | None = None) -> dict:
+    """A frame's top-level fields as EngineSnapshot's keyword arguments (types checked);
+    with `only`, just those it names (the fields a frame changed)."""
+    def wanted(name: str) -> bool:
+        return only is None or name in only or "~" + name in only
+    fields = {name: typed(hint, top.get(name, _TOP_DEFAULTS[name]), name)
+              for name, hint in _TOP_HINTS.items() if wanted(name)}
+    typed(str, top.get("spec_mode", ""), "spec_mode")
+    if wanted("latency"):
+        fields["latency"] = typed(dict[str, LatencyView], top.get("latency", {}), "latency")
+    if wanted("alerts"):
+        fields["alerts"] = typed(tuple[Alert, ...], top.get("alerts", []), "alerts")
+    if wanted("alert_counts"):
+        counts = typed(tuple[tuple[str, str, int], ...], top.get("alert_counts", []), "alert_counts")
+        fields["alert_counts"] = {(kind, worker): n for kind, worker, n in counts}
+    return fields
+
+
+def _request(fields: dict, t: float) -> RequestView:
+    fields = dict(fields)
+    born = typed(float, fields.pop("born"), "born")
+    fields["age"] = max(0.0, round(t - born, 2))
+    return build(RequestView, fields)
+
+
+def _worker(fields: dict, t: float) -> WorkerView:
+    """A worker's view; its page_states expand to no more pages than its pages_total says."""
+    pages = fields.get("pages_total", 0)
+    if type(pages) is not int or not 0 <= pages <= MAX_PAGES:
+        raise ValueError(f"pages_total must be a whole number of pages up to {MAX_PAGES:,}")
+    if "page_states" in fields:
+        from_run_lengths(fields["page_states"], limit=pages)
+    return build(WorkerView, fields)
+
+
+def _history(fields: dict, t: float) -> History:
+    times = typed(tuple[float, ...], fields["times"], "times")
+    series = {name: typed(tuple[float | None, ...], fields.get(name, []), name) for name in SERIES}
+    if any(values and len(values) != len(times) for values in series.values()):
+        raise ValueError("a history series has not one value per time")
+    return History(times, series)
+
+
+# each collection's item (state[c]["items"][key]) as what the snapshot holds, at frame time t
+ITEMS = {"w": _worker, "r": _request, "d": lambda f, t: build(RouteDecision, f),
+         "l": lambda f, t: build(LogLine, f), "tl": lambda f, t: build(Timeline, f), "h": _history}
 
 
 # --- differences between frames ----------------------------------------------------------------
@@ -253,7 +362,10 @@ def apply_fields(fields: dict, delta: dict) -> None:
         if name[0] == "~":
             name = name[1:]
             k, tail = value
-            fields[name] = fields[name][k:] + tail
+            slid = fields[name][k:] + tail
+            if len(slid) > MAX_SLID:      # each slide copies the field: a few bytes must not copy megabytes
+                raise ValueError(f"{name} slides past {MAX_SLID:,} items")
+            fields[name] = slid
         else:
             fields[name] = value
 
@@ -303,10 +415,11 @@ def apply_delta(state: dict, delta: dict) -> None:
             continue
         keys, items = state[c]["keys"], state[c]["items"]
         new = changes.get("n", ())
+        added = set(new)
         for k in changes.get("x", ()):
             del items[k]
         for k, fields in changes.get("s", {}).items():
-            if k in new:
+            if k in added:
                 items[k] = dict(fields)
             else:
                 apply_fields(items[k], fields)
@@ -390,121 +503,3 @@ class SnapshotRecorder:
             except OSError:
                 pass
             self._file = None
-
-
-# --- reading -----------------------------------------------------------------------------------
-class Recording:
-    """A recording read back: `len(rec)` frames at `times`; `frame(i)` is frame i as an
-    EngineSnapshot (and the speculation mode of that moment)."""
-
-    def __init__(self, path: str, header: dict, lines: list[str], complete: bool) -> None:
-        self.path = path
-        self.header = header
-        self.started = float(header.get("started", 0.0))
-        self.complete = complete
-        self.workers = tuple(build(WorkerConfig, w) for w in header.get("workers", ()))
-        self._lines = lines
-        self.times: list[float] = []
-        self._checkpoints: list[str] = []      # JSON of every CHECKPOINT_EVERY-th state
-        state = empty_state()
-        for i, line in enumerate(lines):
-            try:
-                apply_delta(state, json.loads(line))
-            except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
-                raise RecordingError(f"{path}: frame {i + 1} is damaged ({type(exc).__name__}: {exc}); "
-                                     "the recording cannot be played past it") from None
-            self.times.append(state["t"])
-            if i % CHECKPOINT_EVERY == 0:
-                self._checkpoints.append(json.dumps(state))
-        self._at = -1
-        self._state: dict | None = None
-
-    def __len__(self) -> int:
-        return len(self.times)
-
-    @property
-    def duration(self) -> float:
-        return self.times[-1] if self.times else 0.0
-
-    def index_at(self, position: float) -> int:
-        """The frame shown at `position` seconds: the last one at or before it."""
-        return max(0, bisect.bisect_right(self.times, position) - 1)
-
-    def state(self, index: int) -> dict:
-        if self._state is None or index < self._at or index - self._at > CHECKPOINT_EVERY:
-            base = index // CHECKPOINT_EVERY
-            self._state, self._at = json.loads(self._checkpoints[base]), base * CHECKPOINT_EVERY
-        while self._at < index:
-            self._at += 1
-            apply_delta(self._state, json.loads(self._lines[self._at]))
-        return self._state
-
-    def frame(self, index: int) -> tuple[EngineSnapshot, str]:
-        return state_snapshot(self.state(index), self.started)
-
-
-def read_recording(path: str | os.PathLike, *, partial: bool = False) -> Recording:
-    """Read a recording; a file that is not one, or one cut short (unless `partial`: then
-    its complete frames), is a one-line RecordingError."""
-    path = os.fspath(path)
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        raise RecordingError(f"{path}: no such file") from None
-    except OSError as exc:
-        raise RecordingError(f"cannot read {path}: {exc.strerror or exc}") from None
-    if raw[:2] != b"\x1f\x8b":
-        raise RecordingError(f"{path} is not a tokentop recording (not a gzip stream); "
-                             "the dashboard and `tokentop serve` write one when asked to record")
-    # zlib rather than gzip.open: a stream cut short still gives everything before the cut
-    inflate = zlib.decompressobj(16 + zlib.MAX_WBITS)
-    data = bytearray()
-    cut = None
-    try:
-        for at in range(0, len(raw), 1 << 16):
-            data += inflate.decompress(raw[at:at + (1 << 16)])
-    except zlib.error:
-        cut = "its compressed stream is damaged"
-    if cut is None and not inflate.eof:
-        cut = "its compressed stream ends early"
-    lines = data.decode("utf-8", errors="replace").split("\n")
-    try:
-        header = json.loads(lines[0])
-        assert isinstance(header, dict) and header.get("format") == FORMAT
-    except (ValueError, AssertionError):
-        raise RecordingError(f"{path} is not a tokentop recording (no tokentop-recording header); "
-                             "the dashboard and `tokentop serve` write one when asked to record") from None
-    if not isinstance(header.get("version"), int) or header["version"] > VERSION:
-        raise RecordingError(f"{path} is a recording of format {header.get('version')!r}; this tokentop reads "
-                             f"format {VERSION} and older: replay it with a newer tokentop")
-    body = lines[1:]
-    if body and body[-1] == "":
-        body.pop()                      # after the last newline
-    elif body:
-        body.pop()                      # a line cut in the middle
-        cut = cut or "its last line is cut in the middle"
-    complete = False
-    if body and body[-1].startswith('{"end":'):
-        body.pop()
-        complete = cut is None
-    elif cut is None:
-        cut = "the recorder did not finish it"
-    if cut is not None and not partial:
-        seconds = _last_time(body)
-        error = RecordingError(f"{path} is cut short after {len(body)} frames ({seconds:.1f} s): {cut}; "
-                               "the frames before the cut can be played")
-        error.cut_short = True
-        raise error
-    if not body:
-        raise RecordingError(f"{path} holds no frames")
-    return Recording(path, header, body, complete)
-
-
-def _last_time(lines: list[str]) -> float:
-    for line in reversed(lines):
-        try:
-            return float(json.loads(line)["t"])
-        except (ValueError, KeyError, TypeError):
-            continue
-    return 0.0

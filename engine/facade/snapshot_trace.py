@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 from engine.facade.snapshot import RequestView
-from engine.facade.snapshot_file import Recording
+from engine.facade.recording_read import Recording
 from engine.trace import request_track_events, synthetic_pid, write_chrome_trace
 
 
