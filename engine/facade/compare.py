@@ -6,7 +6,7 @@ same seed on both sides). Settings are the engine flags that change how a burst 
 
     policy=fcfs|spf                  scheduler policy           router-policy=POLICY
     prefix-cache=on|off              single-flight=off|after-prefill|at-completion
-    speculate=off|ngram|draft        spec-k=N|adaptive:...      spec-tv-budget=D
+    speculate=off|ngram|suffix|draft spec-k=N|adaptive:...      spec-tv-budget=D
     max-active=N                     worker=N (every request to worker N: a forced baseline)
 
 The report has TTFT, ITL and end-to-end latency (p50 / p95 / p99), aggregate output tok/s and

@@ -329,6 +329,8 @@ class Worker:
             if seq.id in self.seqs:
                 self.scheduler.remove(seq)
                 self.runner.end_sequence(seq)
+            if self.spec is not None:
+                self.spec.end(seq)
             seq.state = SeqState.FINISHED
             seq.finish_reason, seq.error = reason, error
             seq.finished_at = time.monotonic()
