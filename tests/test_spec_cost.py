@@ -80,3 +80,17 @@ def test_acceptance_by_position_is_conditional_on_reaching_it():
         seen.update(8, accepted)
     assert seen.rate(0, 0.5) == pytest.approx(0.5, abs=0.05)
     assert seen.rate(1, 0.5) == pytest.approx(1.0)
+
+
+def test_measured_gain_is_speculating_tok_s_over_the_undrafted_estimate():
+    from engine.speculative.stats import MeasuredGain
+    gain = MeasuredGain()
+    assert gain.as_dict() == {"spec_tok_s": None, "plain_tok_s_est": None, "gain": None}
+    for _ in range(50):
+        gain.add(0.030, 3, 0.020, 1)    # a verify step: 30 ms for 3 tokens; undrafted 20 ms for 1
+    got = gain.as_dict()
+    assert got["spec_tok_s"] == pytest.approx(100.0) and got["plain_tok_s_est"] == pytest.approx(50.0)
+    assert got["gain"] == pytest.approx(2.0)
+    for _ in range(400):                # then drafts stop paying: the figure follows
+        gain.add(0.030, 1, 0.020, 1)
+    assert gain.as_dict()["gain"] == pytest.approx(2 / 3, rel=0.02)

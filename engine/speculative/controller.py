@@ -18,7 +18,7 @@ from engine.errors import InvalidRequest
 from engine.worker.sequence import Sequence, SeqState
 from engine.speculative.ngram import propose_ngram
 from engine.speculative.policy import CostK, CostModel, PositionAcceptance, StepContext, make_policy
-from engine.speculative.stats import SpecStats
+from engine.speculative.stats import MeasuredGain, SpecStats
 from engine.speculative.suffix import SuffixCache
 from engine.speculative.verify import Verdict
 from engine.trace import get_tracer
@@ -54,6 +54,7 @@ class SpecController:
         self.draft = getattr(runner, "draft", None)   # engine.speculative.draft.DraftModel or None
         self.calibrated = False
         self.stats = SpecStats()             # the worker's totals
+        self.gain = MeasuredGain()
         self.recent = {m: PositionAcceptance() for m in ("ngram", "suffix", "draft")}
         self.cost = CostModel()
         self.suffix = SuffixCache()
@@ -193,10 +194,19 @@ class SpecController:
             item.seq.draft_ids = drafts
             item.seq.spec.draft_probs = q
 
-    def record_step(self, plan, seconds: float) -> None:
-        """Teach the cost model: target step time by rows (decode/verify-only steps)."""
-        if all(i.seq.state == SeqState.DECODE for i in plan.items):
-            self.cost.add_target(plan.num_tokens, seconds)
+    def record_step(self, plan, seconds: float, emitted: int) -> None:
+        """Teach the cost model: target step time by rows (decode/verify-only steps); and
+        measure the gain of those with speculating requests against the same step undrafted."""
+        if not all(i.seq.state == SeqState.DECODE for i in plan.items):
+            return
+        if any(i.seq.spec is not None for i in plan.items) and self.cost.target.known:
+            rows = len(plan.items)
+            self.gain.add(seconds, emitted, self.cost.target(rows), rows)
+        self.cost.add_target(plan.num_tokens, seconds)
+
+    def stats_dict(self) -> dict:
+        """The worker's totals and the measured gain, for WorkerStats."""
+        return {**self.stats.as_dict(), **self.gain.as_dict()}
 
     # --- after the target step ------------------------------------------------------------
     def settle(self, item, verdict: Verdict | None, blocks) -> None:

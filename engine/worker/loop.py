@@ -241,8 +241,7 @@ class Worker:
                 plan = self._propose(plan)
             t0 = time.perf_counter()
             sampled, errors, whole = self._execute(plan.items)
-        if self.spec is not None and whole:
-            self.spec.record_step(plan, time.perf_counter() - t0)
+            seconds = time.perf_counter() - t0
         decode = plan.num_decode
         chunks = tuple((i.seq.id, i.num_tokens) for i in plan.items
                        if i.seq.state != SeqState.DECODE and i.seq.id not in errors)
@@ -252,6 +251,8 @@ class Worker:
         now = time.monotonic()
         # a verify round emits 1 + accepted tokens (or more with the bonus): count them all
         decode += sum(len(v.tokens) - 1 for v in sampled.values() if not isinstance(v, tuple))
+        if self.spec is not None and whole:
+            self.spec.record_step(plan, seconds, decode)
         self._account(now, plan.num_tokens - plan.num_decode - plan.num_draft, decode, plan.num_tokens)
 
         tokens: list[msg.TokenDelta] = []
@@ -403,7 +404,7 @@ class Worker:
             preemptions_total=self.scheduler.preemptions,
             recomputed_tokens_total=self.scheduler.recomputed_tokens,
             prefix=self.reuse.stats() if self.reuse is not None else {},
-            spec=self.spec.stats.as_dict() if self.spec is not None else None))
+            spec=self.spec.stats_dict() if self.spec is not None else None))
 
 
 def worker_main(index: int, cfg: WorkerConfig, model_path: str, commands, events) -> None:
