@@ -22,6 +22,7 @@ from engine.kv.prefix_cache import model_identity
 from engine.kv.reuse import PrefixReuse
 from engine.worker.output import OutputProcessor, SampledToken, spec_dict
 from engine.worker.profile import worker_profile
+from engine.worker.roofline import DecodeTraffic, machine_ceilings
 from engine.worker.runner import ModelRunner
 from engine.worker.runner_api import Runner
 from engine.worker.scheduler import ScheduledSeq, Scheduler, StepPlan
@@ -93,6 +94,7 @@ class Worker:
             if cfg.speculate != "off" or self.spec.draft is not None:
                 emit(msg.WorkerLoading(index, "measuring verify and draft step costs"))
                 self.spec.calibrate()   # else on the first speculating request
+        self.traffic = self._decode_traffic()
         self.reuse = None
         if cfg.prefix_cache == "on" and cfg.kv_cache == "paged":
             self.reuse = PrefixReuse(
@@ -125,6 +127,14 @@ class Worker:
             "draft_model": cfg.draft_model if self.spec and self.spec.draft else "",
             "kernels_building": self.kernels_pending,
         })))
+
+    def _decode_traffic(self) -> DecodeTraffic | None:
+        """The live roofline of a real CPU worker (its ceilings measured once per machine)."""
+        runner = self.runner
+        if self.cfg.simulated or getattr(runner, "device", None) is None or runner.device.type != "cpu":
+            return None
+        return DecodeTraffic(runner.weight_bytes, runner.weight_macs, runner.kv_bytes_per_token,
+                             machine_ceilings(torch.get_num_threads()))
 
     # --- loop -------------------------------------------------------------------------
     def run(self, commands) -> None:
@@ -242,6 +252,8 @@ class Worker:
             t0 = time.perf_counter()
             sampled, errors, whole = self._execute(plan.items)
             seconds = time.perf_counter() - t0
+        decode_only = all(i.seq.state == SeqState.DECODE for i in plan.items)
+        context = sum(i.seq.num_computed + i.num_tokens for i in plan.items)   # K/V positions read
         decode = plan.num_decode
         chunks = tuple((i.seq.id, i.num_tokens) for i in plan.items
                        if i.seq.state != SeqState.DECODE and i.seq.id not in errors)
@@ -253,6 +265,8 @@ class Worker:
         decode += sum(len(v.tokens) - 1 for v in sampled.values() if not isinstance(v, tuple))
         if self.spec is not None and whole:
             self.spec.record_step(plan, seconds, decode)
+        if self.traffic is not None and whole and decode_only:
+            self.traffic.add(now, seconds, plan.num_tokens, context)
         self._account(now, plan.num_tokens - plan.num_decode - plan.num_draft, decode, plan.num_tokens)
 
         tokens: list[msg.TokenDelta] = []
@@ -404,7 +418,8 @@ class Worker:
             preemptions_total=self.scheduler.preemptions,
             recomputed_tokens_total=self.scheduler.recomputed_tokens,
             prefix=self.reuse.stats() if self.reuse is not None else {},
-            spec=self.spec.stats_dict() if self.spec is not None else None))
+            spec=self.spec.stats_dict() if self.spec is not None else None,
+            roofline=self.traffic.as_dict(now) if self.traffic is not None else None))
 
 
 def worker_main(index: int, cfg: WorkerConfig, model_path: str, commands, events) -> None:
