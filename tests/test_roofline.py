@@ -77,3 +77,14 @@ def test_a_cpu_worker_reports_its_roofline_and_the_view_carries_it(tiny_model_pa
             time.sleep(0.1)
     assert r is not None and r["read_gbs"] > 0 and r["bandwidth_gbs"] > 0
     assert 0 < r["read_share"] and r["rows"] >= 1
+
+
+def test_no_measurement_while_a_kernel_build_holds_the_cores(tmp_path, monkeypatch):
+    monkeypatch.setenv("TOKENTOP_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(roofline, "measure_read_gbs", lambda: pytest.fail("measured"))
+    assert machine_ceilings(2, measure=False) == {}
+    t = DecodeTraffic(10**9, 10, 1, {})
+    t.add(0.0, 0.001, 1, 0)
+    got = t.as_dict(0.5)
+    assert got["read_gbs"] > 0 and got["read_share"] is None and got["compute_share"] is None
+    assert roofline_parts(got) == [(1, f"read {got['read_gbs']:.1f} GB/s")]

@@ -129,12 +129,13 @@ class Worker:
         })))
 
     def _decode_traffic(self) -> DecodeTraffic | None:
-        """The live roofline of a real CPU worker (its ceilings measured once per machine)."""
+        """The live roofline of a real CPU worker (its ceilings measured once per machine; not
+        while a kernel build holds the cores: then at the switch to the kernels)."""
         runner = self.runner
         if self.cfg.simulated or getattr(runner, "device", None) is None or runner.device.type != "cpu":
             return None
-        return DecodeTraffic(runner.weight_bytes, runner.weight_macs, runner.kv_bytes_per_token,
-                             machine_ceilings(torch.get_num_threads()))
+        ceilings = machine_ceilings(self._threads, remeasure=self.cfg.recalibrate, measure=not self.kernels_pending)
+        return DecodeTraffic(runner.weight_bytes, runner.weight_macs, runner.kv_bytes_per_token, ceilings)
 
     # --- loop -------------------------------------------------------------------------
     def run(self, commands) -> None:
@@ -160,6 +161,8 @@ class Worker:
             return
         self.kernels_pending = False
         torch.set_num_threads(self._threads)   # the build no longer holds the cores
+        if self.traffic is not None and not self.traffic.ceilings:
+            self.traffic.ceilings = machine_ceilings(self._threads)
         ok = kernels.available() if kernels.is_loaded() else kernels.finish_background_build()
         if not ok:
             self.emit(msg.KernelsSwitched(self.index, self.runner.info.get("kernels", ""),

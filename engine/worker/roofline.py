@@ -3,7 +3,8 @@
 A decode step reads every weight once (whatever its row count) and each sequence's K/V; one
 row's step is bound by that read. At start-up a CPU worker measures the machine's read
 bandwidth (a float32 sum of a buffer larger than the caches) and a float32 matmul peak, a few
-hundred ms, cached per CPU model and thread count beside the speed profiles. Its decode steps
+hundred ms, cached per CPU model and thread count beside the speed profiles (`--recalibrate`
+measures them again: a busy machine at the first start caches low ceilings). Its decode steps
 then report the bytes they read per second of stepping as GB/s, as a share of that bandwidth,
 and their multiply-adds as a share of the matmul peak (what bounds a many-row step). The matmul
 peak is torch's float32 one: the quantized kernels' integer dots can exceed it, so a share over
@@ -55,14 +56,23 @@ def measure_matmul_gflops(n: int = MATMUL_N, reps: int = MATMUL_REPS) -> float:
     return 2 * n ** 3 / best / 1e9
 
 
-def machine_ceilings(threads: int, remeasure: bool = False) -> dict:
-    """{"read_gbs", "matmul_gflops", "source"}: cached for this CPU and thread count."""
+def machine_ceilings(threads: int, remeasure: bool = False, measure: bool = True) -> dict:
+    """{"read_gbs", "matmul_gflops", "source"} on `threads` threads, cached for this CPU and
+    thread count; {} when not cached and measure is False."""
+    import torch
     key = ceilings_key(threads)
     cached = None if remeasure else load_profiles().get(key)
     if cached and cached.get("read_gbs") and cached.get("matmul_gflops"):
         return {**cached, "source": "cached"}
-    found = {"read_gbs": round(measure_read_gbs(), 2), "matmul_gflops": round(measure_matmul_gflops(), 1),
-             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    if not measure:
+        return {}
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        found = {"read_gbs": round(measure_read_gbs(), 2), "matmul_gflops": round(measure_matmul_gflops(), 1),
+                 "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    finally:
+        torch.set_num_threads(before)
     try:
         save_profile(key, found)
     except OSError:
