@@ -1,11 +1,13 @@
 """Suffix decoding: the tree's counts, matching, scoring and eviction; proposals across requests
 that prompt lookup cannot make; greedy output unchanged on the tiny and the real model."""
+import random
+
 import pytest
 
 from engine.config import EngineConfig, SamplingParams, WorkerConfig
 from engine.facade.engine import Engine
 from engine.speculative.ngram import propose_ngram
-from engine.speculative.suffix import SuffixCache, SuffixTree
+from engine.speculative.suffix import SuffixCache, SuffixTree, speculate_sequence
 from tests.waiting import pages_back
 
 
@@ -62,6 +64,21 @@ def test_remove_takes_a_sequence_back_out_and_frees_its_nodes():
     assert tree.num_tokens == 3 and "gone" not in tree
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_a_request_s_own_index_proposes_what_a_tree_of_its_tokens_would(seed):
+    rng = random.Random(seed)
+    depth = rng.choice([4, 8, 24])
+    vocab = rng.choice([2, 3, 5, 20])
+    tokens = [rng.randrange(vocab) for _ in range(rng.randrange(1, 120))]
+    tree = SuffixTree(depth)
+    tree.extend("r", tokens)
+    for max_tokens, factor, min_prob in ((8, 1.0, 0.1), (3, 2.0, 0.0), (16, 4.0, 0.3)):
+        want = tree.speculate(tokens[-depth:], max_tokens, factor, min_prob)
+        got = speculate_sequence(tokens, max_tokens, depth, factor, min_prob)
+        assert (got.tokens, got.match_len) == (want.tokens, want.match_len)
+        assert got.score == pytest.approx(want.score)
+
+
 def _shape(node):
     return {t: (c.count, _shape(c)) for t, c in node.children.items()}
 
@@ -70,7 +87,7 @@ def test_the_shared_tree_keeps_recent_outputs_and_evicts_the_oldest():
     cache = SuffixCache(depth=6, max_requests=2, max_tokens=10_000)
     for i in range(4):
         rid = f"r{i}"
-        cache.start(rid, [100 + i])
+        cache.start(rid)
         cache.add_output(rid, [10 * i + 1, 10 * i + 2, 10 * i + 3])
         cache.stop(rid)
     assert cache.cached_requests == 2
@@ -78,7 +95,7 @@ def test_the_shared_tree_keeps_recent_outputs_and_evicts_the_oldest():
     assert counts(cache.shared, [31, 32]) == 1
     tokens = SuffixCache(depth=6, max_requests=100, max_tokens=8)
     for i in range(5):
-        tokens.start(f"t{i}", [])
+        tokens.start(f"t{i}")
         tokens.add_output(f"t{i}", [i] * 3)
         tokens.stop(f"t{i}")
         assert tokens.shared.num_tokens <= 8
@@ -90,10 +107,10 @@ def test_a_repeated_task_gets_proposals_prompt_lookup_cannot_see():
     cache = SuffixCache(depth=24)
     prompt = [1, 2, 3, 4]
     answer = list(range(50, 66))
-    cache.start("first", prompt)
+    cache.start("first")
     cache.add_output("first", answer)
     cache.stop("first")
-    cache.start("second", prompt)
+    cache.start("second")
     context = prompt + answer[:6]
     cache.add_output("second", answer[:6])
     got = cache.propose("second", context, 6).tokens

@@ -72,10 +72,11 @@ class SpecController:
         tv = self.cfg.spec_tv_budget if p.spec_tv_budget is None else p.spec_tv_budget
         seq.spec = None if mode == "off" else SeqSpec(mode, make_policy(p.spec_k or self.cfg.spec_k), tv)
         if mode == "suffix":
-            self.suffix.start(seq.id, seq.prompt_ids)
+            self.suffix.start(seq.id)
 
     def end(self, seq: Sequence) -> None:
         if seq.spec is not None and seq.spec.mode == "suffix":
+            self._feed_suffix(seq)   # the last tokens too: the shared tree keeps the whole output
             self.suffix.stop(seq.id)
 
     # --- before scheduling --------------------------------------------------------------
@@ -126,10 +127,10 @@ class SpecController:
 
     def _lookup(self, seq: Sequence, k: int) -> list[int]:
         """A model-free proposal of up to k tokens: prompt lookup or the suffix trees."""
+        tokens = seq.prompt_ids + seq.output_ids
         if seq.spec.mode == "suffix":
-            context = seq.prompt_ids[-self.suffix.depth:] + seq.output_ids[-self.suffix.depth:]
-            return self.suffix.propose(seq.id, context, k).tokens
-        return propose_ngram(seq.prompt_ids + seq.output_ids, k, self.cfg.ngram_min, self.cfg.ngram_max)
+            return self.suffix.propose(seq.id, tokens, k).tokens
+        return propose_ngram(tokens, k, self.cfg.ngram_min, self.cfg.ngram_max)
 
     def calibrate(self) -> None:
         """Measure a verify step by rows, and a draft step, on a scratch sequence (about a

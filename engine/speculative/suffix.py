@@ -1,15 +1,20 @@
 """Suffix decoding (SuffixDecoding, arXiv 2411.04975; Snowflake's ArcticInference, vLLM's
 `suffix` method): proposals from suffix trees, no model.
 
-Two kinds of tree, as there: one per request over its prompt and output, and one per worker
-over the outputs of recent requests. The shared one sees what prompt lookup cannot: a task
-asked again, an agent loop's next turn, the same kind of code written for another prompt.
+Two indexes, as there: one per request over its prompt and output, and one per worker over
+the outputs of recent requests. The shared one sees what prompt lookup cannot: a task asked
+again, an agent loop's next turn, the same kind of code written for another prompt.
 
-Each tree counts every substring of up to `depth` tokens. A proposal matches the context's
-last 1 .. depth - 1 tokens, then follows the most frequent child while the path's probability
+Both count every substring of up to `depth` tokens. A proposal matches the context's last
+1 .. depth - 1 tokens, then follows the most frequent continuation while the path's probability
 (the product of child count / parent count) stays at or above `min_prob`; its length is at
 most match length × `factor`, so longer matches may speculate further. Of every match length
-in both trees the proposal with the highest score (the sum of its tokens' probabilities) wins.
+in both indexes the proposal with the highest score (the sum of its tokens' probabilities) wins.
+
+The shared index is a suffix tree (SuffixTree) that outputs extend token by token. A request's
+own index is its token array itself (speculate_sequence): the occurrences of the context's
+last tokens are found with numpy, so a long prompt costs nothing to index, where inserting it
+into a tree would cost depth dict operations per token, in Python, before its first step.
 """
 from __future__ import annotations
 
@@ -17,6 +22,8 @@ import itertools
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 DEPTH = 24               # longest substring counted (vLLM's suffix_decoding_max_tree_depth)
 MIN_PROB = 0.1           # a path stops below this probability (suffix_decoding_min_token_prob)
@@ -130,8 +137,61 @@ def _follow(node: _Node, limit: int, min_prob: float) -> tuple[list[int], float]
     return tokens, score
 
 
+def speculate_sequence(tokens: Sequence[int], max_tokens: int, depth: int = DEPTH,
+                       factor: float = SPEC_FACTOR, min_prob: float = MIN_PROB) -> Proposal:
+    """SuffixTree.speculate over a tree of this one sequence, whose end is the context."""
+    arr = np.asarray(tokens, dtype=np.int64)
+    n = len(arr)
+    best = Proposal()
+    if n < 2:
+        return best
+    ends = np.flatnonzero(arr == arr[-1])   # where the context's last token occurs
+    path, probs, followed = [], [], 0
+    for match_len in range(1, min(n - 1, depth - 1) + 1):
+        if match_len > 1:   # of the occurrences so far, those preceded by the next context token
+            starts = ends - (match_len - 1)
+            keep = starts >= 0
+            ends = ends[keep][arr[starts[keep]] == arr[n - match_len]]
+        if len(ends) < 2:
+            break   # only the context itself: no continuation, now or for longer matches
+        if len(ends) != followed:
+            # a new set of occurrences; while it stays the same, the greedy path does too,
+            # and each match length takes as much of it as its limit allows
+            path, probs = _follow_positions(arr, ends, min(max_tokens, depth - match_len), min_prob)
+            followed = len(ends)
+        limit = min(max_tokens, int(match_len * factor + 1e-6), depth - match_len)
+        score = sum(probs[:limit])
+        if path and limit > 0 and score >= best.score:
+            best = Proposal(path[:limit], score, match_len)
+    return best
+
+
+def _follow_positions(arr: np.ndarray, ends: np.ndarray, limit: int,
+                      min_prob: float) -> tuple[list[int], list[float]]:
+    """_follow on the occurrences (their end positions) instead of a tree node: the tokens and
+    each one's path probability."""
+    tokens: list[int] = []
+    probs: list[float] = []
+    prob, count = 1.0, len(ends)
+    while len(tokens) < limit:
+        nxt = ends + 1
+        nxt = nxt[nxt < len(arr)]
+        if not nxt.size:
+            break
+        values, counts = np.unique(arr[nxt], return_counts=True)
+        i = int(np.argmax(counts))   # the first of the most frequent: the smallest token on a tie
+        p = prob * int(counts[i]) / count
+        if p < min_prob:
+            break
+        tokens.append(int(values[i]))
+        probs.append(p)
+        prob, count = p, int(counts[i])
+        ends = nxt[arr[nxt] == values[i]]
+    return tokens, probs
+
+
 class SuffixCache:
-    """A worker's suffix trees: one per running request (prompt and output) and one shared by
+    """A worker's suffix indexes: each running request's own (its tokens), and a tree shared by
     all over their outputs, which keeps finished requests' outputs until a cap on requests or
     tokens evicts the oldest."""
 
@@ -140,8 +200,7 @@ class SuffixCache:
         self.depth = depth
         self.max_requests, self.max_tokens = max_requests, max_tokens
         self.shared = SuffixTree(depth)
-        self._local: dict[str, SuffixTree] = {}
-        self._keys: dict[str, int] = {}          # request id -> its output's key in the shared tree
+        self._keys: dict[str, int] = {}          # running request id -> its output's key in the shared tree
         self._finished: OrderedDict[int, None] = OrderedDict()   # oldest first
         self._next_key = itertools.count()
 
@@ -149,37 +208,33 @@ class SuffixCache:
     def cached_requests(self) -> int:
         return len(self._finished)
 
-    def start(self, request_id: str, prompt: Sequence[int]) -> None:
+    def start(self, request_id: str) -> None:
         self.stop(request_id)
-        tree = self._local[request_id] = SuffixTree(self.depth)
-        tree.extend(0, prompt)
         self._keys[request_id] = next(self._next_key)
 
     def add_output(self, request_id: str, tokens: Sequence[int]) -> None:
-        if request_id not in self._local or not tokens:
+        if request_id not in self._keys or not tokens:
             return
-        self._local[request_id].extend(0, tokens)
         self.shared.extend(self._keys[request_id], tokens)
         self._evict()
 
     def stop(self, request_id: str) -> None:
-        """The request ended: its tree goes, its output stays shared (until evicted)."""
-        if self._local.pop(request_id, None) is None:
+        """The request ended: its output stays shared (until evicted)."""
+        key = self._keys.pop(request_id, None)
+        if key is None:
             return
-        key = self._keys.pop(request_id)
         if key in self.shared:
             self._finished[key] = None
         self._evict()
 
-    def propose(self, request_id: str, context: Sequence[int], max_tokens: int,
+    def propose(self, request_id: str, tokens: Sequence[int], max_tokens: int,
                 factor: float = SPEC_FACTOR, min_prob: float = MIN_PROB) -> Proposal:
-        """The better of the request's own tree's and the shared tree's proposals."""
-        local = self._local.get(request_id)
-        if local is None or max_tokens <= 0:
+        """The better of the request's own index's and the shared tree's proposals; tokens
+        are the request's prompt and output so far."""
+        if request_id not in self._keys or max_tokens <= 0:
             return Proposal()
-        tail = context[-self.depth:]
-        own = local.speculate(tail, max_tokens, factor, min_prob)
-        shared = self.shared.speculate(tail, max_tokens, factor, min_prob)
+        own = speculate_sequence(tokens, max_tokens, self.depth, factor, min_prob)
+        shared = self.shared.speculate(tokens[-self.depth:], max_tokens, factor, min_prob)
         return shared if shared.score > own.score else own
 
     def _evict(self) -> None:
