@@ -152,3 +152,13 @@ def test_real_model_greedy_suffix_equals_target_only_and_the_second_pass_accepts
         second = engine.generate(prompt, params=SamplingParams(max_tokens=40, speculate="suffix"))
     assert first.token_ids == plain and second.token_ids == plain
     assert second.metrics.spec["accepted_tokens"] > first.metrics.spec["accepted_tokens"]
+
+
+def test_the_repeated_burst_benchmark_runs_both_passes_and_keeps_the_tokens(tiny_model_path):
+    from engine.bench.spec import repeated_burst
+    with start(tiny_model_path("qwen2", context_length=2048), deterministic=True, max_batched_tokens=2048,
+               kv_cache_memory=64 * 2**20) as engine:
+        got = repeated_burst(engine, 12)
+    assert len(got["off_tok_s"]) == 2 and len(got["suffix_tok_s"]) == 2 and got["same_tokens"]
+    assert got["suffix_acceptance"][1] is not None and got["suffix_acceptance"][1] > 0
+    assert got["second_pass_suffix_vs_off"] > 0

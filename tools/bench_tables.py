@@ -285,6 +285,10 @@ def sec_spec() -> str:
                      f"\n\nBurst of {b['requests']} concurrent requests ({b['max_tokens']} tokens, {b['policy']}): "
                      f"off {f(b['off_tok_s'])} tok/s, draft model {f(b['draft_tok_s'])} ({x(b['draft_vs_off'])}), "
                      f"n-gram {f(b['ngram_tok_s'])} ({x(b['ngram_vs_off'])}).")
+        if rb := r.data.get("repeated_burst"):
+            parts[-1] += (f"\n\nThe burst's {rb['tasks']} tasks fired twice on the 0.5B (greedy): suffix decoding's "
+                          f"second pass {x(rb['second_pass_suffix_vs_off'])} the second pass without speculation "
+                          f"(first pass {x(rb['first_pass_suffix_vs_off'])}).")
     return section("spec: speculative decoding", TEXT["spec"], found, "\n\n".join(parts), BOUNDS["spec"])
 
 
