@@ -75,6 +75,8 @@ def test_a_cpu_worker_reports_its_roofline_and_the_view_carries_it(tiny_model_pa
         deadline = time.monotonic() + 10
         while (r := engine.snapshot().workers[0].roofline) is None and time.monotonic() < deadline:
             time.sleep(0.1)
+        from engine.serve.snapshot_json import worker_json
+        assert worker_json(engine.snapshot().workers[0])["roofline"] is not None   # GET /snapshot carries it
     assert r is not None and r["read_gbs"] > 0 and r["bandwidth_gbs"] > 0
     assert 0 < r["read_share"] and r["rows"] >= 1
 

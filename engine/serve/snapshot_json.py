@@ -21,7 +21,7 @@ def worker_json(w) -> dict:
                    "usage": usage, "bytes": w.kv_bytes},
             "preemptions": w.preemptions, "recomputed_tokens": w.recomputed_tokens, "steps": w.steps,
             "policy": w.policy, "cpu_percent": w.cpu_percent, "rss_bytes": w.rss_bytes,
-            "prefix_cache": w.prefix_cache, "prefix_hit_rate": w.hit_rate}
+            "prefix_cache": w.prefix_cache, "prefix_hit_rate": w.hit_rate, "roofline": w.roofline}
 
 
 def request_json(r) -> dict:
