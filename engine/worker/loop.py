@@ -22,7 +22,7 @@ from engine.kv.prefix_cache import model_identity
 from engine.kv.reuse import PrefixReuse
 from engine.worker.output import OutputProcessor, SampledToken, spec_dict
 from engine.worker.profile import worker_profile
-from engine.worker.roofline import DecodeTraffic, machine_ceilings
+from engine.worker.roofline import machine_ceilings, worker_traffic
 from engine.worker.runner import ModelRunner
 from engine.worker.runner_api import Runner
 from engine.worker.scheduler import ScheduledSeq, Scheduler, StepPlan
@@ -94,7 +94,8 @@ class Worker:
             if cfg.speculate != "off" or self.spec.draft is not None:
                 emit(msg.WorkerLoading(index, "measuring verify and draft step costs"))
                 self.spec.calibrate()   # else on the first speculating request
-        self.traffic = self._decode_traffic()
+        # the live roofline: not measured while a kernel build holds the cores (then at the switch)
+        self.traffic = worker_traffic(self.runner, cfg, self._threads, measure=not self.kernels_pending)
         self.reuse = None
         if cfg.prefix_cache == "on" and cfg.kv_cache == "paged":
             self.reuse = PrefixReuse(
@@ -127,15 +128,6 @@ class Worker:
             "draft_model": cfg.draft_model if self.spec and self.spec.draft else "",
             "kernels_building": self.kernels_pending,
         })))
-
-    def _decode_traffic(self) -> DecodeTraffic | None:
-        """The live roofline of a real CPU worker (its ceilings measured once per machine; not
-        while a kernel build holds the cores: then at the switch to the kernels)."""
-        runner = self.runner
-        if self.cfg.simulated or getattr(runner, "device", None) is None or runner.device.type != "cpu":
-            return None
-        ceilings = machine_ceilings(self._threads, remeasure=self.cfg.recalibrate, measure=not self.kernels_pending)
-        return DecodeTraffic(runner.weight_bytes, runner.weight_macs, runner.kv_bytes_per_token, ceilings)
 
     # --- loop -------------------------------------------------------------------------
     def run(self, commands) -> None:

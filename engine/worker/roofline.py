@@ -95,6 +95,14 @@ def weight_traffic(gguf) -> tuple[int, int]:
     return nbytes, macs
 
 
+def worker_traffic(runner, cfg, threads: int, measure: bool = True) -> DecodeTraffic | None:
+    """A real CPU worker's live roofline (None elsewhere); `--recalibrate` measures again."""
+    if cfg.simulated or getattr(runner, "device", None) is None or runner.device.type != "cpu":
+        return None
+    ceilings = machine_ceilings(threads, remeasure=cfg.recalibrate, measure=measure)
+    return DecodeTraffic(runner.weight_bytes, runner.weight_macs, runner.kv_bytes_per_token, ceilings)
+
+
 class DecodeTraffic:
     """The bytes and multiply-adds of a worker's recent decode steps against its ceilings."""
 
