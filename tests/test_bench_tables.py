@@ -342,5 +342,6 @@ def test_rows_renders_what_bench_rows_writes(bench_dir):
         {"model": "qwen2.5-coder-0.5b", "rows": [row(1, 18.0, 0.8, 0.05), row(8, 39.6, 0.4, 0.62)]},
         {"model": "qwen2.5-coder-1.5b", "error": "not found"}]})
     text = bt.sec_rows()
-    assert "| CPU | model | 1 rows | 8 rows | read share, 1 row | read share, 8 rows | matmul-peak share, 8 rows |" in text
+    assert ("| CPU | model | 1 rows | 8 rows | read share, 1 row | read share, 8 rows "
+            "| matmul-peak share, 8 rows |") in text
     assert "| Zen 4 | 0.5B | 1.00× | 2.20× | 80% | 40% | 62% |" in text

@@ -224,5 +224,6 @@ def bench_spec(args) -> dict:
         "best_code_config": best, "best_code_speedup": code[best], "best_code_goal": 1.5,
         "adaptive_cost_min_ratio": min(c for c in cost if c is not None), "adaptive_cost_goal": 0.97,
         "burst_ratio": min(report["burst"]["draft_vs_off"], report["burst"]["ngram_vs_off"]), "burst_goal": 0.97,
-        "suffix_second_pass_ratio": report["repeated_burst"]["second_pass_suffix_vs_off"], "suffix_second_pass_goal": 1.5}
+        "suffix_second_pass_ratio": report["repeated_burst"]["second_pass_suffix_vs_off"],
+        "suffix_second_pass_goal": 1.5}
     return report
