@@ -48,10 +48,14 @@ def decode_roofline(worker, steps_per_s: float, context_tokens: int, live: dict 
     the measured read bandwidth; `live` is the worker's own figure for the same load."""
     if worker.simulated:
         return {"note": "not shown: a simulated worker's step is a timed wait"}
-    weight_bytes, _, kv_per_token = model_traffic(worker)
+    try:
+        weight_bytes, _, kv_per_token = model_traffic(worker)
+        ceil = ceilings(worker.threads)
+    except Exception as exc:  # noqa: BLE001 - the decode figures stand without it
+        from engine.errors import describe_error
+        return {"note": f"not measured: {describe_error(exc)}"}
     step = weight_bytes + kv_per_token * context_tokens
     read = step * steps_per_s / 1e9
-    ceil = ceilings(worker.threads)
     return {"weight_bytes": weight_bytes, "kv_bytes_per_token": kv_per_token,
             "mean_context_tokens": context_tokens, "step_bytes": step, "read_gb_s": round(read, 2),
             "read_bandwidth_gb_s": ceil["read_gbs"], "read_share": round(read / ceil["read_gbs"], 3),

@@ -60,6 +60,7 @@ def machine_ceilings(threads: int, remeasure: bool = False, measure: bool = True
     """{"read_gbs", "matmul_gflops", "source"} on `threads` threads, cached for this CPU and
     thread count; {} when not cached and measure is False."""
     import torch
+    threads = threads if threads > 0 else torch.get_num_threads()
     key = ceilings_key(threads)
     cached = None if remeasure else load_profiles().get(key)
     if cached and cached.get("read_gbs") and cached.get("matmul_gflops"):
