@@ -22,13 +22,14 @@ from engine.config import (CUDA_GRAPHS, KV_DTYPES, KV_MODES, PREFIX_CACHE, ROUTE
 from engine.facade.devices import parse_devices
 from engine.config import parse_size
 from app.flags import as_flags, describe_error, worker_from_flags
+from app.printing import err, json_text, out, stream_text
 from engine.errors import ConfigError, TokentopError
 from engine.trace import DETAILS, check_trace_dir
 
 EXIT_USAGE = 2
 MAX_PROMPT_FILE_BYTES = 8 * 2**20   # ~8 million characters: far beyond any model's context
 LATENCY_WINDOW_NAMES = ("10s", "60s", "session")   # engine/facade/latency.py WINDOWS, as /snapshot names them
-COMMANDS = ("generate", "bench", "models", "serve", "replay", "compare", "watch", "status")   # else: the dashboard's
+COMMANDS = ("generate", "bench", "models", "serve", "replay", "compare", "watch", "web", "status")   # else: the dashboard's
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -53,23 +54,30 @@ def _writable_file(path: str) -> str:
     return path
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number; e.g. 3")
-    return value
+def _positive(kind: type, what: str):
+    """An argparse type: a positive, finite number of `kind`; else a one-line error saying `what`."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = kind(0)
+        if not 0 < value < float("inf"):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        return value
+    return parse
 
 
-def _positive_minutes(text: str) -> float:
+_positive_int = _positive(int, "a positive whole number; e.g. 3")
+_positive_minutes = _positive(float, "a positive number of minutes; e.g. 2 or 0.5")
+
+
+def _timeout_seconds(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         value = 0.0
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of minutes; e.g. 2 or 0.5")
+    if not 0 < value <= 3600:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds from 0 to 3600; e.g. 5 or 0.5")
     return value
 
 
@@ -181,6 +189,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="the flight recorder keeps the last this long, e.g. 120s, 5m (default 120s)")
     g.add_argument("--trace-memory", type=_size, default="64MiB", metavar="SIZE",
                    help="... or at most this much memory per worker and for the facade (default 64MiB)")
+    g.add_argument("--trace-keep", type=_positive_int, default=20, metavar="N",
+                   help="trace files kept in the trace folder; writing one more deletes the oldest (default 20)")
+    g.add_argument("--trace-keep-mib", type=_positive_int, default=512, metavar="MIB",
+                   help="... and at most this many MiB of them (default 512)")
     g.add_argument("--routing-log", default=None, help="append every routing decision as JSON lines")
 
 
@@ -192,13 +204,20 @@ def engine_config_from(args: argparse.Namespace, default_mode: str = "process") 
     return EngineConfig(workers=workers, router_policy=args.router_policy, trace_dir=args.trace_dir,
                         routing_log=args.routing_log, worker_mode=args.worker_mode or default_mode,
                         trace_detail=args.trace_detail or "", trace_window_s=args.trace_window,
-                        trace_memory=args.trace_memory)
+                        trace_memory=args.trace_memory, trace_keep=args.trace_keep,
+                        trace_keep_mib=args.trace_keep_mib)
 
 
 def build_parser() -> OneLineParser:
     p = OneLineParser(prog="tokentop", description="htop for an LLM inference engine")
     sub = p.add_subparsers(dest="command", parser_class=OneLineParser)
+    for add in (_add_generate, _add_bench, _add_serve, _add_replay, _add_compare, _add_watch, _add_web, _add_models,
+                _add_status):
+        add(sub)
+    return p
 
+
+def _add_generate(sub) -> None:
     g = sub.add_parser("generate", help="generate text from a prompt (streams to stdout)")
     g.add_argument("prompt", nargs="?", help="the prompt text")
     g.add_argument("--prompt-file", help="read the prompt from this file ('-' = stdin)")
@@ -215,6 +234,8 @@ def build_parser() -> OneLineParser:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     add_engine_flags(g)
 
+
+def _add_bench(sub) -> None:
     b = sub.add_parser("bench", help="benchmarks (JSON out)")
     b.add_argument("scenario", choices=["single", "batching", "routing", "dashboard", "trace", "record", "prefix", "serve",
                                         "spec", "router", "soak", "first-start", "rows"])
@@ -240,6 +261,8 @@ def build_parser() -> OneLineParser:
                         "compares it with tokentop's HTTP server through one client at N=1 and N=8")
     add_engine_flags(b)
 
+
+def _add_serve(sub) -> None:
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP API (with /metrics), headless")
     add_serve_flags(s)
     add_record_flag(s)
@@ -250,6 +273,8 @@ def build_parser() -> OneLineParser:
                         "(for KV-aware routers; needs tokentop[kv-events])")
     add_engine_flags(s)
 
+
+def _add_replay(sub) -> None:
     r = sub.add_parser("replay", help="play a --record recording in the dashboard (read-only), or make it a trace")
     r.add_argument("file", help="a recording written by tokentop --record FILE or tokentop serve --record FILE")
     r.add_argument("--trace", default=None, metavar="OUT.json",
@@ -259,6 +284,8 @@ def build_parser() -> OneLineParser:
     r.add_argument("--speed", type=float, default=1.0, choices=(0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0),
                    help="playback speed to start at (+ and - change it)")
 
+
+def _add_compare(sub) -> None:
     c = sub.add_parser("compare", help="one burst under settings A, then B, side by side (fresh engines, "
                                        "same requests, arrival times and seeds)")
     c.add_argument("burst", help="a burst file (JSONL, see sample_prompts/README.md)")
@@ -275,27 +302,52 @@ def build_parser() -> OneLineParser:
     c.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
     add_engine_flags(c)
 
+
+def _add_watch(sub) -> None:
     w = sub.add_parser("watch", help="the dashboard over running servers: tokentop serve, vLLM, SGLang, "
                                      "llama.cpp's server, vllm-router")
     w.add_argument("urls", nargs="+", metavar="URL", type=_http_url, help="a server's base URL, e.g. http://10.0.0.2:8000")
     w.add_argument("--interval", type=float, default=1.0, help="seconds between looks (default 1)")
     w.add_argument("--once", action="store_true", help="print one snapshot and exit (1 if a server is down)")
     w.add_argument("--json", action="store_true", help="with --once: the snapshot as JSON")
-    w.add_argument("--api-key", default=None,
+    w.add_argument("--timeout", type=_timeout_seconds, default=3.0, metavar="SECONDS",
+                   help="seconds one look at a server may take, every request and body included; "
+                        "past it the server shows as down (default 3)")
+    w.add_argument("--api-key", default=os.environ.get("TOKENTOP_WATCH_API_KEY"),
                    help="for tokentop servers started with --api-key: read their /snapshot (workers, "
-                        "the engine's percentiles and alerts); without it they are read from /metrics")
+                        "the engine's percentiles and alerts); without it they are read from /metrics "
+                        "(default: $TOKENTOP_WATCH_API_KEY)")
 
+
+def _add_web(sub) -> None:
+    web = sub.add_parser("web", help="tokentop watch in a browser (textual-serve: one process per tab)")
+    web.add_argument("urls", nargs="*", metavar="URL", type=_http_url, default=["http://127.0.0.1:8000"],
+                     help="the servers to watch (default http://127.0.0.1:8000: a local tokentop serve "
+                          "or a dashboard started with --serve 8000)")
+    web.add_argument("--host", default="127.0.0.1", help="address the page listens on (default: loopback only)")
+    web.add_argument("--port", type=int, default=8080, help="the page's port (default 8080)")
+    web.add_argument("--api-key", default=None,
+                     help="the key the page asks for (open /?key=KEY once); required beyond loopback")
+    web.add_argument("--server-api-key", default=os.environ.get("TOKENTOP_WATCH_API_KEY"),
+                     help="the watched tokentop servers' --api-key (default: $TOKENTOP_WATCH_API_KEY)")
+    web.add_argument("--interval", type=float, default=1.0, help="seconds between looks (default 1)")
+    web.add_argument("--max-tabs", type=int, default=8, help="browser tabs open at once, each a process (default 8)")
+
+
+def _add_models(sub) -> None:
     m = sub.add_parser("models", help="list bundled models and whether they are installed")
     m.add_argument("--json", action="store_true")
 
+
+def _add_status(sub) -> None:
     st = sub.add_parser("status", help="a running server's workers, latency and alerts, once (GET /snapshot)")
     st.add_argument("url", nargs="?", default="http://127.0.0.1:8000",
                     help="the server's address (default http://127.0.0.1:8000)")
     st.add_argument("--json", action="store_true", help="print the snapshot's JSON as the server sent it")
     st.add_argument("--api-key", default=None, help="the server's --api-key, if it has one")
     st.add_argument("--window", choices=LATENCY_WINDOW_NAMES, default="60s", help="latency window shown")
-    st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
-    return p
+    st.add_argument("--timeout", type=_timeout_seconds, default=5.0, metavar="SECONDS",
+                    help="seconds the whole answer may take, body included (default 5)")
 
 
 def build_dashboard_parser() -> OneLineParser:
@@ -328,8 +380,7 @@ def with_worker(args):
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in COMMANDS:
-        from app.main import run_dashboard
-        return run_dashboard(argv)
+        return cmd_dashboard(build_dashboard_parser().parse_args(argv))
     args = build_parser().parse_args(argv)
     try:
         if args.command == "generate":
@@ -354,22 +405,27 @@ def main(argv: list[str] | None = None) -> int:
             if args.api_key is not None and not args.api_key.strip():
                 raise ConfigError("--api-key is empty: give the key the servers were started with, or leave it out")
             from app.watch import run_watch
-            return run_watch(args.urls, args.interval, args.once, args.json, args.api_key)
+            return run_watch(args.urls, args.interval, args.once, args.json, args.api_key, args.timeout)
+        if args.command == "web":
+            if args.interval <= 0:
+                raise ConfigError(f"--interval must be a positive number of seconds, got {args.interval:g}")
+            from app.web import run_web
+            return run_web(args.urls, args.host, args.port, args.interval, args.api_key,
+                           args.server_api_key, args.max_tabs)
         if args.command == "status":
             from app.status import cmd_status
             return cmd_status(args)
         build_parser().print_help()
         return EXIT_USAGE
     except TokentopError as exc:
-        print(f"tokentop: error: {describe_error(exc)}", file=sys.stderr)
+        err(f"tokentop: error: {describe_error(exc)}")
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # noqa: BLE001 - unexpected: one line; TOKENTOP_DEBUG=1 shows where
         if os.environ.get("TOKENTOP_DEBUG"):
             raise
-        print(f"tokentop: error: {describe_error(exc)} (run with TOKENTOP_DEBUG=1 for the traceback)",
-              file=sys.stderr)
+        err(f"tokentop: error: {describe_error(exc)} (run with TOKENTOP_DEBUG=1 for the traceback)")
         return 1
 
 
@@ -425,17 +481,17 @@ def cmd_generate(args) -> int:
         kw = {"messages": [{"role": "user", "content": prompt}]} if args.chat else {"prompt": prompt}
         handle = engine.submit(params=params, **kw)
         if handle.notice:
-            print(f"tokentop: note: {as_flags(handle.notice)}", file=sys.stderr)
+            err(f"tokentop: note: {as_flags(handle.notice)}")
         if not args.json:
             for delta in handle:
-                sys.stdout.write(delta.text)
+                sys.stdout.write(stream_text(delta.text))
                 sys.stdout.flush()
             sys.stdout.write("\n")
         result = handle.result()
         if result.finish_reason == "error":
             raise TokentopError(result.error or "generation failed")
         if args.json:
-            print(json.dumps(result_json(engine, result, args.model), ensure_ascii=False))
+            print(json_text(result_json(engine, result, args.model)))
         if args.trace_dir:
             path = engine.export_trace(args.trace_dir)
             print(f"trace written to {path}", file=sys.stderr)
@@ -448,7 +504,7 @@ def print_startup_warnings(engine) -> None:
     """What the engine's start-up warned of, on stderr (the dashboard shows its log instead)."""
     for line in engine.snapshot().log:
         if line.level == "warning":
-            print(f"tokentop: warning: {as_flags(line.text)}", file=sys.stderr)
+            err(f"tokentop: warning: {as_flags(line.text)}")
 
 
 def result_json(engine, result, model: str) -> dict:
@@ -491,7 +547,7 @@ def cmd_models(args) -> int:
 # --- serve -------------------------------------------------------------------------------
 # the server flags' defaults (also: which flags were given; the dashboard uses them with --serve only)
 SERVER_FLAG_DEFAULTS = {"--port": 8000, "--host": "127.0.0.1", "--api-key": None, "--max-queue": 256,
-                        "--max-body": "4MiB", "--allowed-host": None}
+                        "--max-body": "4MiB", "--allowed-host": None, "--enable-per-request-metrics": False}
 
 
 def add_serve_flags(p) -> None:
@@ -507,6 +563,9 @@ def add_serve_flags(p) -> None:
     g.add_argument("--allowed-host", action="append", default=SERVER_FLAG_DEFAULTS["--allowed-host"],
                    metavar="NAME", help="on loopback, also answer requests whose Host header is NAME "
                                         "(repeatable; localhost and the bound address always are)")
+    g.add_argument("--enable-per-request-metrics", action="store_true",
+                   help="add a `metrics` object (TTFT, queue, generation time, ITL, tokens/s, speculative "
+                        "acceptance) to each response, on the final usage chunk when streaming")
 
 
 def check_dashboard_server_flags(args) -> None:
@@ -533,7 +592,8 @@ def serve_config_from(args, host: str | None = None, port: int | None = None):
         raise ConfigError(f"--port {args.port}: the port must be 0..65535 (0 picks a free one), e.g. --port 8000")
     return ServeConfig(host=args.host if host is None else host, port=args.port if port is None else port,
                        api_key=args.api_key, max_queue=args.max_queue, max_body=parse_size(args.max_body),
-                       allowed_hosts=tuple(args.allowed_host or ())).check()
+                       allowed_hosts=tuple(args.allowed_host or ()),
+                       per_request_metrics=args.enable_per_request_metrics).check()
 
 
 def start_recording(engine, path: str | None):
@@ -560,9 +620,12 @@ def cmd_compare(args) -> int:
     if len(config.workers) == 1:
         config = replace(config, worker_mode=args.worker_mode or "thread")
     report = compare(config, items, a, b, burst=args.burst, interval_s=args.interval_ms / 1000, warm=warm,
-                     progress=lambda text: print(f"tokentop: {text}", file=sys.stderr, flush=True))
+                     progress=lambda text: err(f"tokentop: {text}"))
     path = write_report(report, args.out)
-    print(json.dumps(report, indent=2, ensure_ascii=False) if args.json else format_report(report))
+    if args.json:
+        print(json_text(report, indent=2))
+    else:
+        out(format_report(report))     # the burst file's ids are outside text
     print(f"tokentop: report written to {path}", file=sys.stderr)
     return 0
 
@@ -589,12 +652,13 @@ def cmd_replay(args) -> int:
     return 0
 
 
-def write_trace(engine) -> None:
-    """Headless `t`: the flight recorder's trace, and where it went (or why not), on stderr."""
+def write_trace(engine, refuse_busy: bool = False) -> None:
+    """Headless `t`: the flight recorder's trace, and where it went (or why not), on stderr.
+    refuse_busy (SIGUSR1): a signal while one is being written, or right after, writes none."""
     try:
-        path = engine.export_trace()
+        path = engine.export_trace(refuse_busy=refuse_busy)
     except TokentopError as exc:
-        print(f"tokentop: error: {exc}", file=sys.stderr, flush=True)
+        err(f"tokentop: error: {describe_error(exc)}")
         return
     engine.log("info", f"trace written to {path}")
     print(f"tokentop: trace written to {path}", file=sys.stderr, flush=True)
@@ -627,8 +691,7 @@ def cmd_serve(args) -> int:
         try:
             engine.start(wait=True)
             print_startup_warnings(engine)
-            print(f"tokentop: serving {http.api.model} on {http.url}/v1 (metrics at {http.url}/metrics)",
-                  file=sys.stderr, flush=True)
+            err(f"tokentop: serving {http.api.model} on {http.url}/v1 (metrics at {http.url}/metrics)")
         except Exception as exc:  # noqa: BLE001 - one line, then stop serving
             failed.append(describe_error(exc))
             http.server.should_exit = True
@@ -640,7 +703,7 @@ def cmd_serve(args) -> int:
     threading.Thread(target=start_engine, name="tokentop-start", daemon=True).start()
     signal.signal(signal.SIGTERM, lambda *_: setattr(http.server, "should_exit", True))
     # kill -USR1: write the flight recorder, off the signal handler (it waits on the workers)
-    signal.signal(signal.SIGUSR1, lambda *_: threading.Thread(target=write_trace, args=(engine,),
+    signal.signal(signal.SIGUSR1, lambda *_: threading.Thread(target=write_trace, args=(engine, True),
                                                               name="tokentop-trace", daemon=True).start())
     try:
         http.run()
@@ -655,6 +718,65 @@ def cmd_serve(args) -> int:
     if failed:
         raise TokentopError(failed[0])
     return 0
+
+
+def cmd_dashboard(args) -> int:
+    """`tokentop` with no subcommand: the dashboard (app/main.py), with --serve and --record."""
+    from app.main import TokentopApp
+
+    try:
+        check_dashboard_server_flags(args)
+        burst = startup_burst(args.burst_file) if args.burst_file else None
+        config = engine_config_from(args, default_mode="process")
+        # the routing panel shows the cost router's estimates: every worker gets a speed
+        # profile (cached after its first start-up; measured then, as a start-up stage)
+        config = replace(config, workers=tuple(replace(w, calibrate=True) for w in config.workers))
+        app = TokentopApp(replace(config, worker_log=str(dashboard_log())), startup_burst=burst)
+        http = start_dashboard_http(app, args) if args.serve else None
+        recorder = start_recording(app.engine, args.record)
+    except (TokentopError, OSError) as exc:
+        print(f"tokentop: error: {describe_error(exc)}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        app.run()
+    finally:
+        if http is not None:
+            http.stop()
+        if recorder is not None:
+            recorder.close()
+    app.wait_for_shutdown()
+    return app.return_code or 0
+
+
+def dashboard_log():
+    import platformdirs
+    from pathlib import Path
+
+    return Path(platformdirs.user_log_dir("tokentop")) / "workers.log"
+
+
+def startup_burst(path: str):
+    """--burst-file: checked now (a bad file is a one-line error before anything loads);
+    fired once every worker has started."""
+    from pathlib import Path
+    from app.burst_runner import BurstPlan
+    from app.bursts import load_burst
+    from app.screens.burst import DEFAULTS
+
+    items = load_burst(path)
+    return BurstPlan(path=Path(path), count=len(items), interval_ms=int(DEFAULTS["interval"]),
+                     max_tokens=None, temperature=None)
+
+
+def start_dashboard_http(app, args):
+    """`--serve`: the HTTP API on the app's own engine, so its requests appear in the panels."""
+    from engine.serve.server import HttpServer, parse_bind
+
+    host, port = parse_bind(args.serve, default_host=args.host)
+    http = HttpServer(app.engine, serve_config_from(args, host=host, port=port), quiet=True).start()
+    app.serve_url = http.url
+    app.engine.log("info", f"serving the OpenAI API on {http.url}/v1 (metrics at {http.url}/metrics)")
+    return http
 
 
 if __name__ == "__main__":  # pragma: no cover

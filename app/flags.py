@@ -8,6 +8,7 @@ import re
 from engine import errors
 from engine.config import WorkerConfig, parse_size
 from engine.errors import ConfigError
+from engine.outside import visible
 
 # Every setting field the command line sets, with the flag that sets it.
 FIELD_FLAGS = {
@@ -23,9 +24,11 @@ FIELD_FLAGS = {
     "workers": "--device", "router_policy": "--router-policy", "trace_dir": "--trace-dir",
     "routing_log": "--routing-log", "worker_mode": "--worker-mode", "trace_detail": "--trace-detail",
     "trace_window_s": "--trace-window", "trace_memory": "--trace-memory", "cuda_graphs": "--cuda-graphs",
+    "trace_keep": "--trace-keep", "trace_keep_mib": "--trace-keep-mib",
     # ServeConfig: the server flags
     "host": "--host", "port": "--port", "api_key": "--api-key", "max_queue": "--max-queue",
     "max_body": "--max-body", "allowed_hosts": "--allowed-host",
+    "per_request_metrics": "--enable-per-request-metrics",
 }
 FIELD_IN_MESSAGE = re.compile(r"`([a-z][a-z0-9_]*)(?:=([^`]*))?`")
 
@@ -43,8 +46,10 @@ def as_flags(text: str) -> str:
 
 
 def describe_error(exc: BaseException) -> str:
-    """engine.errors.describe_error, with the settings it names as flags."""
-    return as_flags(errors.describe_error(exc))
+    """engine.errors.describe_error, with the settings it names as flags, ready to print or
+    draw: an error quotes what it refused (a value, a file name, a server's answer), which
+    may hold control characters."""
+    return visible(as_flags(errors.describe_error(exc)))
 
 
 def worker_from_flags(flags) -> WorkerConfig:

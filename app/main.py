@@ -1,65 +1,52 @@
-"""The tokentop dashboard: TokentopApp and `run_dashboard(argv)` (`tokentop` with no subcommand).
+"""The tokentop dashboard's UI: TokentopApp (`tokentop` with no subcommand; app/cli.py's
+cmd_dashboard starts it).
 
 The app owns one Engine. It starts it on a background thread so the screen appears at once
 and shows model assembly and loading; then, five times a second, it takes one immutable
-`engine.snapshot()` and hands the pieces to the panels, which update in place. Keys send
-commands (submit, abort, policies, tracing); anything slow (bursts, trace export, shutdown)
-runs on a daemon thread and reports back through a queue read by the same timer.
+`engine.snapshot()` and hands it to the panels (app/panels.py), which update in place. The
+view keys live here, the keys that act on the engine in app/commands.py; anything slow
+(bursts, compare, trace export, shutdown) runs on a daemon thread and reports back through a
+queue read by the same timer.
 """
 from __future__ import annotations
 
-import functools
 import gc
 import queue
-import sys
 import threading
 from dataclasses import replace
 from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Callable, Iterable
 
-import platformdirs
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
-from textual.containers import Horizontal
-from textual.markup import escape
 from textual.screen import Screen
 from textual.widgets import Footer
 
-from app.burst_runner import BurstRun, BurstPlan
-from app.bursts import default_prompts_dir, list_burst_files, load_burst
-from app.cli import (EXIT_USAGE, build_dashboard_parser, check_dashboard_server_flags, engine_config_from,
-                     serve_config_from, start_recording)
+from app.burst_runner import BurstPlan, BurstRun
+from app.commands import EngineCommands, next_option
 from app.flags import describe_error   # engine messages with their settings as flags
-from app.screens.burst import BurstDialog, DEFAULTS
-from app.screens.compare import CompareDialog, CompareResult, CompareSpec
+from app.header import header_parts
+from app.jobs import in_background
+from app.panels import PANELS, compose_panels, draw_panels
+from app.screens.burst import DEFAULTS
 from app.screens.detail import RequestDetail
 from app.screens.help import HelpScreen
-from app.screens.prompt import PromptDialog
 from app.settings import load_settings, save_settings
-from app.widgets.workers import WorkersRow
-from app.widgets.charts import HistoryCharts, window_label
-from app.widgets.event_log import EventLog
-from app.widgets.fmt import fmt_rate, fmt_seconds, fmt_uptime, short_worker
-from app.widgets.latency import LatencyPanel
+from app.widgets.cursor import RequestChosen
 from app.widgets.line import Line
-from app.widgets.panel import Panel
-from app.widgets.requests import RequestChosen, RequestsTable
-from app.widgets.routing import RoutingPanel
-from app.widgets.spec import SpecPanel
+from app.widgets.panel import Frame, Panel
 from app.widgets.timeline import TimelinePanel
-from app.widgets.streams import StreamsPanel
+from app.widgets.workers import WorkersRow
 from engine.config import ROUTER_POLICIES, SCHED_POLICIES, EngineConfig, SamplingParams
 from engine.facade.engine import Engine
-from engine.errors import TokentopError
 from engine.facade.latency import WINDOWS as LATENCY_WINDOWS
 from engine.facade.snapshot import EngineSnapshot
+from engine.outside import visible
 from themes import KV_DEFAULTS, STYLESHEET, THEMES
 
 REFRESH_S = 0.2              # 5 Hz, as often as workers report their stats
 SHUTDOWN_TIMEOUT_S = 2.0     # per worker join before the engine terminates it
-SPEC_PANEL_MIN_WIDTH = 120   # terminal columns from which the speculation panel is shown
-ROUTING_PANEL_MIN_WIDTH = 120   # ... and the routing panel (below, the latency panel has its place)
 FOOTER_PALETTE_MIN_WIDTH = 90    # below, the footer's keys need the palette's place (ctrl+p still opens it)
 THEME_CYCLE = tuple(t.name for t in THEMES)
 # Dashboard keys. The footer, the help screen and the command palette are generated from them.
@@ -104,64 +91,7 @@ class KeysFooter(Footer):
         self.show_command_palette = self.size.width >= FOOTER_PALETTE_MIN_WIDTH
 
 
-def reported(command: Callable) -> Callable:
-    """A UI command whose failure becomes an error notification, never a traceback."""
-    @functools.wraps(command)
-    def run(self: "TokentopApp", *args):
-        try:
-            return command(self, *args)
-        except Exception as exc:
-            self.notify(describe_error(exc), severity="error", timeout=8)
-    return run
-
-
-def startup_burst(path: str) -> BurstPlan:
-    """--burst-file: checked now (a bad file is a one-line error before anything loads);
-    fired once every worker has started."""
-    items = load_burst(path)
-    return BurstPlan(path=Path(path), count=len(items), interval_ms=int(DEFAULTS["interval"]),
-                     max_tokens=None, temperature=None)
-
-
-def run_dashboard(argv: list[str]) -> int:
-    args = build_dashboard_parser().parse_args(argv)
-    try:
-        check_dashboard_server_flags(args)
-        burst = startup_burst(args.burst_file) if args.burst_file else None
-        config = engine_config_from(args, default_mode="process")
-        # the routing panel shows the cost router's estimates: every worker gets a speed
-        # profile (cached after its first start-up; measured then, as a start-up stage)
-        config = replace(config, workers=tuple(replace(w, calibrate=True) for w in config.workers))
-        log = Path(platformdirs.user_log_dir("tokentop")) / "workers.log"
-        app = TokentopApp(replace(config, worker_log=str(log)), startup_burst=burst)
-        http = _start_http(app, args) if args.serve else None
-        recorder = start_recording(app.engine, args.record)
-    except (TokentopError, OSError) as exc:
-        print(f"tokentop: error: {describe_error(exc)}", file=sys.stderr)
-        return EXIT_USAGE
-    try:
-        app.run()
-    finally:
-        if http is not None:
-            http.stop()
-        if recorder is not None:
-            recorder.close()
-    app.wait_for_shutdown()
-    return app.return_code or 0
-
-
-def _start_http(app: "TokentopApp", args):
-    """`--serve`: the HTTP API on the app's own engine, so its requests appear in the panels."""
-    from engine.serve.server import HttpServer, parse_bind
-
-    host, port = parse_bind(args.serve, default_host=args.host)
-    http = HttpServer(app.engine, serve_config_from(args, host=host, port=port), quiet=True).start()
-    app.serve_url = http.url
-    app.engine.log("info", f"serving the OpenAI API on {http.url}/v1 (metrics at {http.url}/metrics)")
-    return http
-
-
-class TokentopApp(App[int]):
+class TokentopApp(EngineCommands, App[int]):
     TITLE = "tokentop"
     CSS_PATH = STYLESHEET
     BINDINGS = list(ACTIONS)
@@ -199,20 +129,14 @@ class TokentopApp(App[int]):
         self._compare: threading.Thread | None = None
         self.latency_window = LATENCY_WINDOWS[0][0]   # w cycles it
         self._heap_settled = False
+        self.panels: dict[str, object] = {}     # panel id -> its widget, once mounted
+        self.boxes: dict[str, Panel] = {}       # box name -> its titled box
 
     # --- layout -------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
         yield Line(id="status")
         yield WorkersRow(self.config.workers, id="workers")
-        with Horizontal(id="middle", classes="row"):
-            yield Panel("requests", RequestsTable(id="requests"), TimelinePanel(id="timeline"),
-                        id="requests-panel")
-            yield Panel(self._latency_title(), LatencyPanel(id="latency"), id="latency-panel")
-            yield Panel("routing", RoutingPanel(id="routing"), id="routing-panel")
-        with Horizontal(id="bottom", classes="row"):
-            yield Panel("streams", StreamsPanel(id="streams"), HistoryCharts(id="charts"), id="streams-panel")
-            yield Panel("speculation", SpecPanel(id="spec"), id="spec-panel")
-            yield Panel("log", EventLog(id="log"), id="log-panel")
+        yield from compose_panels()
         yield KeysFooter(compact=True)
 
     def get_theme_variable_defaults(self) -> dict[str, str]:
@@ -225,26 +149,14 @@ class TokentopApp(App[int]):
         self.theme_changed_signal.subscribe(self, self._remember_theme)
         # Widgets are looked up once: queries on the app search the top screen, a dialog included.
         self._workers_row = self.query_one(WorkersRow)
-        self._requests = self.query_one(RequestsTable)
-        self._timeline = self.query_one(TimelinePanel)
-        self._timeline.display = False
-        self._requests_panel = self.query_one("#requests-panel")
-        self._charts = self.query_one(HistoryCharts)
-        self._charts.display = False
-        self._streams_panel = self.query_one("#streams-panel")
-        self._routing = self.query_one(RoutingPanel)
-        self._streams = self.query_one(StreamsPanel)
-        self._spec = self.query_one(SpecPanel)
-        self._spec_panel = self.query_one("#spec-panel")
-        self._latency = self.query_one(LatencyPanel)
-        self._latency_panel = self.query_one("#latency-panel")
-        self._routing_panel = self.query_one("#routing-panel")
-        self._log = self.query_one(EventLog)
         self._status = self.query_one("#status", Line)
-        self._requests.focus()
+        self.panels = {p.id: self.query_one(f"#{p.id}") for p in PANELS}
+        self.boxes = {p.box: self.query_one(f"#{p.box}-panel", Panel) for p in PANELS}
+        self.boxes["latency"].border_title = self._latency_title()
+        self.panels["requests"].focus()
         self._show_status()
         if self.live:
-            threading.Thread(target=self._start_engine, name="tokentop-start", daemon=True).start()
+            in_background("start", self._start_engine)
             self.set_interval(REFRESH_S, self.refresh_dashboard)
 
     # --- engine lifecycle (background threads) -----------------------------------------
@@ -256,7 +168,11 @@ class TokentopApp(App[int]):
             self.engine.start(wait=False)
         except Exception as exc:  # shown in the panels and as a notification, never as a traceback
             self._start_error = describe_error(exc)
-            self._notices.put(("error", self._start_error))
+            self.post_notice("error", self._start_error)
+
+    def post_notice(self, severity: str, text: str) -> None:
+        """From any thread: a notification the next refresh shows."""
+        self._notices.put((severity, text))
 
     def begin_shutdown(self) -> None:
         """Stop bursts and the engine on a daemon thread, so quitting never waits on a worker."""
@@ -311,25 +227,8 @@ class TokentopApp(App[int]):
         self.last_snapshot = snap
         self._workers_row.fit(self.size.width, self.size.height)
         self._workers_row.show({w.index: w for w in snap.workers}, self._assembly, self._start_error)
-        names = {w.index: w.name for w in snap.workers}
-        if self._timeline.display:
-            self._timeline.show_snapshot(snap)
-        else:
-            self._requests.show_requests(snap.requests, names)
-        self._routing_panel.display = self.size.width >= ROUTING_PANEL_MIN_WIDTH
-        if self._routing_panel.display:
-            self._routing.show_decisions(snap.routing)
-        if self._charts.display:
-            self._charts.show_history(snap.history, names, snap.clock)
-        else:
-            self._streams.show_streams(snap.requests, names)
-        # the speculation panel needs room: below SPEC_PANEL_MIN_WIDTH columns the request
-        # table's spec column and the help carry it (z zooms a panel)
-        self._spec_panel.display = self.size.width >= SPEC_PANEL_MIN_WIDTH
-        if self._spec_panel.display:
-            self._spec.show_spec(snap.workers, snap.requests, self.engine.spec_mode)
-        self._latency.show_latency(snap.latency.get(self.latency_window), names)
-        self._log.show_lines(snap.log)
+        frame = Frame(snap, worker_names(snap), self.latency_window, self.engine.spec_mode)
+        draw_panels(frame, self.panels, self.boxes, self.size.width)
         self._show_status()
 
     def _all_workers_up(self) -> bool:
@@ -339,56 +238,16 @@ class TokentopApp(App[int]):
                 and all(w.state not in ("starting", "loading") for w in snap.workers))
 
     def _show_status(self) -> None:
-        """The header. On a narrow terminal the fields drop out by priority (the higher the
-        number, the sooner); the name and burst progress always stay."""
-        snap = self.last_snapshot
-        workers = snap.workers if snap else ()
-        ready = sum(w.state == "ready" for w in workers)
-        active = sum(r.state.live for r in snap.requests) if snap else 0
-        # live: the engine's own (a key changes it before the next snapshot); else the picture's
-        detail = self.engine.recorder.detail if self.live or snap is None else snap.trace_detail
-        tracing = "[b $success]full[/]" if detail == "full" else detail
-        parts = [(0, "[b $accent]tokentop[/]")]
-        if snap is not None and snap.alerts:
-            parts.append((0, alert_badge(snap.alerts)))
-        for run in self.bursts:
-            parts.append((0, f"burst {run.name} {run.submitted}/{run.spec.count}"))
-        parts += [(1, f"{ready}/{len(self.config.workers)} ready"), (1, f"{active} active")]
-        if snap is not None:
-            live = [w for w in workers if w.state == "ready"]
-            parts.append((2, f"decode {fmt_rate(sum(w.decode_tps for w in live))} tok/s"))
-            parts.append((5, f"prefill {fmt_rate(sum(w.prefill_tps for w in live))} tok/s"))
-            parts += self._latency_parts(snap)
-        parts += [(3, f"router [b]{self.router_policy}[/]"), (3, f"sched [b]{self.scheduler_policy}[/]"),
-                  (3, f"trace {tracing}")]
-        if self.serve_url:
-            parts.append((1, f"api {self.serve_url}"))
-        if snap is not None and snap.uptime:
-            parts.append((4, f"up {fmt_uptime(snap.uptime)}"))
-        self._status.set_parts(parts, prefix=" ")
+        self._status.set_parts(header_parts(self), prefix=" ")
 
-    def _latency_parts(self, snap: EngineSnapshot) -> list[tuple[int, str]]:
-        """The latency panel's headline figures, for the header: p50 and p99 of TTFT and ITL,
-        then e2e, over the panel's window."""
-        view = snap.latency.get(self.latency_window)
-        if view is None:
-            return []
-        parts = []
-        for priority, metric, label in ((2, "ttft", "TTFT"), (3, "itl", "ITL"), (6, "e2e", "e2e")):
-            s = view.summary(metric)
-            if s.count:
-                parts.append((priority, f"{label} p50 {fmt_seconds(s.p50)} p99 {fmt_seconds(s.p99)}"))
-        return parts
+    def notify(self, message: str, *, title: str = "", severity="information", timeout: float | None = None,
+               markup: bool = True) -> None:
+        """Every notification as plain text: most quote something from outside (a request id,
+        a file name, an error naming a value), which must neither move the cursor nor be markup."""
+        super().notify(visible(message), title=visible(title), severity=severity, timeout=timeout, markup=False)
 
     def _latency_title(self) -> str:
         return f"latency · {self.latency_window} (w)"
-
-    def _finish_bursts(self) -> None:
-        for run in [r for r in self.bursts if r.done]:
-            self.bursts.remove(run)
-            summary = run.summary()
-            self.engine.log("info", summary.text())
-            self.notify(summary.text(), title="burst finished", timeout=6)
 
     # --- actions --------------------------------------------------------------------------
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
@@ -397,127 +256,11 @@ class TokentopApp(App[int]):
             return False
         return True
 
-    def _engine_ready(self) -> bool:
-        if self.engine.ready:
-            return True
-        self.notify(self._start_error or "the engine is still starting: wait until a worker is ready",
-                    severity="warning")
-        return False
-
     def _dialog(self, name: str, make: Callable[[], Screen]) -> str:
         """Dialogs are built once and reused: composing one costs about 100 ms of UI time."""
         if not self.is_screen_installed(name):
             self.install_screen(make(), name)
         return name
-
-    @reported
-    def action_burst(self) -> None:
-        files = list_burst_files(default_prompts_dir())
-        if not files:
-            self.notify(f"no burst files (*.jsonl) in {default_prompts_dir()}", severity="error")
-            return
-        name = self._dialog("burst", lambda: BurstDialog(files))
-        self.get_screen(name).set_files(files)
-        self.push_screen(name, self.fire_burst)
-
-    @reported
-    def fire_burst(self, spec: BurstPlan | None) -> None:
-        if spec is None or not self._engine_ready():
-            return
-        items = load_burst(spec.path)
-        self.burst_count += 1
-        if spec.max_tokens is not None and spec.temperature is not None:
-            self.prompt_params = replace(self.prompt_params, max_tokens=spec.max_tokens,
-                                         temperature=spec.temperature)
-        name = f"{spec.path.stem}#{self.burst_count}"
-        self.bursts.append(BurstRun(self.engine, spec, items, name).start())
-        self.notify(f"burst {name}: {spec.count} requests from {spec.path}, one every {spec.interval_ms} ms")
-        self._show_status()
-
-    @reported
-    def action_compare(self) -> None:
-        if self._compare is not None and self._compare.is_alive():
-            self.notify("a compare is still running; its result shows when both sides are done",
-                        severity="warning")
-            return
-        files = list_burst_files(default_prompts_dir())
-        if not files:
-            self.notify(f"no burst files (*.jsonl) in {default_prompts_dir()}", severity="error")
-            return
-        self.push_screen(self._dialog("compare", lambda: CompareDialog(files)), self.start_compare)
-
-    @reported
-    def start_compare(self, spec: CompareSpec | None) -> None:
-        if spec is None:
-            return
-        items = load_burst(spec.path)
-        self._compare = threading.Thread(target=self._run_compare, args=(spec, items), name="tokentop-compare",
-                                         daemon=True)
-        self._compare.start()
-        self.notify(f"compare {spec.path.name}: side A, then side B, each on a fresh engine…")
-
-    def _run_compare(self, spec: CompareSpec, items) -> None:
-        from engine.facade.compare import compare, format_report, write_report
-        try:
-            report = compare(self.config, items, spec.a, spec.b, burst=str(spec.path),
-                             interval_s=spec.interval_ms / 1000,
-                             progress=lambda text: self.engine.log("info", f"compare {text}"))
-            path = write_report(report, None)
-        except Exception as exc:  # reported in the UI, whatever it is
-            self._notices.put(("error", f"compare failed: {describe_error(exc)}"))
-            return
-        self.engine.log("info", f"compare report written to {path}")
-        try:
-            self.call_from_thread(self.push_screen, CompareResult(format_report(report), path))
-        except RuntimeError:      # the dashboard was closed meanwhile: the report file stays
-            pass
-
-    def action_prompt(self) -> None:
-        self.push_screen(self._dialog("prompt", PromptDialog), self.submit_prompt)
-
-    @reported
-    def submit_prompt(self, text: str | None) -> None:
-        if text is None or not self._engine_ready():
-            return
-        if self.engine.needs_remote_counts():
-            # submit asks a remote's /tokenize for the prompt's length there (up to its timeout):
-            # not on the UI's event loop
-            threading.Thread(target=self._submit_off_loop, args=(text, self.prompt_params),
-                             name="tokentop-prompt", daemon=True).start()
-            return
-        handle = self.engine.submit(text, params=self.prompt_params)
-        self.notify(f"submitted {handle.id}")
-
-    def _submit_off_loop(self, text: str, params) -> None:
-        try:
-            handle = self.engine.submit(text, params=params)
-            self.call_from_thread(self.notify, f"submitted {handle.id}")
-        except Exception as exc:  # noqa: BLE001 - shown like any UI command's failure
-            self.call_from_thread(self.notify, describe_error(exc), severity="error", timeout=8)
-
-    @reported
-    def action_cycle_scheduler(self) -> None:
-        policy = _next(SCHED_POLICIES, self.scheduler_policy)
-        self.engine.set_scheduler_policy(policy)
-        self.scheduler_policy = policy
-        self._show_status()
-        self.notify(f"scheduler policy: {policy}")
-
-    @reported
-    def action_cycle_router(self) -> None:
-        policy = _next(ROUTER_POLICIES, self.router_policy)
-        self.engine.set_router_policy(policy)
-        self.router_policy = policy
-        self._show_status()
-        self.notify(f"router policy: {policy}")
-
-    @reported
-    def action_cycle_spec(self) -> None:
-        modes = self.engine.spec_modes()
-        current = self.engine.spec_mode or self.config.workers[0].speculate
-        mode = _next(modes, current)
-        self.engine.set_spec_mode(mode)
-        self.notify(f"speculative decoding of new requests: {mode}")
 
     def action_expand_worker(self) -> None:
         row = self._workers_row
@@ -525,71 +268,54 @@ class TokentopApp(App[int]):
             self.notify("every worker's panel is already shown in full", severity="information")
             return
         index = row.expand_next()
-        if self.last_snapshot is not None:
-            self.show_snapshot(self.last_snapshot)
+        self._redraw()
         self.notify(f"worker {index} in full" if index is not None else "every worker on one line")
 
     def action_cycle_window(self) -> None:
-        self.latency_window = _next([name for name, _ in LATENCY_WINDOWS], self.latency_window)
-        self._latency_panel.border_title = self._latency_title()
-        if self.last_snapshot is not None:
-            self.show_snapshot(self.last_snapshot)
+        self.latency_window = next_option([name for name, _ in LATENCY_WINDOWS], self.latency_window)
+        self.boxes["latency"].border_title = self._latency_title()
+        self._redraw()
 
     def action_toggle_timeline(self) -> None:
-        showing = not self._timeline.display
-        self._timeline.display = showing
-        self._requests.display = not showing
-        (self._timeline if showing else self._requests).focus()
-        self._title_requests()
-        if self.last_snapshot is not None:
-            self.show_snapshot(self.last_snapshot)
+        self._swap("toggle_timeline")
 
     def action_toggle_charts(self) -> None:
-        showing = not self._charts.display
-        self._charts.display = showing
-        self._streams.display = not showing
-        if showing:
-            self._charts.focus()      # z zooms the focused panel: this one
-        elif self._charts.has_focus:
-            self._requests.focus()
-        self._title_streams()
-        if self.last_snapshot is not None:
-            self.show_snapshot(self.last_snapshot)
+        self._swap("toggle_charts")
 
     def action_cycle_chart_window(self) -> None:
-        self._charts.cycle_window()
-        self._title_streams()
+        self.panels["charts"].cycle_window()
+        self._retitle("streams")
+        self._redraw()
+
+    def _swap(self, action: str) -> None:
+        """The panel this action's key swaps in takes its box's place from the one shown there,
+        or gives it back; focus follows the one shown, so `z` zooms what is on screen."""
+        spec = next(p for p in PANELS if p.key == action)
+        box = spec.box
+        panel, mate = self.panels[spec.id], next(self.panels[p.id] for p in PANELS
+                                                 if p.box == box and p.id != spec.id)
+        showing = not panel.display
+        had_focus = panel.has_focus
+        panel.display, mate.display = showing, not showing
+        if showing:
+            panel.focus()
+        elif had_focus or mate is self.panels["requests"]:
+            self.panels["requests"].focus()
+        self._retitle(box)
+        self._redraw()
+
+    def _retitle(self, box: str) -> None:
+        """A box's title: its shown panel's own box_title() where it has one, else its declared one."""
+        shown = next(p for p in PANELS if p.box == box and self.panels[p.id].display)
+        own = getattr(self.panels[shown.id], "box_title", None)
+        self.boxes[box].border_title = own() if own is not None else shown.title
+
+    def _redraw(self) -> None:
         if self.last_snapshot is not None:
             self.show_snapshot(self.last_snapshot)
 
-    def _title_streams(self) -> None:
-        self._streams_panel.border_title = (f"history · {window_label(self._charts.window)} (m, h: streams)"
-                                            if self._charts.display else "streams")
-
     def on_timeline_panel_changed(self, event: TimelinePanel.Changed) -> None:
-        self._title_requests()
-
-    def _title_requests(self) -> None:
-        self._requests_panel.border_title = (self._timeline.title() if self._timeline.display
-                                             else "requests")
-
-    def _selected_request(self) -> str | None:
-        """The request the table's, or the timeline's, cursor is on: whichever is shown."""
-        return self._timeline.selected_id if self._timeline.display else self._requests.selected_id
-
-    def action_abort(self) -> None:
-        rid = self._selected_request()
-        if rid is None:
-            self.notify("no request selected: pick one in the request table", severity="warning")
-        else:
-            self.abort_request(rid)
-
-    @reported
-    def abort_request(self, rid: str) -> None:
-        if self.engine.abort(rid):
-            self.notify(f"aborting {rid}")
-        else:
-            self.notify(f"{rid} has already finished", severity="warning")
+        self._retitle("requests")
 
     def action_request_detail(self) -> None:
         rid = self._selected_request()
@@ -602,29 +328,8 @@ class TokentopApp(App[int]):
         """A click on a request's row or lane: its detail, as Enter."""
         self.push_screen(RequestDetail(event.request_id))
 
-    @reported
-    def action_toggle_tracing(self) -> None:
-        self.engine.set_tracing(not self.engine.tracing)
-        self._show_status()
-        self.notify(f"trace detail: {self.engine.recorder.detail}")
-
-    @reported
-    def action_export_trace(self) -> None:
-        # the flight recorder has kept the last window all along: write it now
-        threading.Thread(target=self._export_trace, name="tokentop-trace", daemon=True).start()
-        self.notify("writing the trace…")
-
-    def _export_trace(self) -> None:
-        try:
-            path = Path(self.engine.export_trace(self.config.trace_dir)).resolve()
-        except Exception as exc:  # reported in the UI, whatever it is
-            self._notices.put(("error", f"trace export failed: {describe_error(exc)}"))
-            return
-        self._notices.put(("information", f"trace written to {path}"))
-        self.engine.log("info", f"trace written to {path}")
-
     def action_cycle_theme(self) -> None:
-        self.theme = _next(THEME_CYCLE, self.theme)
+        self.theme = next_option(THEME_CYCLE, self.theme)
 
     def _remember_theme(self, theme) -> None:
         if theme.name == self.settings.theme:
@@ -662,14 +367,6 @@ class TokentopApp(App[int]):
                                     binding.tooltip, lambda a=binding.action: self.run_action(a))
 
 
-def alert_badge(alerts) -> str:
-    """The header's badge: the one alert active, or how many (the log says what each is)."""
-    if len(alerts) == 1:
-        a = alerts[0]
-        return f"[b reverse $error] ⚠ {a.kind} {escape(short_worker(a.worker_name))} [/]"
-    return f"[b reverse $error] ⚠ {len(alerts)} alerts [/]"
-
-
-def _next(options: Iterable[str], current: str) -> str:
-    options = tuple(options)
-    return options[(options.index(current) + 1) % len(options)] if current in options else options[0]
+def worker_names(snap: EngineSnapshot) -> dict[int, str]:
+    """Each worker's name as the panels show it: a replayed or watched one is outside text."""
+    return {w.index: visible(w.name) for w in snap.workers}

@@ -18,6 +18,7 @@ from textual.widgets import Footer
 
 from app.main import ACTIONS, DASHBOARD_ACTIONS, TokentopApp
 from app.screens.help import HelpScreen
+from app.widgets.fmt import outside_markup
 from app.widgets.line import Line
 from engine.config import EngineConfig, WorkerConfig
 from engine.facade.snapshot_file import Recording
@@ -75,8 +76,8 @@ class ReplayApp(TokentopApp):
     def on_mount(self) -> None:
         super().on_mount()
         self._bar = self.query_one("#replay-bar", Line)
-        self._timeline.pausable = False     # space pauses the recording instead
-        self._charts.every_frame = True     # a frame's charts never lag its position by a column
+        self.panels["timeline"].pausable = False     # space pauses the recording instead
+        self.panels["charts"].every_frame = True     # a frame's charts never lag its position by a column
         self.show_position()
         self._last_tick = time.monotonic()
         self.set_interval(TICK_S, self._tick)
@@ -120,7 +121,7 @@ class ReplayApp(TokentopApp):
             (1, f"[$accent]{position_bar(self.position, rec.duration)}[/]"),
             (0, speed),
             (2, f"frame {index + 1}/{len(rec)}"),
-            (3, f"replay of {rec.path.rsplit('/', 1)[-1]} (read-only)")], prefix=" ")
+            (3, f"replay of {outside_markup(rec.path.rsplit('/', 1)[-1])} (read-only)")], prefix=" ")
 
     # --- keys -----------------------------------------------------------------------------
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:

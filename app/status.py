@@ -8,38 +8,54 @@ from __future__ import annotations
 
 import json
 
+from app.printing import out
 from app.widgets.fmt import fmt_mib, fmt_rate, fmt_seconds, fmt_uptime, short_worker
 from engine.errors import TokentopError
+from engine.outside import visible
 
 SNAPSHOT_VERSION = 1     # the version of engine/serve/snapshot_json.py this reads
 METRICS = (("ttft", "TTFT"), ("itl", "ITL"), ("e2e", "e2e"), ("queue", "queue"))
 
 
 def fetch_snapshot(url: str, api_key: str | None, timeout: float) -> dict:
+    """The server's /snapshot, all of it within `timeout` seconds and the body under its cap
+    (engine/watch/fetch.py); any failure is a one-line TokentopError."""
     import httpx
+
+    from engine.outside import OutsideDataError
+    from engine.watch.fetch import MAX_SNAPSHOT_BODY, Deadline, FetchError, get
 
     base = url.rstrip("/")
     if "://" not in base:
         base = "http://" + base
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        r = httpx.get(base + "/snapshot", headers=headers, timeout=timeout)
-    except httpx.HTTPError as exc:
-        raise TokentopError(f"cannot reach {base}: {exc or type(exc).__name__}; is `tokentop serve` "
-                            "(or `tokentop --serve PORT`) running there?") from None
-    if r.status_code == 401:
-        raise TokentopError(f"{base} wants an API key: pass the server's --api-key with --api-key KEY")
-    if r.status_code != 200:
-        raise TokentopError(f"{base}/snapshot answered {r.status_code}: {r.text[:200]}")
+        with httpx.Client() as client:
+            r = get(client, base + "/snapshot", Deadline(timeout), headers=headers, max_bytes=MAX_SNAPSHOT_BODY)
+    except FetchError as exc:
+        raise TokentopError(_fetch_failed(base, exc, timeout)) from None
+    if r.status == 401:
+        raise TokentopError(f"{visible(base)} wants an API key: pass the server's --api-key with --api-key KEY")
+    if r.status != 200:
+        raise TokentopError(f"{visible(base)}/snapshot answered {r.status}: {r.excerpt()}")
     try:
         snap = r.json()
-    except ValueError:
-        raise TokentopError(f"{base}/snapshot did not answer JSON: is it a tokentop server?") from None
+    except OutsideDataError as exc:
+        raise TokentopError(f"{exc}: is it a tokentop server?") from None
     if not isinstance(snap, dict) or snap.get("version") != SNAPSHOT_VERSION:
         version = snap.get("version") if isinstance(snap, dict) else None
-        raise TokentopError(f"{base}/snapshot is version {version!r}; this tokentop reads version "
-                            f"{SNAPSHOT_VERSION}: use the same tokentop release on both ends")
+        raise TokentopError(f"{visible(base)}/snapshot is version {visible(repr(version))[:40]}; this tokentop "
+                            f"reads version {SNAPSHOT_VERSION}: use the same tokentop release on both ends")
     return snap
+
+
+def _fetch_failed(base: str, exc, timeout: float) -> str:
+    if exc.kind == "unreachable":
+        return (f"cannot reach {visible(base)}: {exc.reason}; is `tokentop serve` (or `tokentop --serve PORT`) "
+                "running there?")
+    if exc.kind == "late":
+        return f"{visible(base)}/snapshot: {exc.reason}; a slow server may need more --timeout (now {timeout:g})"
+    return f"{visible(base)}/snapshot: {exc.reason}; is it a tokentop server?"
 
 
 def status_text(snap: dict, url: str, window: str) -> str:
@@ -85,6 +101,13 @@ def cmd_status(args) -> int:
     snap = fetch_snapshot(args.url, args.api_key, args.timeout)
     if args.json:
         print(json.dumps(snap, indent=2))
-    else:
-        print(status_text(snap, args.url, args.window))
+        return 0
+    try:
+        text = status_text(snap, args.url, args.window)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:   # a field missing or mistyped
+        from engine.watch.fetch import one_line
+        raise TokentopError(f"{visible(args.url)}/snapshot does not have version {SNAPSHOT_VERSION}'s shape "
+                            f"({type(exc).__name__}: {one_line(str(exc), 80)}): use the same tokentop release "
+                            "on both ends") from None
+    out(text)    # every name in it is the server's
     return 0

@@ -18,6 +18,8 @@ from textual.widgets import Footer, Header, Static
 
 from app.flags import as_flags
 from app.widgets.rate_sparkline import spark_bars
+from engine.outside import visible
+from engine.watch.sources import TIMEOUT
 from engine.watch.watcher import ServerStatus, Watcher
 
 SPARK_WIDTH = 40
@@ -34,7 +36,12 @@ def _secs(v) -> str:
 
 
 def lines(s: ServerStatus) -> list[tuple[str, str]]:
-    """(style, text) lines of one server's group; the same in the dashboard and --once."""
+    """(style, text) lines of one server's group; the same in the dashboard and --once. All a
+    server sends is outside text: every line is made visible here, once, for both."""
+    return [(style, visible(text)) for style, text in _lines(s)]
+
+
+def _lines(s: ServerStatus) -> list[tuple[str, str]]:
     head = f"{s.url}  {s.kind}  {s.state}" + (f"  model {s.model}" if s.model else "")
     out = [("bold green" if s.state == "up" and not s.alerts else "bold yellow" if s.state == "up"
             else "bold red", head)]
@@ -110,7 +117,7 @@ class WatchApp(App):
         yield Header()
         with VerticalScroll():
             for url in self.watcher.urls:
-                panel = Static(f"{url}  (looking)", classes="server")
+                panel = Static(Text(visible(f"{url}  (looking)")), classes="server")
                 self.panels[url] = panel
                 yield panel
         yield Footer()
@@ -135,13 +142,14 @@ class WatchApp(App):
         self._stop.set()
 
 
-def run_watch(urls: list[str], interval: float, once: bool, as_json: bool, api_key: str | None = None) -> int:
-    watcher = Watcher(urls, api_key=api_key)
+def run_watch(urls: list[str], interval: float, once: bool, as_json: bool, api_key: str | None = None,
+              timeout: float = TIMEOUT) -> int:
+    watcher = Watcher(urls, api_key=api_key, timeout=timeout)
     try:
         if once:
-            watcher.poll()
-            time.sleep(interval)               # a second look: rates need two
-            statuses = watcher.poll()
+            first = watcher.poll()
+            time.sleep(interval)               # a second look at those up: rates need two
+            statuses = watcher.poll([s.url for s in first if s.state == "up"])
             print(json.dumps([{**s.to_json(), "note": as_flags(s.note)} for s in statuses], indent=2)
                   if as_json else as_text(statuses))
             return 1 if any(s.state == "down" for s in statuses) else 0

@@ -72,6 +72,8 @@ class SamplingParams:
             bad(f"logprobs must be between 0 and 20, got {shown(self.logprobs)}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop strings must be non-empty strings")
+        if len(self.stop) > MAX_STOPS:
+            bad(f"stop must hold at most {MAX_STOPS} strings, got {len(self.stop)}")
         if any(len(s) > MAX_STOP_CHARS for s in self.stop):
             bad(f"stop strings must be at most {MAX_STOP_CHARS} characters each")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS or any(
@@ -98,7 +100,10 @@ MIN_TEMPERATURE = 1e-5                  # below, (logit - max) / T leaves float3
 REPETITION_PENALTY_RANGE = (0.01, 100.0)   # a seen logit is divided or multiplied by it
 OPENAI_PENALTY_RANGE = (-2.0, 2.0)      # presence / frequency, as OpenAI and vLLM allow
 SEED_RANGE = (-2**63, 2**64 - 1)        # what a torch.Generator takes
-MAX_STOP_CHARS = 1000                   # each stop string is searched for after every token
+# every stop string is searched for in the held-back text after every token: the caps bound
+# that work (64 searches of under 512 characters) and the text held back (255 characters)
+MAX_STOPS = 64
+MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 
 SPEC_MODES = ("off", "ngram", "suffix", "draft")
@@ -253,6 +258,8 @@ class EngineConfig:
     trace_detail: str = ""                # off | light | full; "" = full with trace_dir, else light
     trace_window_s: float = 120.0         # the last this many seconds ...
     trace_memory: int = 64 * 2**20        # ... or this many bytes per ring, whichever is smaller
+    trace_keep: int = 20                  # trace files kept in trace_dir, the oldest deleted ...
+    trace_keep_mib: int = 512             # ... and at most this many MiB of them
 
 
 def parse_size(text: str) -> int:

@@ -201,6 +201,8 @@ class WorkerStats:
     kv_usage: float | None = None  # a remote's scraped KV cache usage (0..1), when it exposes one
     # a remote's requests from other clients: its scraped running + waiting beyond ours
     external_requests: int = 0
+    # KV page residency (engine/kv/residency.py): {histogram: (counts per bucket, sum)}
+    kv_residency: dict | None = None
     # decode steps' read GB/s and shares of the measured ceilings (engine/worker/roofline.py)
     roofline: dict | None = None
 

@@ -21,7 +21,8 @@ from dataclasses import replace
 from textual.content import Content
 
 from engine.stats import percentile
-from app.main import TokentopApp, run_dashboard, startup_burst
+from app.cli import main as cli_main, startup_burst
+from app.main import TokentopApp
 from app.screens.burst import BurstDialog
 from app.screens.detail import RequestDetail, detail_markup, prompt_markup
 from app.screens.prompt import PromptDialog
@@ -109,7 +110,7 @@ async def test_burst_fills_table_grid_streams_and_log(tiny_model, tmp_path):
         assert "burst mixed#1" in str(app._status.render())
         # Requests reach both workers, and the routing panel explains each choice.
         await wait_for(pilot, lambda: {r.worker for r in app.last_snapshot.requests} == {0, 1}, "both workers used")
-        assert "✓" in str(app._routing.body.render())
+        assert "✓" in str(app.panels["routing"].body.render())
 
         await wait_for(pilot, lambda: any("burst mixed#1 done: 8 requests (8 ok" in line.text
                                           for line in app.last_snapshot.log), "the burst summary", timeout=30)
@@ -119,7 +120,7 @@ async def test_burst_fills_table_grid_streams_and_log(tiny_model, tmp_path):
         assert any(CACHED in p._grid._states for p in app.query(WorkerPanel))
         summary = next(line.text for line in app.last_snapshot.log if "done:" in line.text)
         assert "TTFT mean" in summary and "p95" in summary and "tok/s aggregate" in summary
-        assert any("done:" in line.text for line in app._log.lines)
+        assert any("done:" in line.text for line in app.panels["log"].lines)
         assert all(r.state == "finished" for r in app.last_snapshot.requests)
 
 
@@ -361,11 +362,11 @@ def test_settings_tolerate_bad_files(tmp_path):
 
 
 def test_command_line_errors_are_one_line(capsys):
-    assert run_dashboard(["--device", "tpu"]) == 2
+    assert cli_main(["--device", "tpu"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "unknown device 'tpu'" in err
     with pytest.raises(SystemExit) as exc:
-        run_dashboard(["--no-such-flag"])
+        cli_main(["--no-such-flag"])
     assert exc.value.code == 2
     assert capsys.readouterr().err.count("\n") == 1
 
@@ -382,7 +383,7 @@ def test_server_flags_without_serve_are_one_line(capsys, monkeypatch, flags, fra
     def refuse(self):
         raise AssertionError("the dashboard started despite the flags")
     monkeypatch.setattr(TokentopApp, "run", refuse)
-    assert run_dashboard(["--device", "sim:gpu0", *flags]) == 2
+    assert cli_main(["--device", "sim:gpu0", *flags]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and fragment in err, err
 
@@ -500,7 +501,7 @@ async def test_burst_file_flag_fires_at_start_up(tiny_model, tmp_path, capsys):
     # A bad file is a one-line error before anything loads.
     bad = tmp_path / "bad.jsonl"
     bad.write_text(BAD_BURST)
-    assert run_dashboard(["--burst-file", str(bad), "--device", "sim:gpu0"]) == 2
+    assert cli_main(["--burst-file", str(bad), "--device", "sim:gpu0"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{bad}:2" in err
 
@@ -743,7 +744,7 @@ async def test_the_event_log_shows_engine_settings_as_flags(frozen_app):
     async with frozen_app.run_test(size=SIZE) as pilot:
         frozen_app.show_snapshot(replace(fixture_snapshot(), log=(line,)))
         await pilot.pause()
-        shown = " ".join(strip.text.strip() for strip in frozen_app._log.lines)   # wrapped lines
+        shown = " ".join(strip.text.strip() for strip in frozen_app.panels["log"].lines)   # wrapped lines
     assert "r1: raise --kv-cache-memory or lower max_tokens" in shown, shown
 
 
@@ -821,4 +822,4 @@ async def test_a_busy_frame_draws_without_a_layout_pass(frozen_app, view):
         shown = frozen_app.query_one(TimelinePanel if view == "timeline" else RequestsTable)
         assert (shown.lane_count if view == "timeline" else shown.row_count) == 207
         assert frozen_app.query_one(StreamsPanel).shown_ids[-1] == "r207"
-        assert "acc [b]57%[/]" in frozen_app._spec._shown       # the last frame's figures are shown
+        assert "acc [b]57%[/]" in frozen_app.panels["spec"]._shown       # the last frame's figures are shown

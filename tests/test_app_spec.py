@@ -35,9 +35,9 @@ async def test_s_cycles_the_mode_and_the_panel_shows_acceptance(tmp_path):
                    for _ in range(2)]
         results = [h.result(60) for h in handles]
         assert all(r.metrics.spec["mode"] == "ngram" for r in results)
-        await wait_for(pilot, lambda: "pos 1" in app._spec._shown, "acceptance by position")
-        assert "acc " in app._spec._shown and "new requests: [b]ngram" in app._spec._shown
-        await wait_for(pilot, lambda: "gain [b]" in app._spec._shown, "the measured gain")
+        await wait_for(pilot, lambda: "pos 1" in app.panels["spec"]._shown, "acceptance by position")
+        assert "acc " in app.panels["spec"]._shown and "new requests: [b]ngram" in app.panels["spec"]._shown
+        await wait_for(pilot, lambda: "gain [b]" in app.panels["spec"]._shown, "the measured gain")
         spec = app.engine.snapshot().workers[0].spec
         assert spec["spec_tok_s"] > 0 and spec["plain_tok_s_est"] > 0
         await pilot.press("s")

@@ -80,7 +80,7 @@ async def test_panel_and_header_show_the_engines_figures_and_w_cycles_the_window
         await pilot.pause(0.3)
         snap = app.last_snapshot
         ttft = snap.latency["10s"].summary("ttft")
-        text = plain(app._latency._shown)
+        text = plain(app.panels["latency"]._shown)
         row = next(line for line in text.splitlines() if line.startswith("TTFT"))
         assert row.split()[:3] == ["TTFT", fmt_seconds(ttft.p50), fmt_seconds(ttft.p99)]
         assert row.split()[3] == str(ttft.count)
@@ -93,7 +93,7 @@ async def test_panel_and_header_show_the_engines_figures_and_w_cycles_the_window
             assert app.latency_window == window and str(panel.border_title).startswith(f"latency · {window}")
         await pilot.press("w")
         await pilot.pause(0.3)
-        assert "6" in next(line for line in plain(app._latency._shown).splitlines() if line.startswith("e2e"))
+        assert "6" in next(line for line in plain(app.panels["latency"]._shown).splitlines() if line.startswith("e2e"))
 
 
 async def test_the_header_badge_names_the_alert_or_counts_them(frozen_app):

@@ -84,3 +84,22 @@ def test_finished_event_carries_the_metrics():
     assert (event.request_id, event.reason, event.error) == ("r1", "length", None)
     assert (m.prompt_tokens, m.output_tokens, m.queue_time, m.ttft, m.e2e) == (2, 3, 0.25, 1.0, 3.5)
     assert m.itl_mean == pytest.approx(1.0) and m.itl_max == pytest.approx(1.0)
+
+
+def test_many_long_stops_hold_back_at_most_the_longest_but_one():
+    """64 stop strings of 256 characters (the cap): the text held back per token never grows
+    past 255 characters, so each token's search stays bounded; the last stop is still found
+    when it arrives split over tokens."""
+    from engine.config import MAX_STOP_CHARS, MAX_STOPS
+    stops = tuple(f"{i:02d}" + "q" * (MAX_STOP_CHARS - 2) for i in range(MAX_STOPS - 1)) + ("lo EN",)
+    seq = Sequence("r1", [7, 7], SamplingParams(max_tokens=1000, stop=stops).validate(), arrival=0.0)
+    seq.detok = PieceDetok()
+    out = OutputProcessor([EOG], 10_000)
+    held = []
+    for step, token_id in enumerate([5, 6] * 200 + [1, 2, 3, 4], 1):
+        _, reason = out.on_token(seq, SampledToken(token_id), now=float(step))
+        held.append(len(seq.held_text))
+        if reason:
+            break
+    assert reason == "stop" and max(held) == MAX_STOP_CHARS - 1
+    assert seq.text == "xy" * 200 + "Hel"

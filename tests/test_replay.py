@@ -304,7 +304,7 @@ async def test_replay_shows_the_recorded_history_charts_the_same_at_a_position(t
             await pilot.press("h", *keys)
             await pilot.pause(0.2)
             assert app.shown_index == 20
-            drawn.append(app._charts.plotted)
+            drawn.append(app.panels["charts"].plotted)
     assert drawn[0] == drawn[1]
     clock = snaps[20].clock
     decode = dict((label, (xs, ys)) for label, xs, ys in drawn[0]["decode"])
@@ -321,11 +321,11 @@ async def test_the_replay_timeline_does_not_offer_the_key_the_replay_takes(tmp_p
     app = replay_app(tmp_path, paused=True)
     async with app.run_test(size=SIZE) as pilot:
         await pilot.press("g")
-        title = str(app._requests_panel.border_title)
+        title = str(app.boxes["requests"].border_title)
         assert title == "timeline · 30 s (+ -, g: table)", title
         await pilot.press("space", "plus")
-        assert not app.paused and not app._timeline.paused and app._timeline.span == 10.0
-        assert str(app._requests_panel.border_title) == "timeline · 10 s (+ -, g: table)"
+        assert not app.paused and not app.panels["timeline"].paused and app.panels["timeline"].span == 10.0
+        assert str(app.boxes["requests"].border_title) == "timeline · 10 s (+ -, g: table)"
 
 
 async def test_replay_keys_play_pause_seek_step_and_speed(tmp_path):

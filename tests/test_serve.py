@@ -72,7 +72,9 @@ def sim_server(real_model_path):
     ({"prompt": []}, "prompt", "empty"),
     ({"max_tokens": 3}, "prompt", "required"),
     ({"prompt": "hi", "n": 2}, "n", "must be 1"),
-    ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop", "up to 4"),
+    ({"prompt": "hi", "stop": [f"s{i}" for i in range(65)]}, "stop", "up to 64 strings"),
+    ({"prompt": "hi", "stop": ["x" * 257]}, "stop", "up to 256 characters"),
+    ({"prompt": "hi", "stop": ["a", ""]}, "stop", "non-empty"),
     ({"prompt": "hi", "top_p": 0}, "top_p", "(0, 1]"),
     ({"prompt": "hi", "logprobs": 21}, "logprobs", "between 0 and 20"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options", "only allowed"),
@@ -96,6 +98,13 @@ def test_speculation_settings_reach_the_request():
     assert (p.speculate, p.spec_k, p.spec_tv_budget) == ("ngram", "4", 0.5)
     p = parse_completion({"prompt": "hi", "spec_k": "adaptive:cost"}).params
     assert p.spec_k == "adaptive:cost" and p.speculate == "" and p.spec_tv_budget is None
+
+
+def test_any_number_of_stops_up_to_the_cap_reach_the_request():
+    codex = ["\nclass", "\ndef", "\n#", "\nif", "\nprint"]
+    assert parse_completion({"prompt": "hi", "stop": codex}).params.stop == tuple(codex)
+    many = [f"{i:03d}" + "x" * 253 for i in range(64)]
+    assert parse_chat({"messages": [{"role": "user", "content": "x"}], "stop": many}).params.stop == tuple(many)
 
 
 def test_cache_salt_reaches_the_request():

@@ -8,7 +8,8 @@ from dataclasses import replace
 import httpx
 
 from app.cli import build_dashboard_parser
-from app.main import TokentopApp, _start_http
+from app.main import TokentopApp
+from app.cli import start_dashboard_http
 from app.widgets.worker import WorkerPanel
 from engine.config import EngineConfig, WorkerConfig
 from engine.facade.devices import parse_devices
@@ -30,7 +31,7 @@ async def wait_for(pilot, predicate, what: str, timeout: float = 15.0) -> None:
 async def test_http_requests_appear_in_the_panels(tmp_path):
     model = write_tiny_model(tmp_path / "tiny.gguf", "qwen2")
     app = TokentopApp(config(model, ["sim:gpu0:prefill=20000,decode=100"]), settings_path=tmp_path / "s.json")
-    http = _start_http(app, build_dashboard_parser().parse_args(["--serve", "127.0.0.1:0"]))
+    http = start_dashboard_http(app, build_dashboard_parser().parse_args(["--serve", "127.0.0.1:0"]))
     try:
         async with app.run_test(size=(120, 40)) as pilot:
             await wait_for(pilot, lambda: app.engine.ready, "the engine")

@@ -77,6 +77,25 @@ def test_stop_string_cuts_the_text(client, greedy):
     assert cut.choices[0].text == text[: text.index(word)]
 
 
+CODEX_STOPS = ["\nclass", "\ndef", "\n#", "\nif", "\nprint"]
+
+
+def test_a_code_eval_request_with_the_codex_stops_and_more(client):
+    """The harness's five stops plus 59 more (64, the cap): the answer ends where the first of
+    them starts in the unstopped greedy text, whole and streamed alike."""
+    prompt = "def add(a, b):\n    return a + b\n\n\ndef mul(a, b):"
+    free = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0).choices[0].text
+    stops = CODEX_STOPS + [f"\n@never{i}" for i in range(58)] + ["return"]
+    cut = min(free.index(s) for s in stops if s in free)
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0, stop=stops)
+    assert whole.choices[0].finish_reason == "stop" and whole.choices[0].text == free[:cut]
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0, stop=stops,
+                                       stream=True)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == free[:cut]
+    with pytest.raises(openai.BadRequestError, match="up to 64 strings"):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, stop=stops + ["one too many"])
+
+
 def test_seed_reproduces_a_sampled_completion(client):
     def sample(seed):
         return client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8,

@@ -11,12 +11,13 @@ from pathlib import Path
 
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
-from textual.markup import escape
+from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
-from textual.widgets import Button, Input, Label, Select, Static
+from textual.widgets import Input, Label, Static
 
 from app.bursts import BurstFileError, load_burst
+from app.widgets.fmt import outside_markup
+from app.screens.burst_file import BurstFileDialog
 from engine.errors import ConfigError
 from engine.facade.compare import parse_settings
 
@@ -32,70 +33,32 @@ class CompareSpec:
     interval_ms: int
 
 
-class CompareDialog(ModalScreen[CompareSpec | None]):
-    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+class CompareDialog(BurstFileDialog):
+    PREFIX, DEFAULT_FILE, FIRST_FIELD = "compare", DEFAULT_FILE, "a"
+    HEADING, SUBMIT = "A/B compare a burst", ("Run", "run")
+    HINT = ("KEY=VALUE ...: policy, router-policy, prefix-cache, single-flight, speculate, spec-k, spec-tv-budget, "
+            "max-active, worker. Each side runs on a fresh engine beside this one (for quiet figures: tokentop "
+            "compare). Enter runs · Esc cancels")
 
-    def __init__(self, files: list[Path]) -> None:
-        super().__init__()
-        self.files = files
+    def own_fields(self) -> ComposeResult:
+        yield Label("A")
+        yield Input(DEFAULT_A, id="compare-a", compact=True)
+        yield Label("B")
+        yield Input(DEFAULT_B, id="compare-b", compact=True)
+        yield Label("interval ms")
+        yield Input("0", id="compare-interval", type="integer", compact=True)
 
-    def compose(self) -> ComposeResult:
-        names = [p.name for p in self.files]
-        initial = self.files[names.index(DEFAULT_FILE)] if DEFAULT_FILE in names else self.files[0]
-        with Vertical(id="compare-dialog", classes="dialog"):
-            yield Static("[b]A/B compare a burst[/b]", classes="dialog-title")
-            with Grid(id="compare-fields"):
-                yield Label("burst file")
-                yield Select([(p.name, p) for p in self.files], value=initial, allow_blank=False,
-                             id="compare-file", compact=True)
-                yield Label("or a path")
-                yield Input(placeholder="your own file, e.g. ~/prompts.jsonl", id="compare-path", compact=True)
-                yield Label("A")
-                yield Input(DEFAULT_A, id="compare-a", compact=True)
-                yield Label("B")
-                yield Input(DEFAULT_B, id="compare-b", compact=True)
-                yield Label("interval ms")
-                yield Input("0", id="compare-interval", type="integer", compact=True)
-            yield Static("", id="compare-error", classes="dialog-error")
-            with Horizontal(classes="dialog-buttons"):
-                yield Button("Run", variant="primary", id="run", compact=True)
-                yield Button("Cancel", id="cancel", compact=True)
-            yield Static("[$text-muted]KEY=VALUE ...: policy, router-policy, prefix-cache, single-flight, "
-                         "speculate, spec-k, spec-tv-budget, max-active, worker. Each side runs on a fresh "
-                         "engine beside this one (for quiet figures: tokentop compare). Enter runs · Esc "
-                         "cancels[/]", classes="dialog-hint")
-
-    def on_screen_resume(self) -> None:
-        self.query_one("#compare-error", Static).update("")
-        self.query_one("#compare-a", Input).focus()
-
-    def on_input_submitted(self, event: Input.Submitted) -> None:
-        event.stop()
-        self.run_compare()
-
-    def on_button_pressed(self, event: Button.Pressed) -> None:
-        event.stop()
-        if event.button.id == "run":
-            self.run_compare()
-        else:
-            self.dismiss(None)
-
-    def action_cancel(self) -> None:
-        self.dismiss(None)
-
-    def run_compare(self) -> None:
-        value = lambda wid: self.query_one(wid, Input).value  # noqa: E731
-        typed = value("#compare-path").strip()
-        path = Path(typed).expanduser() if typed else self.query_one("#compare-file", Select).value
+    def submit(self) -> None:
+        path = self.chosen_path()
         try:
-            a = parse_settings(value("#compare-a").split(), "A")
-            b = parse_settings(value("#compare-b").split(), "B")
-            interval = int(value("#compare-interval") or "0")
+            a = parse_settings(self.field("a").split(), "A")
+            b = parse_settings(self.field("b").split(), "B")
+            interval = int(self.field("interval") or "0")
             if not 0 <= interval <= 60_000:
                 raise ValueError(f"interval must be between 0 and 60000 ms, got {interval}")
             load_burst(path)
         except (ValueError, ConfigError, BurstFileError) as exc:
-            self.query_one("#compare-error", Static).update(escape(str(exc)))
+            self.show_error(str(exc))
             return
         self.dismiss(CompareSpec(path, a, b, interval))
 
@@ -112,8 +75,8 @@ class CompareResult(ModalScreen[None]):
     def compose(self) -> ComposeResult:
         with VerticalScroll(id="compare-result", classes="dialog"):
             yield Static("[b]A/B compare[/b]", classes="dialog-title")
-            yield Static(escape(self.text), id="compare-table")
-            yield Static(f"[$text-muted]report: {escape(self.path)} · Esc closes[/]", classes="dialog-hint")
+            yield Static(outside_markup(self.text, multiline=True), id="compare-table")
+            yield Static(f"[$text-muted]report: {outside_markup(self.path)} · Esc closes[/]", classes="dialog-hint")
 
     def action_close(self) -> None:
         self.dismiss(None)

@@ -5,11 +5,10 @@ from __future__ import annotations
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import VerticalScroll
-from textual.markup import escape
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
-from app.widgets.fmt import fmt_seconds
+from app.widgets.fmt import fmt_seconds, outside_markup
 from engine.config import SamplingParams
 from engine.facade.snapshot import RequestView
 
@@ -49,15 +48,15 @@ def detail_markup(r: RequestView, worker_name: str | None = None) -> str:
         rows.append(("finished", FINISH_WORDS.get(r.finish_reason, r.finish_reason)))
     if r.notice:
         rows.append(("note", r.notice))
-    lines = [f"  [$text-muted]{name:<14}[/] {escape(value)}" for name, value in rows]
+    lines = [f"  [$text-muted]{name:<14}[/] {outside_markup(value)}" for name, value in rows]
     if r.error:
-        lines.append(f"  [$text-muted]{'error':<14}[/] [$error]{escape(r.error)}[/]")
+        lines.append(f"  [$text-muted]{'error':<14}[/] [$error]{outside_markup(r.error)}[/]")
     return "\n".join(lines)
 
 
 def prompt_markup(r: RequestView) -> str:
     prompt = r.prompt if len(r.prompt) <= PROMPT_CHARS else r.prompt[:PROMPT_CHARS] + "…"
-    return "[b]prompt[/b]\n" + (escape(prompt) or "[$text-muted](not known)[/]")
+    return "[b]prompt[/b]\n" + (outside_markup(prompt, multiline=True) or "[$text-muted](not known)[/]")
 
 
 class RequestDetail(ModalScreen[None]):
@@ -71,7 +70,7 @@ class RequestDetail(ModalScreen[None]):
 
     def compose(self) -> ComposeResult:
         with VerticalScroll(id="detail-dialog", classes="dialog"):
-            yield Static(f"[b]request {escape(self.request_id)}[/b]", classes="dialog-title")
+            yield Static(f"[b]request {outside_markup(self.request_id)}[/b]", classes="dialog-title")
             yield Static("", id="detail-fields")
             yield Static("", id="detail-prompt")
             yield Static("", id="detail-text")
@@ -92,7 +91,7 @@ class RequestDetail(ModalScreen[None]):
         self._shown = view
         self.query_one("#detail-fields", Static).update(detail_markup(view, names.get(view.worker)))
         self.query_one("#detail-text", Static).update(
-            "[b]output[/b]\n" + (escape(view.text_tail) or "[$text-muted](no text yet)[/]"))
+            "[b]output[/b]\n" + (outside_markup(view.text_tail, multiline=True) or "[$text-muted](no text yet)[/]"))
 
     def action_abort(self) -> None:
         self.app.abort_request(self.request_id)

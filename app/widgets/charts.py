@@ -15,12 +15,12 @@ from __future__ import annotations
 from typing import Sequence
 
 from textual.containers import Grid, Vertical
-from textual.markup import escape
 from textual_plot import HiResMode, PlotWidget
 from textual_plot.axis_formatter import AxisFormatter
 
-from app.widgets.fmt import short_worker
+from app.widgets.fmt import outside_markup, short_worker
 from app.widgets.line import Line
+from app.widgets.panel import PanelSpec
 from engine.facade.history import WINDOWS_S, History
 
 # chart id -> (title, [(series, label suffix)], scale)
@@ -126,7 +126,7 @@ def draw_chart(plot: Chart, title: Line, name: str, drawn: list[tuple[str, list[
             plot.scatter(xs, ys, marker_style=colour, hires_mode=HiResMode.BRAILLE)
         else:
             plot.plot(xs, ys, line_style=colour, hires_mode=HiResMode.BRAILLE)
-            legend.append(f"[{colour}]━[/] {escape(worker)}")
+            legend.append(f"[{colour}]━[/] {outside_markup(worker)}")
     plot.set_x_formatter(TimeAxis(window, 3 if plot.size.width < NARROW_COLUMNS else 5))
     plot.set_xlimits(-window, 0)
     top = max((max(ys) for _, _, ys, _ in drawn), default=0.0)
@@ -149,6 +149,9 @@ class HistoryCharts(Grid, can_focus=True):
             with Vertical(classes="chart -spare" if chart in SPARE else "chart"):
                 yield Line(id=f"chart-{chart}-title", classes="chart-title")
                 yield Chart(id=f"chart-{chart}")
+
+    def box_title(self) -> str:
+        return f"history · {window_label(self.window)} (m, h: streams)"
 
     def cycle_window(self) -> int:
         self.window = WINDOWS_S[(WINDOWS_S.index(self.window) + 1) % len(WINDOWS_S)]
@@ -180,3 +183,7 @@ class HistoryCharts(Grid, can_focus=True):
             self.plotted[chart] = [(label, xs, ys) for label, xs, ys, _ in series]
             drawn = [(label, *fit_columns(xs, ys, clock, step), suffix) for label, xs, ys, suffix in series]
             draw_chart(plot, self.query_one(f"#chart-{chart}-title", Line), chart, drawn, self.window, colours)
+
+
+PANEL = PanelSpec(HistoryCharts, id="charts", box="streams", row="bottom", hidden=True, key="toggle_charts",
+                  draw=lambda charts, f: charts.show_history(f.snap.history, f.names, f.snap.clock))

@@ -10,7 +10,9 @@ from rich.text import Text
 from textual.widgets import RichLog
 
 from app.flags import as_flags
+from app.widgets.panel import PanelSpec
 from engine.facade.snapshot import LogLine
+from engine.outside import visible
 
 LEVEL_COLOUR = {"error": "error", "warning": "warning", "info": "primary"}
 LEVEL_LABEL = {"error": "ERROR", "warning": "WARN", "info": "INFO"}
@@ -39,9 +41,10 @@ class EventLog(RichLog):
 
     def _format(self, line: LogLine) -> Text:
         colour = self.app.theme_variables[LEVEL_COLOUR.get(line.level, "foreground")]
+        # a line quotes requests, files and servers; a replayed one is all outside text
         return Text.assemble((format_clock(line.time) + " ", "dim"),
-                             (f"{LEVEL_LABEL.get(line.level, line.level.upper()):<5} ", f"bold {colour}"),
-                             as_flags(line.text))
+                             (f"{visible(LEVEL_LABEL.get(line.level, line.level.upper())):<5} ", f"bold {colour}"),
+                             visible(as_flags(line.text)))
 
     def show_lines(self, lines: tuple[LogLine, ...]) -> None:
         """Append the lines after the last one already shown (the engine keeps a bounded deque)."""
@@ -59,3 +62,7 @@ class EventLog(RichLog):
             self._shown.append(line)
             self.write(self._format(line))
         self._last = lines[-1]
+
+
+PANEL = PanelSpec(EventLog, id="log", box="log", row="bottom", title="log",
+                  draw=lambda log, f: log.show_lines(f.snap.log))

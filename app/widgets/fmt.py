@@ -5,6 +5,8 @@ import functools
 
 from rich.cells import cell_len
 
+from engine.outside import visible
+
 
 def fmt_rate(tps: float) -> str:
     """Tokens per second: 0, 37, 293, 2.6k, 18k."""
@@ -50,6 +52,17 @@ def fmt_uptime(seconds: float) -> str:
     if seconds < 3600:
         return f"{seconds // 60}m{seconds % 60:02d}s"
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def outside_markup(text: object, *, multiline: bool = False) -> str:
+    """Text from outside (a client, a recording, a server, a file name) for a place in a markup
+    string: its control characters in caret notation, its brackets taken as text, not tags.
+    Every bracket is escaped: textual.markup.escape leaves those that do not look like a tag,
+    and "[2J" then swallows the closing tag after it."""
+    shown = visible(text, multiline=multiline).replace("[", "\\[")
+    # Textual's markup has no escape for a backslash before a tag: a zero-width space keeps a
+    # final one from escaping the tag that follows
+    return shown + "\u200b" if shown.endswith("\\") else shown
 
 
 def short_worker(name: str) -> str:

@@ -10,10 +10,10 @@ range that metric's samples span, so a wide spread looks wide; its ends are labe
 from __future__ import annotations
 
 from textual.containers import VerticalScroll
-from textual.markup import escape
 from textual.widgets import Static
 
-from app.widgets.fmt import fit_parts, fmt_seconds, short_worker
+from app.widgets.fmt import fit_parts, fmt_seconds, outside_markup, short_worker
+from app.widgets.panel import PanelSpec
 from engine.facade.latency import HIST_EDGES, METRICS, LatencyView, Summary
 
 LABELS = {"ttft": "TTFT", "itl": "ITL", "e2e": "e2e", "queue": "queue"}
@@ -63,7 +63,7 @@ def metric_line(metric: str, s: Summary, width: int) -> str:
 def worker_line(name: str, view: LatencyView, index: int, width: int) -> str:
     """A worker's p99 of each metric; on a narrow panel queue time, then e2e, drop out."""
     table = view.workers.get(index, {})
-    head = f"[b]{escape(short_worker(name)):<6}[/]"
+    head = f"[b]{outside_markup(short_worker(name)):<6}[/]"
     parts = [(0, head)] + [(i + 1, f"{LABELS[m]} {fmt_seconds(table[m].p99)}")
                            for i, m in enumerate(("ttft", "itl", "e2e", "queue")) if m in table and table[m].count]
     if len(parts) == 1:
@@ -105,3 +105,7 @@ class LatencyPanel(VerticalScroll):
             layout = text.count("\n") != self._shown.count("\n")
             self._shown = text
             self.body.update(text, layout=layout)
+
+
+PANEL = PanelSpec(LatencyPanel, id="latency", box="latency", row="middle", title="latency",
+                  draw=lambda panel, f: panel.show_latency(f.snap.latency.get(f.latency_window), f.names))

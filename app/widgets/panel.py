@@ -1,9 +1,15 @@
-"""A titled, bordered box around one dashboard panel; `z`, or a click on its title, zooms it."""
+"""A titled, bordered box around dashboard panels (`z`, or a click on its title, zooms it), and
+what a panel declares about itself (PanelSpec) and is handed at each refresh (Frame)."""
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from textual.containers import Vertical
 from textual.content import Content
 from textual.events import Click
+
+from engine.facade.snapshot import EngineSnapshot
 
 
 class Panel(Vertical):
@@ -35,3 +41,28 @@ class Panel(Vertical):
                 if child.focusable and child.display:
                     child.focus()
                     break
+
+
+@dataclass(frozen=True)
+class Frame:
+    """What one refresh hands every panel: the snapshot and the app's view settings."""
+    snap: EngineSnapshot
+    names: dict[int, str]        # worker index -> name
+    latency_window: str          # the window `w` chose
+    spec_mode: str | None        # speculation of new requests (the engine's, or the recording's)
+
+
+@dataclass(frozen=True)
+class PanelSpec:
+    """What a panel is, declared in its widget's file; app/panels.py lists them and the app
+    composes, mounts and feeds them from that list. Panels of one box take turns in it (a key
+    swaps them); every box zooms (`z`, or a click on its title)."""
+    widget: type                          # built as widget(id=id)
+    id: str
+    box: str                              # its titled box (`{box}-panel` in the stylesheet)
+    row: str                              # "middle" or "bottom", left to right in list order
+    draw: Callable[[Any, Frame], None]    # the part of the snapshot it shows
+    title: str = ""                       # its box's title while it is shown
+    min_width: int = 0                    # its box shows from this many terminal columns
+    hidden: bool = False                  # starts hidden: its key swaps it in
+    key: str | None = None                # that key's action

@@ -15,16 +15,15 @@ from __future__ import annotations
 
 from rich.segment import Segment
 from rich.style import Style
-from textual.binding import Binding
-from textual.events import Click
 from textual.geometry import Region, Size
-from textual.message import Message
-from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
 from app.widgets.fmt import fmt_seconds, short_worker
-from app.widgets.scroll import keep_row_in_view, set_virtual_size
+from app.widgets.cursor import CursorView
+from app.widgets.scroll import set_virtual_size
+from app.widgets.panel import PanelSpec
 from engine.facade.snapshot import LIVE_STATES, RequestState, RequestView
+from engine.outside import visible
 
 # (header, width). The columns that matter most come first: on a narrow terminal the last
 # ones are cut off (left / right scroll, z zooms the panel).
@@ -54,11 +53,12 @@ def shown_state(r: RequestView) -> str:
 
 
 def request_cells(r: RequestView, names: dict[int, str] | None = None) -> tuple[str, ...]:
+    """A row's cells, as drawn: what came from outside (ids, names, errors) in caret notation."""
     worker = "-" if r.worker is None else short_worker((names or {}).get(r.worker, str(r.worker)))
     state = f"follow {r.leader}" if r.leader else r.state    # single flight: waits on r.leader
-    return (r.id, worker, state,
-            f"{r.output_tokens}/{r.max_tokens}", fmt_seconds(r.ttft), fmt_seconds(r.itl_mean),
-            fmt_seconds(r.e2e), end_text(r), str(r.prompt_tokens), str(r.cached_tokens), spec_text(r))
+    return tuple(visible(cell) for cell in (
+        r.id, worker, state, f"{r.output_tokens}/{r.max_tokens}", fmt_seconds(r.ttft), fmt_seconds(r.itl_mean),
+        fmt_seconds(r.e2e), end_text(r), str(r.prompt_tokens), str(r.cached_tokens), spec_text(r)))
 
 
 def spec_text(r: RequestView) -> str:
@@ -76,28 +76,12 @@ def request_number(request_id: str) -> int:
     return int(digits) if digits.isdigit() else 0
 
 
-class RequestChosen(Message):
-    """A request's row (or timeline lane) was clicked: the app opens its detail, as Enter does."""
-
-    def __init__(self, request_id: str) -> None:
-        super().__init__()
-        self.request_id = request_id
-
-
 def row_text(cells: tuple[str, ...]) -> list[str]:
     return [cell[:width].ljust(width) for cell, (_, width) in zip(cells, COLUMNS)]
 
 
-class RequestsTable(ScrollView, can_focus=True):
+class RequestsTable(CursorView):
     COMPONENT_CLASSES = {"requests-table--header", "requests-table--cursor"}
-    BINDINGS = [
-        Binding("up", "cursor(-1)", "Up", show=False),
-        Binding("down", "cursor(1)", "Down", show=False),
-        Binding("pageup", "page(-1)", "Page up", show=False),
-        Binding("pagedown", "page(1)", "Page down", show=False),
-        Binding("home", "cursor(-1000000)", "First", show=False),
-        Binding("end", "cursor(1000000)", "Last", show=False),
-    ]
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -105,8 +89,6 @@ class RequestsTable(ScrollView, can_focus=True):
         self._names: dict[int, str] | None = None
         self._cells: dict[int, tuple[str, ...]] = {}    # row -> its cells, once worked out
         self._drawn: tuple | None = None        # what the rows on screen showed when last refreshed
-        self._cursor = 0
-        self._selected: str | None = None
         self._follow = True        # the cursor follows the newest live request until moved
 
     # --- data ------------------------------------------------------------------------------
@@ -114,9 +96,8 @@ class RequestsTable(ScrollView, can_focus=True):
     def row_count(self) -> int:
         return len(self._views)
 
-    @property
-    def selected_id(self) -> str | None:
-        return self._views[self._cursor].id if self._views else None
+    def row_id(self, row: int) -> str:
+        return self._views[row].id
 
     def row_cells(self, request_id: str) -> tuple[str, ...] | None:
         """The cells of a request's row (None: no row for it)."""
@@ -149,30 +130,8 @@ class RequestsTable(ScrollView, can_focus=True):
             self._drawn = drawn
             self.refresh()
 
-    # --- cursor -----------------------------------------------------------------------------
-    def action_cursor(self, delta: int) -> None:
-        self.move_cursor(self._cursor + delta)
-
-    def action_page(self, direction: int) -> None:
-        self.move_cursor(self._cursor + direction * max(1, self.size.height - 1))
-
-    def move_cursor(self, row: int) -> None:
-        if not self._views:
-            return
+    def cursor_moved(self) -> None:
         self._follow = False
-        self._cursor = max(0, min(row, len(self._views) - 1))
-        self._selected = self.selected_id
-        self._scroll_to_cursor()
-        self.refresh()
-
-    def _scroll_to_cursor(self) -> None:
-        keep_row_in_view(self, self._cursor)
-
-    def on_click(self, event: Click) -> None:
-        row = int(self.scroll_y) + event.y - 1      # line 0 is the header
-        if event.y >= 1 and row < len(self._views):
-            self.move_cursor(row)
-            self.post_message(RequestChosen(self._views[row].id))
 
     # --- rendering --------------------------------------------------------------------------
     def render_lines(self, crop: Region) -> list[Strip]:
@@ -208,3 +167,7 @@ class RequestsTable(ScrollView, can_focus=True):
                     Segment(texts[7], base + end_style),
                     Segment(" " + " ".join(texts[8:]), base)]
         return Strip(segments).crop_extend(scroll_x, scroll_x + width, base)
+
+
+PANEL = PanelSpec(RequestsTable, id="requests", box="requests", row="middle", title="requests",
+                  draw=lambda table, f: table.show_requests(f.snap.requests, f.names))

@@ -9,10 +9,10 @@ by. The compared figure comes first; on a narrow panel the other fields drop out
 from __future__ import annotations
 
 from textual.containers import VerticalScroll
-from textual.markup import escape
 from textual.widgets import Static
 
-from app.widgets.fmt import fit_parts, fmt_rate, fmt_seconds, short_worker
+from app.widgets.fmt import fit_parts, fmt_rate, fmt_seconds, outside_markup, short_worker
+from app.widgets.panel import PanelSpec
 from engine.facade.router import Candidate, RouteDecision
 
 SHOWN = 12
@@ -40,7 +40,7 @@ def format_score(policy: str, score: float) -> str | None:
 def format_candidate(c: Candidate, decision: RouteDecision, width: int) -> str:
     chosen = c.worker == decision.chosen
     mark = "[bold $success]✓[/]" if chosen else " "
-    name = escape(short_worker(c.name))
+    name = outside_markup(short_worker(c.name))
     head = f"{mark} [bold]{name}[/]" if chosen else f"{mark} {name}"
     score = format_score(decision.policy, c.score)
     if score and c.nominal:   # no speed profile yet: the estimate rests on placeholder rates
@@ -58,8 +58,10 @@ def format_candidate(c: Candidate, decision: RouteDecision, width: int) -> str:
 
 def format_decision(d: RouteDecision, width: int = 10_000) -> str:
     chosen = next((c.name for c in d.candidates if c.worker == d.chosen), f"w{d.chosen}")
-    parts = [(0, f"[bold]{d.request_id}[/] → [bold $accent]{escape(short_worker(chosen))}[/]"),
-             (1, f"[$text-muted]{d.policy}{' (' + d.reason + ')' if d.reason else ''}[/]"),
+    reason = f" ({d.reason})" if d.reason else ""
+    to = outside_markup(short_worker(chosen))
+    parts = [(0, f"[bold]{outside_markup(d.request_id)}[/] → [bold $accent]{to}[/]"),
+             (1, f"[$text-muted]{outside_markup(d.policy + reason)}[/]"),
              (3, f"[$text-muted]{POLICY_NOTE.get(d.policy, '')}[/]"),
              (2, f"[$text-muted]prompt {d.prompt_tokens} · max {d.max_tokens}[/]")]
     return "\n".join([fit_parts(parts, width), *(format_candidate(c, d, width) for c in d.candidates)])
@@ -94,3 +96,9 @@ class RoutingPanel(VerticalScroll):
             lines = text.count("\n") + 1
             self.body.update(text, layout=lines != self._lines)
             self._lines = lines
+
+
+# terminal columns from which the routing panel is shown (below, the latency panel has its place)
+MIN_WIDTH = 120
+PANEL = PanelSpec(RoutingPanel, id="routing", box="routing", row="middle", title="routing",
+                  min_width=MIN_WIDTH, draw=lambda panel, f: panel.show_decisions(f.snap.routing))

@@ -19,11 +19,42 @@ def set_virtual_size(view: ScrollView, size: Size) -> None:
     if size == view.virtual_size:
         return
     view.set_reactive(Widget.virtual_size, size)
-    # What Textual runs after a layout has sized the view: scroll limits, scrollbar windows
-    # and visibility (a visibility change asks for its own layout).
-    view._scroll_update(size)
+    # What Textual does once a layout has sized a view: which scrollbars show (the flags are
+    # layout reactives: a change asks for a layout), their windows, the scroll limits.
+    if view.container_size:          # not laid out yet: the first layout does it all
+        view.show_horizontal_scrollbar, view.show_vertical_scrollbar = scrollbars_needed(view, size)
+    horizontal = view.show_horizontal_scrollbar and view.styles.scrollbar_size_horizontal
+    vertical = view.show_vertical_scrollbar and view.styles.scrollbar_size_vertical
+    width, height = view.container_size
+    if vertical:
+        bar = view.vertical_scrollbar
+        bar.display = True
+        bar.window_virtual_size, bar.window_size = size.height, height - view.scrollbar_size_horizontal
+        bar.refresh()
+    if horizontal:
+        bar = view.horizontal_scrollbar
+        bar.display = True
+        bar.window_virtual_size, bar.window_size = size.width, width - view.scrollbar_size_vertical
+        bar.refresh()
+    view.scroll_x = view.validate_scroll_x(view.scroll_x)
     view.scroll_y = view.validate_scroll_y(view.scroll_y)    # a shorter view: not past its end
     view.refresh()
+
+
+def scrollbars_needed(view: ScrollView, size: Size) -> tuple[bool, bool]:
+    """(horizontal, vertical): which scrollbars a view of this scrollable size shows, by its
+    overflow styles (one bar's room can make the other needed)."""
+    styles = view.styles
+    width, height = view.container_size
+
+    def needed(overflow: str, extent: int, room: int) -> bool:
+        return overflow == "scroll" or (overflow == "auto" and extent > room)
+
+    vertical = needed(styles.overflow_y, size.height, height)
+    horizontal = needed(styles.overflow_x, size.width, width - (styles.scrollbar_size_vertical if vertical else 0))
+    if horizontal and not vertical:
+        vertical = needed(styles.overflow_y, size.height, height - styles.scrollbar_size_horizontal)
+    return horizontal, vertical
 
 
 def keep_row_in_view(view, row: int) -> None:

@@ -10,11 +10,11 @@ same steps without drafts.
 from __future__ import annotations
 
 from textual.containers import VerticalScroll
-from textual.markup import escape
 from textual.widgets import Static
 
-from app.widgets.fmt import short_worker
+from app.widgets.fmt import outside_markup, short_worker
 from app.widgets.rate_sparkline import spark_bars
+from app.widgets.panel import PanelSpec
 from engine.facade.snapshot import LIVE_STATES, RequestView, WorkerView
 
 BAR_WIDTH = 12
@@ -34,12 +34,12 @@ def bar(x: float, width: int = BAR_WIDTH) -> str:
 
 def worker_lines(w: WorkerView, width: int) -> list[str]:
     s = w.spec
-    name = escape(short_worker(w.name))
+    name = outside_markup(short_worker(w.name))
     if s is None:
         return [f"[b]{name}[/] [$text-muted]no speculation (simulated)[/]"]
     if not s["drafts"]:
         modes = "/".join(m for m in w.spec_modes if m != "off")
-        return [f"[b]{name}[/] [$text-muted]no drafts verified yet ({modes or 'off'})[/]"]
+        return [f"[b]{name}[/] [$text-muted]no drafts verified yet ({outside_markup(modes or 'off')})[/]"]
     spark = spark_bars(w.spec_history, max(4, min(24, width - 40)))
     mean = s["mean_accepted_length"]
     lines = [f"[b]{name}[/] acc [b]{pct(s['acceptance_rate'])}[/] [$accent]{spark}[/] "
@@ -60,14 +60,14 @@ def gain_line(s: dict) -> str:
 
 def request_line(r: RequestView) -> str:
     s = r.spec or {}
-    mode = s.get("mode", "off")
-    return (f"{escape(r.id)} {mode} k {s.get('k', 0)} acc {pct(s.get('acceptance_rate'))} "
+    mode = outside_markup(s.get("mode", "off"))
+    return (f"{outside_markup(r.id)} {mode} k {s.get('k', 0)} acc {pct(s.get('acceptance_rate'))} "
             f"len {s['mean_accepted_length']:.2f}" if s.get("mean_accepted_length") else
-            f"{escape(r.id)} {mode} k {s.get('k', 0)} acc —")
+            f"{outside_markup(r.id)} {mode} k {s.get('k', 0)} acc —")
 
 
 def spec_markup(workers: tuple[WorkerView, ...], requests: tuple[RequestView, ...], mode: str, width: int) -> str:
-    lines = [f"new requests: [b]{mode or 'worker default'}[/] [$text-muted](s cycles)[/]"]
+    lines = [f"new requests: [b]{outside_markup(mode or 'worker default')}[/] [$text-muted](s cycles)[/]"]
     for w in workers:
         if w.state == "ready":
             lines += worker_lines(w, width)
@@ -98,3 +98,10 @@ class SpecPanel(VerticalScroll):
             width = body.size.width
             if not width or body.visual.get_height(body.styles, width) != body.size.height:
                 body.refresh(layout=True)
+
+
+# terminal columns from which the panel is shown: below, the request table's spec column and
+# the help carry it (z zooms a panel)
+MIN_WIDTH = 120
+PANEL = PanelSpec(SpecPanel, id="spec", box="spec", row="bottom", title="speculation", min_width=MIN_WIDTH,
+                  draw=lambda panel, f: panel.show_spec(f.snap.workers, f.snap.requests, f.spec_mode))

@@ -20,7 +20,9 @@ from textual.visual import Visual
 from app.widgets.fmt import short_worker
 from app.widgets.requests import request_number
 from app.widgets.scroll import set_virtual_size
+from app.widgets.panel import PanelSpec
 from engine.facade.snapshot import LIVE_STATES, RequestState, RequestView
+from engine.outside import visible
 
 ACTIVE = LIVE_STATES
 KEEP_FINISHED = 4
@@ -40,13 +42,18 @@ def streams_to_show(requests: tuple[RequestView, ...]) -> list[RequestView]:
 def stream_lines(label: str, text: str, width: int, max_lines: int = TAIL_LINES) -> list[str]:
     """Label plus the tail of `text`, hard-wrapped at `width`: at most `max_lines` lines,
     the label always first, the newest character always last."""
-    # Visible newlines would waste whole lines of a small panel; show them as a glyph.
-    text = text.replace("\r", "").replace("\n", "⏎")
+    text = shown_text(text)
     budget = max(1, width * max_lines - len(label) - 1)
     if len(text) > budget:
         text = "…" + text[-(budget - 1):]
     plain = f"{label} {text}"
     return [plain[i:i + width] for i in range(0, len(plain), width)] or [label]
+
+
+def shown_text(text: str) -> str:
+    """A stream's text as drawn: newlines as a glyph (whole lines would waste a small panel),
+    every other control character in caret notation."""
+    return visible(text.replace("\r", "").replace("\n", "⏎"))
 
 
 DRAFTED_STYLE = "$success"   # text of accepted draft tokens (speculative decoding)
@@ -57,12 +64,18 @@ def drafted_ranges(r: RequestView, label: str, width: int, max_lines: int = TAIL
     by newlines (the same cut and wrap; a stray \r shifts it by a character at most)."""
     if not r.drafted_spans or not r.text_tail:
         return []
-    n = len(r.text_tail.replace("\r", ""))
+    tail = r.text_tail
+    n = len(shown_text(tail))
+    as_drawn = n == len(tail.replace("\r", ""))
+
+    def shown_at(i: int) -> int:
+        """Where offset i of the tail is drawn: a control character before it is drawn wider (^[)."""
+        return i if as_drawn else len(shown_text(tail[:i]))
     budget = max(1, width * max_lines - len(label) - 1)
     first, at = (n - (budget - 1), len(label) + 2) if n > budget else (0, len(label) + 1)
     out = []
     for a, b in r.drafted_spans:
-        a, b = max(a, first), min(b, n)
+        a, b = max(shown_at(a), first), min(shown_at(b), n)
         if a < b:
             lo, hi = at + a - first, at + b - first          # in the unwrapped line
             out.append((lo + lo // width, hi + (hi - 1) // width))   # + one newline per wrap
@@ -71,7 +84,7 @@ def drafted_ranges(r: RequestView, label: str, width: int, max_lines: int = TAIL
 
 def stream_label(r: RequestView, names: dict[int, str] | None = None) -> str:
     worker = "-" if r.worker is None else short_worker((names or {}).get(r.worker, f"w{r.worker}"))
-    return f" {r.id} {worker} "
+    return visible(f" {r.id} {worker} ")
 
 
 def stream_body(r: RequestView) -> str:
@@ -175,3 +188,7 @@ class StreamsPanel(ScrollView, can_focus=True):
                 drawn = self._drawn[at] = self._draw(stream_content(r, self._width, self._names)[0])
             lines = drawn[index - self._starts[at]:]
         return lines[0] if lines else Strip([])     # padded with the panel's background
+
+
+PANEL = PanelSpec(StreamsPanel, id="streams", box="streams", row="bottom", title="streams",
+                  draw=lambda panel, f: panel.show_streams(f.snap.requests, f.names))

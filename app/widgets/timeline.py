@@ -13,17 +13,18 @@ from __future__ import annotations
 from rich.segment import Segment
 from rich.style import Style
 from textual.binding import Binding
-from textual.events import Click
 from textual.geometry import Region, Size
 from textual.message import Message
-from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
 from app.widgets.fmt import short_worker
-from app.widgets.requests import RequestChosen, request_number
-from app.widgets.scroll import keep_row_in_view, set_virtual_size
+from app.widgets.cursor import CursorView
+from app.widgets.requests import request_number
+from app.widgets.scroll import set_virtual_size
+from app.widgets.panel import PanelSpec
 from engine.facade.snapshot import EngineSnapshot, RequestState
 from engine.facade.timeline import Timeline
+from engine.outside import visible
 
 # phase -> (glyph, theme colour); a tick (chunk or verify round) in a column -> the dense glyph
 PHASE_LOOK = {"queued": ("·", "text-muted"), "waiting-on-leader": ("~", "accent"), "prefill": ("▒", "warning"),
@@ -80,15 +81,9 @@ def axis_text(span: float, width: int) -> str:
     return "".join(line)
 
 
-class TimelinePanel(ScrollView, can_focus=True):
+class TimelinePanel(CursorView):
     COMPONENT_CLASSES = {"timeline--header", "timeline--cursor"}
     BINDINGS = [
-        Binding("up", "cursor(-1)", "Up", show=False),
-        Binding("down", "cursor(1)", "Down", show=False),
-        Binding("pageup", "page(-1)", "Page up", show=False),
-        Binding("pagedown", "page(1)", "Page down", show=False),
-        Binding("home", "cursor(-1000000)", "First", show=False),
-        Binding("end", "cursor(1000000)", "Last", show=False),
         Binding("space", "pause", "Pause", show=False),
         Binding("plus,equals_sign", "zoom(-1)", "Zoom in", show=False),
         Binding("minus", "zoom(1)", "Zoom out", show=False),
@@ -104,19 +99,18 @@ class TimelinePanel(ScrollView, can_focus=True):
         self.pausable = True    # space pauses it; a replay takes space to pause the recording
         self._lanes: list[tuple[str, str, RequestState, Timeline]] = []   # id, worker, state, timeline
         self._clock = 0.0
-        self._cursor = 0
-        self._selected: str | None = None
 
     # --- data -------------------------------------------------------------------------------
     @property
-    def lane_count(self) -> int:
+    def row_count(self) -> int:
         return len(self._lanes)
 
-    @property
-    def selected_id(self) -> str | None:
-        return self._lanes[self._cursor][0] if self._lanes else None
+    lane_count = row_count
 
-    def title(self) -> str:
+    def row_id(self, row: int) -> str:
+        return self._lanes[row][0]
+
+    def box_title(self) -> str:
         if not self.pausable:
             return f"timeline · {self.span:g} s (+ -, g: table)"
         return f"timeline · {self.span:g} s · {'paused' if self.paused else 'live'} (space, + -, g: table)"
@@ -152,29 +146,6 @@ class TimelinePanel(ScrollView, can_focus=True):
         self.post_message(self.Changed())
         self.refresh()
 
-    def action_cursor(self, delta: int) -> None:
-        self.move_cursor(self._cursor + delta)
-
-    def action_page(self, direction: int) -> None:
-        self.move_cursor(self._cursor + direction * max(1, self.size.height - 1))
-
-    def move_cursor(self, row: int) -> None:
-        if not self._lanes:
-            return
-        self._cursor = max(0, min(row, len(self._lanes) - 1))
-        self._selected = self.selected_id
-        self._scroll_to_cursor()
-        self.refresh()
-
-    def _scroll_to_cursor(self) -> None:
-        keep_row_in_view(self, self._cursor)
-
-    def on_click(self, event: Click) -> None:
-        lane = int(self.scroll_y) + event.y - 1     # line 0 is the axis
-        if event.y >= 1 and lane < len(self._lanes):
-            self.move_cursor(lane)
-            self.post_message(RequestChosen(self._lanes[lane][0]))
-
     # --- drawing ----------------------------------------------------------------------------
     def render_lines(self, crop: Region) -> list[Strip]:
         colours = self.app.theme_variables
@@ -196,7 +167,7 @@ class TimelinePanel(ScrollView, can_focus=True):
         rid, worker, state, timeline = self._lanes[index]
         if index == self._cursor:
             base += cursor
-        segments = [Segment(f"{rid:<6}{worker[:5]:<6}"[:LABEL], base)]
+        segments = [Segment(f"{visible(rid):<6}{visible(worker)[:5]:<6}"[:LABEL], base)]
         step = self.span / bars if bars else self.span
         run_text, run_colour = "", None
         for glyph, colour in lane_cells(timeline, self._clock - self.span, step, bars):
@@ -208,3 +179,7 @@ class TimelinePanel(ScrollView, can_focus=True):
         if run_text:
             segments.append(Segment(run_text, base + looks.get(run_colour, Style())))
         return Strip(segments).crop_extend(0, width, base)
+
+
+PANEL = PanelSpec(TimelinePanel, id="timeline", box="requests", row="middle", hidden=True,
+                  key="toggle_timeline", draw=lambda timeline, f: timeline.show_snapshot(f.snap))

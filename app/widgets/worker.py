@@ -12,10 +12,9 @@ import time
 
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
-from textual.markup import escape
 from textual.widgets import ProgressBar
 
-from app.widgets.fmt import fit_parts, fmt_mib, fmt_rate, short_model
+from app.widgets.fmt import fit_parts, fmt_mib, fmt_rate, outside_markup, short_model
 from app.widgets.kv_grid import KVGrid
 from app.widgets.line import Line
 from app.widgets.rate_sparkline import RateSparkline
@@ -31,7 +30,7 @@ class WorkerPanel(Vertical):
         super().__init__(id=f"worker-{index}", classes="panel")
         self.index = index
         self.cfg = cfg
-        self.border_title = escape(f"w{index} {cfg.name or cfg.device}")
+        self.border_title = outside_markup(f"w{index} {cfg.name or cfg.device}")
 
     def compose(self) -> ComposeResult:
         yield Line(self._identity("starting", ""), classes="identity")
@@ -79,7 +78,7 @@ class WorkerPanel(Vertical):
         self.add_class("-dead", "-message")
         self._bar.display = False
         self._identity_line.set(self._identity("dead", "", None))
-        self._load.set(f"[$error]{escape(message)}[/]")
+        self._load.set(f"[$error]{outside_markup(message)}[/]")
 
     def show_view(self, w: WorkerView) -> None:
         gone = w.state in ("dead", "stopped")
@@ -98,7 +97,7 @@ class WorkerPanel(Vertical):
             # / decode speed (first use only)") and the load figures mean nothing yet.
             style = STATE_STYLE.get(w.state, "$text")
             detail = w.message[len(w.state):].lstrip(" :") if w.message.startswith(w.state) else w.message
-            self._load.set(f"[{style}]{escape(detail)}[/]")
+            self._load.set(f"[{style}]{outside_markup(detail)}[/]")
         else:
             self._load.set_parts(self._load_parts(w), sep="  ")
         self._prefill_label.set(f"prefill {fmt_rate(w.prefill_tps):>5} tok/s")
@@ -134,13 +133,13 @@ class WorkerPanel(Vertical):
         if w.rss_bytes is not None:
             parts.append((3, f"RSS {fmt_mib(w.rss_bytes)}"))
         parts += roofline_parts(w.roofline)
-        parts.append((4, w.policy))
+        parts.append((4, outside_markup(w.policy)))
         return parts
 
     def _show_gone(self, w: WorkerView) -> None:
         """A dead or stopped worker: say so, and blank every figure it can no longer update."""
         reason = w.message or ("stopped" if w.state == "stopped" else "exited")
-        self._load.set(f"[$error]{escape(reason)}[/]" if w.state == "dead" else escape(reason))
+        self._load.set(f"[$error]{outside_markup(reason)}[/]" if w.state == "dead" else outside_markup(reason))
         self._prefill_label.set("prefill     — tok/s")
         self._decode_label.set("decode      — tok/s")
         self._prefill_profile.set("")
@@ -155,24 +154,24 @@ class WorkerPanel(Vertical):
         """A remote server: its URL, scraped load, measured rates; it has no page grid to draw."""
         self._grid.display = False
         kv = f", KV {100 * w.kv_usage:.0f}% (scraped)" if w.kv_usage is not None else ""
-        self._kv_caption.set(escape(f"no KV grid{kv} · {w.note}" if w.note else f"no KV grid{kv}"))
+        self._kv_caption.set(outside_markup(f"no KV grid{kv} · {w.note}" if w.note else f"no KV grid{kv}"))
 
     def _identity(self, state: str, message: str, w: WorkerView | None = None) -> str:
         style = STATE_STYLE.get(state, "$text")
-        head = f"[bold {style}]● {state}[/]"
+        head = f"[bold {style}]● {outside_markup(state)}[/]"
         if message and state != "ready":
-            return f"{head} [{style}]{escape(message)}[/]"
+            return f"{head} [{style}]{outside_markup(message)}[/]"
         parts = [(0, head)]
         if self.cfg.simulated:
             parts.append((0, "[reverse $warning] simulated [/]"))
         if self.cfg.remote:
-            parts.append((0, f"[reverse $accent] remote [/] {escape(self.cfg.device[len('remote:'):])}"))
+            parts.append((0, f"[reverse $accent] remote [/] {outside_markup(self.cfg.device[len('remote:'):])}"))
             if w is not None and w.model != self.cfg.model and w.state == "ready":
-                parts.append((1, escape(short_model(w.model))))
+                parts.append((1, outside_markup(short_model(w.model))))
         else:
-            parts.append((0, escape(short_model(self.cfg.model))))
+            parts.append((0, outside_markup(short_model(self.cfg.model))))
         if w is not None and not w.simulated and not self.cfg.remote and w.dtype != "?":
-            parts.append((2, escape(w.dtype)))
+            parts.append((2, outside_markup(w.dtype)))
             path = kernel_path(w)
             if path:
                 parts.append((0 if w.kernels_building else 1, path))

@@ -9,10 +9,9 @@ load always stay.
 from __future__ import annotations
 
 from textual.events import Click
-from textual.markup import escape
 from textual.message import Message
 
-from app.widgets.fmt import fmt_mib, fmt_rate, short_worker
+from app.widgets.fmt import fmt_mib, fmt_rate, outside_markup, short_worker
 from app.widgets.line import Line
 from app.widgets.worker import STATE_STYLE
 from engine.config import WorkerConfig
@@ -44,7 +43,7 @@ class WorkerLine(Line):
         super().__init__("", id=f"worker-line-{index}", classes="worker-line")
         self.index = index
         self.cfg = cfg
-        self._head = f"[b]w{index} {escape(short_worker(cfg.name or cfg.device))}[/]"
+        self._head = f"[b]w{index} {outside_markup(short_worker(cfg.name or cfg.device))}[/]"
         self.show_text("starting", "waiting for the engine to start this worker…")
 
     def on_click(self, event: Click) -> None:
@@ -52,8 +51,8 @@ class WorkerLine(Line):
 
     def show_text(self, state: str, text: str) -> None:
         style = STATE_STYLE.get(state, "$text")
-        self.set_parts([(0, self._head), (0, f"[{style}]● {state}[/]"), (1, f"[{style}]{escape(text)}[/]")],
-                       sep="  ")
+        self.set_parts([(0, self._head), (0, f"[{style}]● {outside_markup(state)}[/]"),
+                        (1, f"[{style}]{outside_markup(text)}[/]")], sep="  ")
 
     def show_assembly(self, done: int, total: int) -> None:
         self.show_text("loading", f"assembling the model file: {done / 2**20:.0f}/{total / 2**20:.0f} MiB")

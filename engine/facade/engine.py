@@ -349,7 +349,9 @@ class Engine:
     def set_tracing(self, enabled: bool) -> None:
         self.recorder.set_full(enabled)
 
-    def export_trace(self, path: str | Path | None = None, timeout: float = 10.0) -> str:
+    def export_trace(self, path: str | Path | None = None, timeout: float = 10.0, *,
+                     refuse_busy: bool = False) -> str:
         """The flight recorder's last window, every worker's ring and the facade's, as one
-        Chrome JSON file; its absolute path. A write error is a one-line TokentopError."""
-        return self.recorder.export(path, timeout)
+        Chrome JSON file; its absolute path. A write error is a one-line TokentopError;
+        refuse_busy: TraceBusy while one is being written or right after (recorder.py)."""
+        return self.recorder.export(path, timeout, refuse_busy=refuse_busy)

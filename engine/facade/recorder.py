@@ -6,9 +6,18 @@ the facade records routing decisions, preemptions and the lifecycle of every req
 ends into its own. `export()` asks each ready worker for a copy of its ring (the workers in
 their own processes send it over the event queue), adds the requests still running, and
 writes one Perfetto (Chrome JSON) trace of the last window: what the dashboard just showed.
+
+The trace folder keeps at most `trace_keep` of the files it names, and at most `trace_keep_mib`
+MiB of them: writing one more deletes the oldest (other files there are never touched). A
+caller that asks (`POST /trace`, SIGUSR1) is refused with TraceBusy while a trace is being
+written, or sooner after the last than writing it took (at least MIN_TRACE_INTERVAL_S): a
+trace holds the last window, so a second one then would repeat the first.
 """
 from __future__ import annotations
 
+import math
+import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -25,6 +34,17 @@ if TYPE_CHECKING:
     from engine.facade.engine import Engine
 
 RING_TIMEOUT_S = 10.0     # how long an export waits for the workers' rings
+MIN_TRACE_INTERVAL_S = 1.0
+# the names write_chrome_trace gives in a folder: the only files pruning deletes
+TRACE_FILE = re.compile(r"tokentop-\d{8}-\d{6}-\d{3}(-\d+)?\.json")
+
+
+class TraceBusy(TokentopError):
+    """A trace was asked for while one is being written, or too soon after the last."""
+
+    def __init__(self, message: str, retry_after: float):
+        super().__init__(message)
+        self.retry_after = max(1, math.ceil(retry_after))     # whole seconds, for Retry-After
 
 
 def trace_settings(config: EngineConfig) -> TraceSettings:
@@ -36,6 +56,9 @@ def trace_settings(config: EngineConfig) -> TraceSettings:
         raise ConfigError(f"`trace_window_s` must be more than 0 s, got {config.trace_window_s}; e.g. 120s")
     if config.trace_memory < 1 << 20:
         raise ConfigError(f"`trace_memory` must be at least 1MiB, got {config.trace_memory} bytes; e.g. 64MiB")
+    if config.trace_keep < 1 or config.trace_keep_mib < 1:
+        raise ConfigError(f"`trace_keep` and `trace_keep_mib` must be at least 1, got {config.trace_keep} "
+                          f"and {config.trace_keep_mib}; e.g. 20 and 512")
     return TraceSettings(detail, float(config.trace_window_s), int(config.trace_memory))
 
 
@@ -76,6 +99,8 @@ class FlightRecorder:
         self._since = time.monotonic() if self.detail != "off" else None   # recording since
         self._rings: dict[int, list] = {}
         self._rings_cv = threading.Condition()
+        self._writing = threading.Lock()
+        self._last_write: tuple[float, float] | None = None     # (ended at, took), time.monotonic()
         engine.add_observer(self._observe)
 
     def worker_settings(self) -> TraceSettings:
@@ -120,10 +145,46 @@ class FlightRecorder:
             self._rings_cv.notify_all()
 
     # --- export -----------------------------------------------------------------------------
-    def export(self, path: str | Path | None = None, timeout: float = RING_TIMEOUT_S) -> str:
+    def export(self, path: str | Path | None = None, timeout: float = RING_TIMEOUT_S, *,
+               refuse_busy: bool = False) -> str:
         """Every ready worker's ring, the facade's, and the requests still running, over the
         last window, as one Chrome JSON file; its absolute path. A write error is one line
-        and loses nothing: the rings keep their events."""
+        and loses nothing: the rings keep their events. Into a folder, the oldest traces
+        beyond `trace_keep` / `trace_keep_mib` go. refuse_busy: TraceBusy rather than wait
+        for a trace being written, or write one too soon after the last."""
+        if not self._writing.acquire(blocking=not refuse_busy):
+            took = self._last_write[1] if self._last_write else 1.0
+            raise TraceBusy("a trace is being written; ask again when it is done", took)
+        try:
+            if refuse_busy:
+                self._check_interval()
+            start = time.monotonic()
+            written = self._export(path, timeout)
+            self._last_write = (time.monotonic(), time.monotonic() - start)
+        finally:
+            self._writing.release()
+        if not str(path or self.engine.config.trace_dir or "").endswith(".json"):   # into a folder
+            self._prune(Path(written).parent, written)
+        return written
+
+    def _check_interval(self) -> None:
+        if self._last_write is None:
+            return
+        ended, took = self._last_write
+        wait = max(MIN_TRACE_INTERVAL_S, took) - (time.monotonic() - ended)
+        if wait > 0:
+            raise TraceBusy(f"the last trace was written {time.monotonic() - ended:.1f} s ago and holds "
+                            f"the same window; ask again in {math.ceil(wait)} s", wait)
+
+    def _prune(self, folder: Path, keep_path: str) -> None:
+        """Delete the oldest trace files in `folder` beyond the count and size caps."""
+        config = self.engine.config
+        removed = prune_traces(folder, config.trace_keep, config.trace_keep_mib << 20, keep_path)
+        if removed:
+            self.engine.log("info", f"deleted {removed} older trace{'s' if removed > 1 else ''} in {folder} "
+                                    f"(`trace_keep={config.trace_keep}`, `trace_keep_mib={config.trace_keep_mib}`)")
+
+    def _export(self, path: str | Path | None, timeout: float) -> str:
         engine = self.engine
         target = path or engine.config.trace_dir or "traces"
         with engine.lock:
@@ -157,3 +218,36 @@ class FlightRecorder:
             raise TokentopError(f"cannot write the trace to {Path(target).absolute()}: "
                                 f"{exc.strerror or exc}; the recorder keeps its events: "
                                 "export again to another folder") from None
+
+
+def prune_traces(folder: Path, keep: int, keep_bytes: int, spare: str) -> int:
+    """Delete the oldest trace files (TRACE_FILE names) in `folder` until at most `keep` of
+    them, of at most `keep_bytes` together, remain; `spare` (the one just written) stays
+    whatever its size. A file that cannot be deleted is left. How many were deleted."""
+    spare = os.path.abspath(spare)
+    others, spare_size = [], 0
+    try:
+        with os.scandir(folder) as entries:
+            for e in entries:
+                if not TRACE_FILE.fullmatch(e.name) or not e.is_file(follow_symlinks=False):
+                    continue
+                st = e.stat(follow_symlinks=False)
+                if os.path.abspath(e.path) == spare:
+                    spare_size = st.st_size
+                else:
+                    others.append((st.st_mtime, e.name, st.st_size, e.path))
+    except OSError:
+        return 0
+    others.sort(reverse=True)                                 # newest first
+    count, size, removed, full = 1, spare_size, 0, False
+    for _, _, file_size, file in others:
+        full = full or count + 1 > keep or size + file_size > keep_bytes
+        if not full:
+            count, size = count + 1, size + file_size
+            continue
+        try:
+            os.remove(file)
+            removed += 1
+        except OSError:
+            pass
+    return removed

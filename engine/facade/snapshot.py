@@ -102,6 +102,7 @@ class WorkerView:
     prefix: dict = field(default_factory=dict)
     hit_rate: float | None = None   # hit / looked-up tokens over the last ~30 s
     kv_bytes: int = 0                  # memory of the whole KV page pool
+    kv_dtype: str = "?"                # what its K/V store holds
     cpu_percent: float | None = None   # 100 = one core; None where it cannot be measured
     rss_bytes: int | None = None       # the worker process's resident memory (process mode)
     preemptions: int = 0          # since the worker started
@@ -113,6 +114,7 @@ class WorkerView:
     draft_model: str = ""
     remote_url: str | None = None    # remote workers: the server requests are forwarded to
     kv_usage: float | None = None    # remote workers: KV usage scraped from its /metrics, if any
+    kv_residency: dict | None = None   # engine/kv/residency.py's bucket counts (local workers)
     note: str = ""                   # e.g. how prompt lengths are counted for a remote
     respawns: int = 0                # times its process was started again after dying
     kernels: str = ""                # its linear layers' forms (e.g. gguf-avx512, dense-bfloat16)

@@ -8,11 +8,13 @@ allocation needs the memory and evicts it (least recently released first).
 """
 from __future__ import annotations
 
+import time
 from collections import OrderedDict, deque
 from typing import Callable
 
 import torch
 
+from engine.kv.residency import PageResidency
 from engine.kv.states import CACHED, FREE, SHARED, USED
 from engine.worker.sequence import Sequence
 
@@ -22,7 +24,7 @@ class OutOfPages(Exception):
 
 
 class PagePool:
-    def __init__(self, num_pages: int, page_size: int):
+    def __init__(self, num_pages: int, page_size: int, clock: Callable[[], float] = time.monotonic):
         if num_pages < 1:
             raise ValueError("a KV page pool needs at least one page")
         self.num_pages = num_pages
@@ -34,6 +36,7 @@ class PagePool:
         self._cached: OrderedDict[int, None] = OrderedDict()
         self._keep = bytearray(num_pages)
         self.on_evict: Callable[[int], None] | None = None   # the prefix cache forgets the key
+        self.residency = PageResidency(num_pages, clock)     # vLLM's KV residency histograms
 
     @property
     def num_free(self) -> int:
@@ -55,11 +58,13 @@ class PagePool:
         elif self._cached:
             page, _ = self._cached.popitem(last=False)   # LRU eviction
             self._keep[page] = 0
+            self.residency.evicted(page)
             if self.on_evict is not None:
                 self.on_evict(page)
         else:
             raise OutOfPages
         self._set(page, 1)
+        self.residency.allocated(page)
         return page
 
     def keep(self, page: int) -> None:
@@ -82,6 +87,7 @@ class PagePool:
         """Allocate one specific free page (contiguous regions need a fixed run of pages)."""
         self._free.remove(page)
         self._set(page, 1)
+        self.residency.allocated(page)
 
     def retain(self, page: int) -> None:
         """Add a holder; a cached page (refcount 0) comes back into use with its K/V."""
@@ -90,6 +96,7 @@ class PagePool:
                 raise RuntimeError(f"retain of free page {page}")
             del self._cached[page]
         self._set(page, self.refcount[page] + 1)
+        self.residency.reused(page)
 
     def release(self, page: int) -> None:
         if self.refcount[page] <= 0:
@@ -98,8 +105,10 @@ class PagePool:
         if self.refcount[page] == 0:
             if self._keep[page]:
                 self._cached[page] = None      # most recently released: evicted last
+                self.residency.released(page)
             else:
                 self._free.append(page)
+                self.residency.freed(page)
 
     def states(self) -> bytes:
         return bytes(self._states)

@@ -14,24 +14,28 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from operator import attrgetter
 from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from engine.config import shown
 from engine.facade.engine import Engine, RequestFailed
+from engine.facade.recorder import TraceBusy
 from engine.errors import ConfigError, InvalidRequest, TokentopError, describe_error
 from engine.serve import protocol as P
+from engine.serve.body import read_body
 from engine.serve.metrics import CONTENT_TYPE, EngineMetrics
 from engine.serve.router_api import RouterApi
 from engine.serve.snapshot_json import snapshot_json
 from engine.serve.openapi import openapi_schema
+from engine.serve.request_metrics import response_metrics
+from engine.serve.routes import ApiRoute, route_table
 
-THREAD_JSON_BYTES = 64 * 2**10   # bodies larger than this are decoded off the event loop
 # Prompts are tokenized on a few threads of their own: the BPE of a long prompt needs ~25x its
 # size in memory while it runs, so concurrent ones are bounded by the cores, not the clients
 TOKENIZE_THREADS = min(4, os.cpu_count() or 1)
@@ -41,12 +45,13 @@ TOKENIZE_THREADS = min(4, os.cpu_count() or 1)
 class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None            # Bearer token for /v1/*, /tokenize and /snapshot (health and metrics stay open)
+    api_key: str | None = None            # Bearer token for the keyed routes (routes.py); health and metrics stay open
     max_queue: int = 256                  # requests waiting beyond what the workers can run at once
     max_body: int = 4 * 2**20             # bytes
     allowed_hosts: tuple[str, ...] = ()   # Host header names accepted besides the loopback ones
     header_timeout: float = 10.0          # seconds for a request's line and headers to arrive
     body_timeout: float = 30.0            # seconds for its whole body
+    per_request_metrics: bool = False     # a `metrics` object on each response (request_metrics.py)
 
     def check(self) -> "ServeConfig":
         if self.api_key is not None and not self.api_key.strip():
@@ -131,21 +136,28 @@ class OpenAIServer:
         self.model = self.names[0]
         self.metrics = EngineMetrics(engine, self.model)
         self.schema = openapi_schema(self.names)
+        self.router = RouterApi(self)      # what vllm-router and SGLang's gateway ask a worker
+        self.routes = route_table(self.names)
         self._tokenizing = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tokentop-tokenize")
         allowed = allowed_host_names(self.config)
-        self.app = Starlette(routes=[
-            Route("/v1/completions", self.completions, methods=["POST"]),
-            Route("/v1/chat/completions", self.chat, methods=["POST"]),
-            Route("/v1/models", self.models, methods=["GET"]),
-            Route("/tokenize", self.tokenize, methods=["POST"]),
-            Route("/health", self.health, methods=["GET"]),
-            Route("/metrics", self.prometheus, methods=["GET"]),
-            Route("/trace", self.write_trace, methods=["POST"]),
-            *RouterApi(self).routes(),     # what vllm-router and SGLang's gateway ask a worker
-            Route("/snapshot", self.snapshot, methods=["GET"]),
-            Route("/openapi.json", self.openapi, methods=["GET"]),
-        ], middleware=[Middleware(HostCheck, allowed=allowed, refuse=self._error)] if allowed else [],
-            exception_handlers={404: self._not_found, 405: self._not_allowed, Exception: self._internal})
+        self.app = Starlette(routes=[Route(r.path, self._endpoint(r), methods=[r.method]) for r in self.routes],
+                             middleware=[Middleware(HostCheck, allowed=allowed, refuse=self.error)] if allowed else [],
+                             exception_handlers={404: self._not_found, 405: self._not_allowed,
+                                                 Exception: self._internal})
+
+    def _endpoint(self, route: ApiRoute):
+        """The route's handler, behind the key check when the route needs the key; a refusal
+        (ApiError) from either is answered in OpenAI's error shape."""
+        handler = attrgetter(route.handler)(self)
+
+        async def endpoint(request: Request) -> Response:
+            try:
+                if route.keyed:
+                    self.check_key(request)
+                return await handler(request)
+            except P.ApiError as exc:
+                return self.error(exc)
+        return endpoint
 
     def close(self) -> None:
         self._tokenizing.shutdown(wait=False, cancel_futures=True)
@@ -165,34 +177,27 @@ class OpenAIServer:
     async def write_trace(self, request: Request) -> Response:
         """POST /trace: write the flight recorder's last window (every worker's ring) as a
         Perfetto trace in the server's --trace-dir (default ./traces); {"path": where}. Needs
-        the API key when one is set: the file lands on the server's disk."""
+        the API key when one is set: the file lands on the server's disk. 429 with Retry-After
+        while one is being written or right after; the folder keeps the newest --trace-keep."""
         try:
-            self._auth(request)
-            try:
-                path = await asyncio.to_thread(self.engine.export_trace)
-            except TokentopError as exc:
-                raise P.ApiError(500, str(exc), type="server_error", code="trace_not_written") from None
-        except P.ApiError as exc:
-            return self._error(exc)
+            path = await asyncio.to_thread(self.engine.export_trace, refuse_busy=True)
+        except TraceBusy as exc:     # one at a time, and not faster than one is written
+            response = self.error(P.ApiError(429, str(exc), type="rate_limit_error", code="trace_busy"))
+            response.headers["Retry-After"] = str(exc.retry_after)
+            return response
+        except TokentopError as exc:
+            raise P.ApiError(500, str(exc), type="server_error", code="trace_not_written") from None
         self.engine.log("info", f"trace written to {path} (POST /trace)")
         return JSONResponse({"path": path})
 
     async def snapshot(self, request: Request) -> Response:
         """The engine's snapshot as versioned JSON (engine/serve/snapshot_json.py, docs/snapshot.md)."""
-        try:
-            self._auth(request)
-        except P.ApiError as exc:
-            return self._error(exc)
         return JSONResponse(snapshot_json(self.engine.snapshot()))
 
     async def openapi(self, request: Request) -> Response:
         return JSONResponse(self.schema)
 
     async def models(self, request: Request) -> Response:
-        try:
-            self._auth(request)
-        except P.ApiError as exc:
-            return self._error(exc)
         _, ctx = self.engine.capacity()
         created = int(time.time())
         return JSONResponse({"object": "list", "data": [
@@ -203,42 +208,37 @@ class OpenAIServer:
         """vLLM's POST /tokenize: {"model", "prompt"} or {"model", "messages"} -> {"count", "tokens"}.
         Another tokentop with a remote worker here that serves a different model asks it for prompt
         lengths; the count is what /v1/completions and /v1/chat/completions would feed the model."""
-        try:
-            self._auth(request)
-            body = await self._read_json(request)
-            if not isinstance(body, dict):
-                raise P.ApiError(400, "the request body must be a JSON object")
-            model = body.get("model")
-            if model is not None and model not in self.names:
-                raise P.ApiError(404, f"model {shown(model)} does not exist here; GET /v1/models lists "
-                                      f"{', '.join(map(repr, self.names))}", "model", code="model_not_found")
-            if ("prompt" in body) == ("messages" in body):
-                raise P.ApiError(400, "send exactly one of 'prompt' (text or token ids) or 'messages'")
-            if self.engine.tokenizer is None:
-                raise P.ApiError(503, "the model is still loading; retry when GET /health answers 200",
-                                 type="service_unavailable", code="loading")
-            parsed = (P.parse_chat({"messages": body["messages"]}) if "messages" in body
-                      else P.parse_completion({"prompt": body["prompt"]}))
-            ids = await self._tokenize(parsed)
-        except P.ApiError as exc:
-            return self._error(exc)
+        body = await self.read_json(request)
+        if not isinstance(body, dict):
+            raise P.ApiError(400, "the request body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model not in self.names:
+            raise P.ApiError(404, f"model {shown(model)} does not exist here; GET /v1/models lists "
+                                  f"{', '.join(map(repr, self.names))}", "model", code="model_not_found")
+        if ("prompt" in body) == ("messages" in body):
+            raise P.ApiError(400, "send exactly one of 'prompt' (text or token ids) or 'messages'")
+        if self.engine.tokenizer is None:
+            raise P.ApiError(503, "the model is still loading; retry when GET /health answers 200",
+                             type="service_unavailable", code="loading")
+        parsed = (P.parse_chat({"messages": body["messages"]}) if "messages" in body
+                  else P.parse_completion({"prompt": body["prompt"]}))
+        ids = await self._tokenize(parsed)
         _, ctx = self.engine.capacity()
         return JSONResponse({"count": len(ids), "max_model_len": ctx or None, "tokens": ids, "token_strs": None})
 
     async def _not_found(self, request: Request, exc) -> Response:
-        return self._error(P.ApiError(404, f"no route {request.url.path}; this server offers POST "
-                                           "/v1/completions, POST /v1/chat/completions, GET /v1/models, "
-                                           "POST /tokenize, GET /snapshot, GET /health, GET /metrics, POST /trace "
-                                           "and GET /openapi.json", code="not_found"))
+        offered = [f"{r.method} {r.path}" for r in self.routes]
+        return self.error(P.ApiError(404, f"no route {request.url.path}; this server offers "
+                                          f"{', '.join(offered[:-1])} and {offered[-1]}", code="not_found"))
 
     async def _internal(self, request: Request, exc: Exception) -> Response:
         # a bug here must still answer in the API's shape, and show in the engine's log
         self.engine.log("error", f"http: {request.url.path}: {describe_error(exc)}")
-        return self._error(P.ApiError(500, f"internal error: {describe_error(exc)}",
+        return self.error(P.ApiError(500, f"internal error: {describe_error(exc)}",
                                       type="server_error", code="internal_error"))
 
     async def _not_allowed(self, request: Request, exc) -> Response:
-        return self._error(P.ApiError(405, f"{request.method} is not allowed on {request.url.path}"))
+        return self.error(P.ApiError(405, f"{request.method} is not allowed on {request.url.path}"))
 
     # --- completions --------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
@@ -248,14 +248,10 @@ class OpenAIServer:
         return await self._generate(request, P.parse_chat)
 
     async def _generate(self, request: Request, parse) -> Response:
-        try:
-            self._auth(request)
-            parsed = parse(await self._read_json(request))
-            ids = await self._encode(parsed)
-            lens = await self._prompt_lengths(parsed, ids)
-            handle, parsed, n_prompt = self._submit(parsed, ids, lens)
-        except P.ApiError as exc:
-            return self._error(exc)
+        parsed = parse(await self.read_json(request))
+        ids = await self.encode(parsed)
+        lens = await self._prompt_lengths(parsed, ids)
+        handle, parsed, n_prompt = self._submit(parsed, ids, lens)
         rid, created = P.new_id(parsed.kind), P.now()
         if parsed.stream:
             return StreamingResponse(self._stream(handle, parsed, n_prompt, rid, created),
@@ -263,7 +259,8 @@ class OpenAIServer:
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await self._whole(request, handle, parsed, n_prompt, rid, created)
 
-    async def _encode(self, p: P.Parsed) -> list[int]:
+    async def encode(self, p: P.Parsed) -> list[int]:
+        """The prompt's ids, once the model asked for is this one and the engine is ready."""
         if p.model is not None and p.model not in self.names:
             raise P.ApiError(404, f"model {shown(p.model)} does not exist here; GET /v1/models lists "
                                   f"{', '.join(map(repr, self.names))}", "model", code="model_not_found")
@@ -347,11 +344,13 @@ class OpenAIServer:
                     pending, first = [], False
                 result = handle.result(0)
                 finish = result.finish_reason
-                yield _sse(self._chunk(p, rid, created, pending, fmt, first, finish))
+                last = self._chunk(p, rid, created, pending, fmt, first, finish)
                 if p.include_usage:
+                    yield _sse(last)
                     n_out = result.metrics.output_tokens if result.metrics else len(result.token_ids)
-                    yield _sse(P.usage_chunk(rid, self.model, created, p.kind,
-                                             P.usage(_prompt_tokens(result, n_prompt), n_out)))
+                    last = P.usage_chunk(rid, self.model, created, p.kind,
+                                         P.usage(_prompt_tokens(result, n_prompt), n_out))
+                yield _sse(self._with_metrics(last, result))   # on the usage chunk, if there is one
             except RequestFailed as exc:
                 yield _sse({"error": {"message": str(exc), "type": "server_error", "param": None,
                                       "code": "request_failed"}})
@@ -374,7 +373,7 @@ class OpenAIServer:
             async for d in handle:
                 deltas.append(d)
         except RequestFailed as exc:
-            return self._error(P.ApiError(500, f"generation failed: {exc}", type="server_error",
+            return self.error(P.ApiError(500, f"generation failed: {exc}", type="server_error",
                                           code="request_failed"))
         finally:
             watcher.cancel()
@@ -388,7 +387,13 @@ class OpenAIServer:
                                  P.usage(_prompt_tokens(result, n_prompt), n_out,
                                          result.metrics.cached_tokens if result.metrics else 0),
                                  token_ids=result.token_ids if p.return_token_ids else None)
-        return JSONResponse(body)
+        return JSONResponse(self._with_metrics(body, result))
+
+    def _with_metrics(self, body: dict, result) -> dict:
+        """--enable-per-request-metrics: the request record's figures as the body's `metrics`."""
+        if self.config.per_request_metrics:
+            body["metrics"] = response_metrics(result.metrics)
+        return body
 
     async def _abort_on_disconnect(self, request: Request, handle) -> None:
         while True:
@@ -398,7 +403,7 @@ class OpenAIServer:
                 return
 
     # --- checks -------------------------------------------------------------------------
-    def _auth(self, request: Request) -> None:
+    def check_key(self, request: Request) -> None:
         key = self.config.api_key
         if key is None:
             return
@@ -410,56 +415,15 @@ class OpenAIServer:
                                   "with the key the server was started with (`api_key`)", type="authentication_error",
                              code="invalid_api_key")
 
-    async def _read_json(self, request: Request):
-        """The body as JSON: application/json only (a browser page cannot send that to another
-        site without asking it first), within `max_body` bytes and the body deadline."""
-        media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-        if media != "application/json":
-            raise P.ApiError(415, f"the body must be JSON sent with Content-Type: application/json, "
-                                  f"not {shown(media) if media else 'no Content-Type'}", code="unsupported_media_type")
-        limit = self.config.max_body
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > limit:
-            raise P.ApiError(413, f"the request body is {int(declared)} bytes; the limit is {limit} "
-                                  "(`max_body`); send a shorter prompt", code="body_too_large")
-        body = bytearray()
-        try:
-            async with asyncio.timeout(self.config.body_timeout):
-                async for chunk in request.stream():
-                    body += chunk
-                    if len(body) > limit:
-                        raise P.ApiError(413, f"the request body is over the limit of {limit} bytes "
-                                              "(`max_body`); send a shorter prompt", code="body_too_large")
-        except TimeoutError:
-            raise P.ApiError(408, f"the request body did not arrive within {self.config.body_timeout:g} s "
-                                  f"({len(body)} bytes came); send it whole, with a Content-Length it "
-                                  "matches", code="body_timeout") from None
-        except ClientDisconnect:
-            raise P.ApiError(400, "the client went away before its body arrived") from None
-        if not body:
-            raise P.ApiError(400, "the request body is empty; send a JSON object")
-        if len(body) > THREAD_JSON_BYTES:
-            return await asyncio.to_thread(_decode_json, body)
-        return _decode_json(body)
+    async def read_json(self, request: Request):
+        return await read_body(request, self.config.max_body, self.config.body_timeout)
 
-    def _error(self, exc: P.ApiError) -> Response:
+    def error(self, exc: P.ApiError) -> Response:
+        """A refusal in OpenAI's error shape, counted in /metrics."""
         self.metrics.http_rejected.labels(self.model, str(exc.status)).inc()
         # a body left unread (too large, too slow, not JSON) must not be taken for the next request
         headers = {"Connection": "close"} if exc.status in (408, 413, 415) else None
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
-
-
-def _decode_json(body: bytes | bytearray):
-    try:
-        value = json.loads(body)
-    except RecursionError:
-        raise P.ApiError(400, f"the request nests deeper than {P.MAX_JSON_DEPTH} levels; send a flatter "
-                              "body", code="invalid_json") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise P.ApiError(400, f"the request body is not valid JSON ({exc}); send one JSON object "
-                              "with Content-Type: application/json", code="invalid_json") from None
-    P.check_json_values(value)
-    return value
 
 
 def _prompt_tokens(result, n_prompt: int) -> int:

@@ -1,8 +1,10 @@
 """Prometheus metrics for one Engine, built with prometheus_client (never by hand).
 
 Where a metric means what vLLM's does, it has vLLM's name, so vllm-top, Grafana dashboards
-and llmtop read tokentop unchanged; every series is labelled by worker (its name, e.g. `cpu`,
-`sim:gpu0`, `remote:a`). What vLLM has no name for is under `tokentop:`.
+and llmtop read tokentop unchanged; every series of a worker is labelled by it twice: `worker`
+(its name, e.g. `cpu`, `sim:gpu0`, `remote:a`) and `engine` (its index, where vLLM puts its
+engine core's). What vLLM has no name for is under `tokentop:`. What routers and gateways read
+beyond that (legacy names, cache_config_info, KV residency) is in metrics_compat.py.
 
 Counters and histograms are fed by the engine's observer hook (every finished request, every
 routing decision: requests from the dashboard and bursts count too, not only HTTP ones);
@@ -17,6 +19,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from engine.serve.metrics_compat import WORKER_LABELS, RouterCompatCollector
+
 # vLLM's buckets, so dashboards built for vLLM bin the same way
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -26,6 +30,13 @@ REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
                    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 WORKER_STATES = ("starting", "loading", "ready", "degraded", "down", "dead", "stopped")
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# per-worker gauges read from a WorkerView field of the same meaning: (name, help, field)
+WORKER_GAUGES = (
+    ("vllm:num_requests_running", "Requests running on the worker.", "running"),
+    ("vllm:num_requests_waiting", "Requests waiting on the worker.", "waiting"),
+    ("tokentop:prefill_tokens_per_second", "Measured prefill rate, recent.", "prefill_tps"),
+    ("tokentop:decode_tokens_per_second", "Measured decode rate, recent.", "decode_tps"),
+)
 
 
 class EngineMetrics:
@@ -33,7 +44,7 @@ class EngineMetrics:
         self.engine = engine
         self.model = model_name
         self.registry = CollectorRegistry()
-        r, lab = self.registry, ["model_name", "worker"]
+        r, lab = self.registry, list(WORKER_LABELS)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests.", lab, registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens of finished requests.",
                                          lab, registry=r)
@@ -55,8 +66,13 @@ class EngineMetrics:
         self.http_rejected = Counter("tokentop:http_rejected_requests", "HTTP requests refused before queueing.",
                                      ["model_name", "status"], registry=r)
         self.registry.register(_GaugeCollector(self))
+        self.registry.register(RouterCompatCollector(self))
         self._names: dict[int, str] = {}
         engine.add_observer(self.observe)
+
+    def worker_labels(self, index: int | None) -> tuple[str, str, str]:
+        """model_name, worker, engine of a worker's series."""
+        return self.model, self.worker_name(index), "" if index is None else str(index)
 
     def worker_name(self, index: int | None) -> str:
         if index is None:
@@ -74,7 +90,7 @@ class EngineMetrics:
         if kind != "finished":
             return
         worker, f = payload
-        labels = (self.model, self.worker_name(worker))
+        labels = self.worker_labels(worker)
         m = f.metrics
         if m is not None:
             self.prompt_tokens.labels(*labels).inc(m.prompt_tokens)
@@ -109,23 +125,18 @@ class _GaugeCollector:
 
     def collect(self):
         snap = self.m.engine.snapshot()
-        lab = ["model_name", "worker"]
-        running = GaugeMetricFamily("vllm:num_requests_running", "Requests running on the worker.", labels=lab)
-        waiting = GaugeMetricFamily("vllm:num_requests_waiting", "Requests waiting on the worker.", labels=lab)
+        lab = list(WORKER_LABELS)
+        gauges = {field: GaugeMetricFamily(name, doc, labels=lab) for name, doc, field in WORKER_GAUGES}
         kv = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV cache usage (1 = full).", labels=lab)
         pages = GaugeMetricFamily("tokentop:kv_pages", "KV pages by use.", labels=lab + ["use"])
         state = GaugeMetricFamily("tokentop:worker_state", "1 for the worker's current state.",
                                   labels=lab + ["state"])
         info = GaugeMetricFamily("tokentop:worker_info", "Worker identity (value 1).",
                                  labels=lab + ["device", "simulated", "remote"])
-        prefill = GaugeMetricFamily("tokentop:prefill_tokens_per_second", "Measured prefill rate, recent.",
-                                    labels=lab)
-        decode = GaugeMetricFamily("tokentop:decode_tokens_per_second", "Measured decode rate, recent.",
-                                   labels=lab)
         for w in snap.workers:
-            values = [self.m.model, w.name]
-            running.add_metric(values, w.running)
-            waiting.add_metric(values, w.waiting)
+            values = [self.m.model, w.name, str(w.index)]
+            for field, family in gauges.items():
+                family.add_metric(values, getattr(w, field))
             if w.pages_total:
                 kv.add_metric(values, w.pages_used / w.pages_total)
                 pages.add_metric(values + ["used"], w.pages_used)
@@ -134,16 +145,14 @@ class _GaugeCollector:
                 state.add_metric(values + [s], 1.0 if w.state == s else 0.0)
             info.add_metric(values + [w.device, str(w.simulated).lower(),
                                       str(w.device.startswith("remote:")).lower()], 1.0)
-            prefill.add_metric(values, w.prefill_tps)
-            decode.add_metric(values, w.decode_tps)
         prefix_q = CounterMetricFamily("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                                        labels=lab)
         prefix_h = CounterMetricFamily("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                                        labels=lab)
         for w in snap.workers:
             if w.prefix:
-                prefix_q.add_metric([self.m.model, w.name], w.prefix["prefix_cache_queries"])
-                prefix_h.add_metric([self.m.model, w.name], w.prefix["prefix_cache_hits"])
+                prefix_q.add_metric([self.m.model, w.name, str(w.index)], w.prefix["prefix_cache_queries"])
+                prefix_h.add_metric([self.m.model, w.name, str(w.index)], w.prefix["prefix_cache_hits"])
         alerts = CounterMetricFamily("tokentop:alerts", "Alert episodes (engine/facade/alerts.py) by kind "
                                      "(stall, kv-pressure, imbalance, worker-dead, remote-down) and worker.",
                                      labels=["model_name", "kind", "worker"])
@@ -154,8 +163,7 @@ class _GaugeCollector:
                                         "Requests submitted and not finished, all workers.",
                                         labels=["model_name"])
         outstanding.add_metric([self.m.model], sum(r.state.live for r in snap.requests))
-        return [running, waiting, kv, pages, state, info, prefill, decode, outstanding, prefix_q, prefix_h, alerts,
-                *spec]
+        return [*gauges.values(), kv, pages, state, info, outstanding, prefix_q, prefix_h, alerts, *spec]
 
     def _spec_families(self, snap, lab: list[str]) -> list:
         """Speculative decoding totals under vLLM's spec_decode_* names (engine/speculative/stats.py)."""
@@ -169,7 +177,7 @@ class _GaugeCollector:
         for w in snap.workers:
             if not w.spec:
                 continue
-            values = [self.m.model, w.name]
+            values = [self.m.model, w.name, str(w.index)]
             for key, fam in fams.items():
                 fam.add_metric(values, w.spec[key])
             for i, count in enumerate(w.spec.get("accepted_per_position", [])):

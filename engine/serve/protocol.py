@@ -14,7 +14,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from engine.config import SamplingParams, shown
+from engine.config import MAX_STOP_CHARS, MAX_STOPS, SamplingParams, shown
 from engine.errors import InvalidRequest
 
 
@@ -157,8 +157,11 @@ def _params(body: dict, max_tokens: int | None, logprobs: int, want_logprobs: bo
     if isinstance(stop, str):
         stop = [stop]
     stop = stop or []
-    if len(stop) > 4 or any(not isinstance(s, str) or not s for s in stop):
-        raise ApiError(400, "'stop' must be a non-empty string or a list of up to 4 non-empty strings", "stop")
+    if any(not isinstance(s, str) or not s for s in stop):
+        raise ApiError(400, "'stop' must be a non-empty string or a list of non-empty strings", "stop")
+    if len(stop) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise ApiError(400, f"'stop' takes up to {MAX_STOPS} strings of up to {MAX_STOP_CHARS} characters each, "
+                            f"got {len(stop)} of up to {max(map(len, stop))}; send fewer or shorter ones", "stop")
     ids = body.get("stop_token_ids") or []
     if any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
         raise ApiError(400, "'stop_token_ids' must be a list of integers", "stop_token_ids")

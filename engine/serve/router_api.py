@@ -14,7 +14,8 @@
   model_id, model_path, served_model_name, dp_size and the serving limits from the first,
   model_path, tokenizer_path, model_type and architectures from the second.
 
-`/get_load` is open like /health and /metrics; the others need the API key when one is set.
+Their routes are in routes.py: `/get_load` is open like /health and /metrics; the others need the
+API key when one is set.
 """
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ import uuid
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
 from engine.serve import protocol as P
 
@@ -36,43 +36,21 @@ class RouterApi:
         self.engine = server.engine
         self._model_facts: dict | None = None
 
-    def routes(self) -> list[Route]:
-        return [
-            Route("/v1/completions/render", self.render_completion, methods=["POST"]),
-            Route("/v1/chat/completions/render", self.render_chat, methods=["POST"]),
-            Route("/get_load", self.get_load, methods=["GET"]),
-            Route("/server_info", self.server_info, methods=["GET"]),
-            Route("/get_server_info", self.server_info, methods=["GET"]),
-            Route("/model_info", self.model_info, methods=["GET"]),
-            Route("/get_model_info", self.model_info, methods=["GET"]),
-        ]
-
     # --- render ---------------------------------------------------------------------------
     async def render_completion(self, request: Request) -> Response:
-        s = self.server
-        try:
-            s._auth(request)
-            body = await s._read_json(request)
-            if not isinstance(body, dict):
-                raise P.ApiError(400, "the request body must be a JSON object")
-            out = []
-            for prompt in _prompts(body.get("prompt")):
-                parsed = P.parse_completion({**body, "prompt": prompt} if "prompt" in body else body)
-                out.append(self._generate_request("cmpl", parsed, await s._encode(parsed), body))
-        except P.ApiError as exc:
-            return s._error(exc)
+        body = await self.server.read_json(request)
+        if not isinstance(body, dict):
+            raise P.ApiError(400, "the request body must be a JSON object")
+        out = []
+        for prompt in _prompts(body.get("prompt")):
+            parsed = P.parse_completion({**body, "prompt": prompt} if "prompt" in body else body)
+            out.append(self._generate_request("cmpl", parsed, await self.server.encode(parsed), body))
         return JSONResponse(out)
 
     async def render_chat(self, request: Request) -> Response:
-        s = self.server
-        try:
-            s._auth(request)
-            body = await s._read_json(request)
-            parsed = P.parse_chat(body)
-            out = self._generate_request("chatcmpl", parsed, await s._encode(parsed), body)
-        except P.ApiError as exc:
-            return s._error(exc)
-        return JSONResponse(out)
+        body = await self.server.read_json(request)
+        parsed = P.parse_chat(body)
+        return JSONResponse(self._generate_request("chatcmpl", parsed, await self.server.encode(parsed), body))
 
     def _generate_request(self, prefix: str, p: P.Parsed, ids: list[int], body: dict) -> dict:
         _, ctx = self.engine.capacity()
@@ -99,10 +77,6 @@ class RouterApi:
                              "num_tokens": tokens})
 
     async def server_info(self, request: Request) -> Response:
-        try:
-            self.server._auth(request)
-        except P.ApiError as exc:
-            return self.server._error(exc)
         facts = await self._facts()
         snap = self.engine.snapshot()
         capacity, ctx = self.engine.capacity()
@@ -125,10 +99,6 @@ class RouterApi:
         })
 
     async def model_info(self, request: Request) -> Response:
-        try:
-            self.server._auth(request)
-        except P.ApiError as exc:
-            return self.server._error(exc)
         facts = await self._facts()
         return JSONResponse({"model_path": facts["path"], "tokenizer_path": facts["path"],
                              "served_model_name": self.server.model, "is_generation": True,

@@ -10,26 +10,30 @@ from __future__ import annotations
 VERSION = 1
 
 
+# WorkerView and RequestView fields carried under their own names: a new dashboard metric on a
+# view reaches /snapshot by adding its name here
+WORKER_FIELDS = ("index", "name", "device", "model", "dtype", "simulated", "remote_url", "state", "message",
+                 "running", "waiting", "max_active", "prefill_tps", "decode_tps", "preemptions",
+                 "recomputed_tokens", "steps", "policy", "cpu_percent", "rss_bytes", "prefix_cache", "roofline")
+REQUEST_FIELDS = ("id", "worker", "leader", "prompt_tokens", "prompt_source", "cached_tokens", "output_tokens",
+                  "max_tokens", "queue_time", "ttft", "itl_mean", "e2e", "age", "finish_reason", "error", "burst")
+
+
+def by_name(view, names: tuple[str, ...]) -> dict:
+    return {name: getattr(view, name) for name in names}
+
+
 def worker_json(w) -> dict:
     usage = w.pages_used / w.pages_total if w.pages_total else w.kv_usage
-    return {"index": w.index, "name": w.name, "device": w.device, "model": w.model, "dtype": w.dtype,
-            "simulated": w.simulated, "remote_url": w.remote_url, "state": w.state, "message": w.message,
-            "running": w.running, "waiting": w.waiting, "max_active": w.max_active,
-            "prefill_tps": w.prefill_tps, "decode_tps": w.decode_tps,
+    return {**by_name(w, WORKER_FIELDS),
             "profile": {"prefill_tps": w.profile_prefill_tps, "decode_tps": w.profile_decode_tps},
             "kv": {"pages_total": w.pages_total, "pages_used": w.pages_used, "page_size": w.page_size,
                    "usage": usage, "bytes": w.kv_bytes},
-            "preemptions": w.preemptions, "recomputed_tokens": w.recomputed_tokens, "steps": w.steps,
-            "policy": w.policy, "cpu_percent": w.cpu_percent, "rss_bytes": w.rss_bytes,
-            "prefix_cache": w.prefix_cache, "prefix_hit_rate": w.hit_rate, "roofline": w.roofline}
+            "prefix_hit_rate": w.hit_rate}
 
 
 def request_json(r) -> dict:
-    return {"id": r.id, "worker": r.worker, "state": str(r.state), "leader": r.leader,
-            "prompt_tokens": r.prompt_tokens, "prompt_source": r.prompt_source,
-            "cached_tokens": r.cached_tokens, "output_tokens": r.output_tokens, "max_tokens": r.max_tokens,
-            "queue_time": r.queue_time, "ttft": r.ttft, "itl_mean": r.itl_mean, "e2e": r.e2e, "age": r.age,
-            "finish_reason": r.finish_reason, "error": r.error, "burst": r.burst}
+    return {**by_name(r, REQUEST_FIELDS), "state": str(r.state)}
 
 
 def snapshot_json(snap) -> dict:

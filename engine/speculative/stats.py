@@ -19,6 +19,8 @@ class SpecStats:
     emitted_tokens: int = 0      # tokens emitted by those rounds (accepted + the target's)
     accepted_per_pos: list[int] = field(default_factory=lambda: [0] * MAX_POS)
     proposed_per_pos: list[int] = field(default_factory=lambda: [0] * MAX_POS)
+    # verify rounds by how many of their draft tokens were accepted (vLLM's acceptance_histogram)
+    rounds_by_accepted: list[int] = field(default_factory=lambda: [0] * (MAX_POS + 1))
     k: int = 0                   # the draft length chosen last
 
     def record(self, proposed: int, accepted: int, emitted: int) -> None:
@@ -28,6 +30,7 @@ class SpecStats:
         self.draft_tokens += proposed
         self.accepted_tokens += accepted
         self.emitted_tokens += emitted
+        self.rounds_by_accepted[min(accepted, MAX_POS)] += 1
         for i in range(min(proposed, MAX_POS)):
             self.proposed_per_pos[i] += 1
             if i < accepted:
@@ -51,7 +54,8 @@ class SpecStats:
                 "accepted_tokens": self.accepted_tokens, "emitted_tokens": self.emitted_tokens,
                 "acceptance_rate": self.acceptance_rate, "mean_accepted_length": self.mean_accepted_length,
                 "acceptance_per_position": self.per_position(),
-                "accepted_per_position": self.accepted_per_pos[:len(self.per_position())], "k": self.k}
+                "accepted_per_position": self.accepted_per_pos[:len(self.per_position())],
+                "acceptance_histogram": self.rounds_by_accepted[:len(self.per_position()) + 1], "k": self.k}
 
 
 @dataclass

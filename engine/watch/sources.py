@@ -25,16 +25,27 @@ Kinds, told apart by the metric names on /metrics (each project's own, read from
              /metrics passes a worker's through), and vllm_router_* names on its Prometheus port
              (which can be watched as a URL too)
 Every number is None when the server does not say it.
+
+A look has one deadline (TIMEOUT, `watch --timeout`) for all its requests, bodies included,
+and every answer is capped (engine/watch/fetch.py); /metrics at MAX_SERIES series. A server
+that breaks a limit is down for that look, with the reason.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 
+import re
+
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-TIMEOUT = 3.0
+from engine.outside import OutsideDataError, visible
+from engine.watch.fetch import MAX_SNAPSHOT_BODY, Deadline, get, one_line
+
+TIMEOUT = 3.0                 # s: one look at one server, every request and body included
+MAX_SERIES = 20_000           # samples on one /metrics page (vLLM serving one model has ~1,000)
+_SAMPLE_LINE = re.compile(r"^[ \t]*[^#\s]", re.MULTILINE)
 
 RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs", "llamacpp:requests_processing",
            "vllm_router_running_requests")
@@ -50,6 +61,7 @@ ROUTER_REQUESTS = "vllm_router_requests_total"
 SNAPSHOT_VERSION = 1          # the /snapshot shape read here (engine/serve/snapshot_json.py)
 SNAPSHOT_WINDOWS = ("60s", "session")   # a metric's percentiles from the first with a request in it
 SNAPSHOT_METRICS = ("ttft", "itl", "e2e")
+MAX_LISTED = 1024             # workers or alerts of one server, more than any real one has
 
 
 @dataclass
@@ -89,7 +101,10 @@ def kind_of(names: set[str]) -> str:
 
 
 def from_metrics(url: str, text: str, at: float | None = None) -> Sample:
-    """A sample from a Prometheus text page alone."""
+    """A sample from a Prometheus text page alone; OutsideDataError past MAX_SERIES samples
+    (counted before parsing: the parser holds a whole family in memory)."""
+    if len(_SAMPLE_LINE.findall(text)) > MAX_SERIES:
+        raise OutsideDataError(f"{visible(url)}/metrics has more than {MAX_SERIES:,} series; not read")
     values: dict[str, float] = {}
     series: dict[str, int] = {}
     buckets: dict[str, dict[float, float]] = {}
@@ -143,6 +158,8 @@ def apply_snapshot(sample: Sample, snap: dict) -> None:
     another shape raises KeyError, TypeError or ValueError and changes nothing."""
     if not isinstance(snap, dict) or snap.get("version") != SNAPSHOT_VERSION:
         raise ValueError(f"version {snap.get('version') if isinstance(snap, dict) else None!r}")
+    if len(snap["workers"]) > MAX_LISTED or len(snap["alerts"]) > MAX_LISTED:
+        raise ValueError(f"more than {MAX_LISTED} workers or alerts")
     workers = [engine_worker(w) for w in snap["workers"]]
     percentiles = {}
     for metric in SNAPSHOT_METRICS:
@@ -162,76 +179,82 @@ def apply_snapshot(sample: Sample, snap: dict) -> None:
     sample.source = "snapshot"
 
 
-def _read_snapshot(client: httpx.Client, url: str, sample: Sample, api_key: str | None) -> None:
+def _read_snapshot(client: httpx.Client, url: str, sample: Sample, api_key: str | None,
+                   deadline: Deadline) -> None:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    r = client.get(url + "/snapshot", headers=headers, timeout=TIMEOUT)
-    if r.status_code == 404:             # a tokentop from before /snapshot: /metrics says it all
+    r = get(client, url + "/snapshot", deadline, headers=headers, max_bytes=MAX_SNAPSHOT_BODY)
+    if r.status == 404:                  # a tokentop from before /snapshot: /metrics says it all
         return
-    if r.status_code == 401:
+    if r.status == 401:
         sample.note = ("/snapshot wants the server's API key (`api_key`)" if not api_key
                        else "/snapshot refused the API key given") + ": figures from /metrics"
         return
-    if r.status_code != 200:
-        sample.note = f"/snapshot answers {r.status_code}: figures from /metrics"
+    if r.status != 200:
+        sample.note = f"/snapshot answers {r.status}: figures from /metrics"
         return
+    snap = r.json()                      # too big or too deep: the server is down, with the reason
     try:
-        apply_snapshot(sample, r.json())
+        apply_snapshot(sample, snap)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        sample.note = f"/snapshot not read ({type(exc).__name__}: {exc}): figures from /metrics"
+        sample.note = f"/snapshot not read ({type(exc).__name__}: {one_line(str(exc))}): figures from /metrics"
 
 
-def look(client: httpx.Client, url: str, api_key: str | None = None) -> Sample:
-    """Scrape `url` once: /metrics, and /health, /workers, /slots or /snapshot as its kind has
-    them. api_key: sent to a tokentop server's /snapshot."""
+def look(client: httpx.Client, url: str, api_key: str | None = None, timeout: float = TIMEOUT) -> Sample:
+    """Scrape `url` once, within `timeout` seconds in all: /metrics, and /health, /workers,
+    /slots or /snapshot as its kind has them. api_key: sent to a tokentop server's /snapshot.
+    No answer in time, or one past a limit, is a down sample with the reason."""
     now = time.monotonic()
     try:
-        workers = _router_workers(client, url)
-        if workers is not None:   # a router: its /metrics here would be a worker's, passed through
-            sample = Sample(url, now, up=True, kind="vllm-router", workers=workers)
-        else:
-            r = client.get(url + "/metrics", timeout=TIMEOUT)
-            if r.status_code != 200:
-                return Sample(url, now, up=False, error=f"/metrics answers {r.status_code}")
-            sample = from_metrics(url, r.text, now)
-            if sample.kind == "tokentop":
-                _read_snapshot(client, url, sample, api_key)
-        health = client.get(url + "/health", timeout=TIMEOUT)
-        if health.status_code == 404:        # no /health (a router's Prometheus port): /metrics answered
-            pass
-        elif health.status_code != 200 and sample.kind != "vllm-router":
-            sample.up, sample.error = False, f"/health answers {health.status_code}"
-        elif health.status_code != 200:      # a router says 503 while any of its workers is down
-            sample.error = health.text.strip()[:200]
-        if sample.kind == "llamacpp":
-            sample.model = sample.model or _served_model(client, url)
-            slots = _slots(client, url)
-            if slots is not None:
-                sample.slots, decoding = slots
-                if sample.generated is not None:
-                    sample.generated += decoding
-        return sample
-    except (httpx.HTTPError, ValueError) as exc:
-        return Sample(url, now, up=False, error=(str(exc) or type(exc).__name__).splitlines()[0])
+        return _look(client, url, api_key, Deadline(timeout), now)
+    except (OutsideDataError, ValueError) as exc:       # FetchError is an OutsideDataError
+        return Sample(url, now, up=False, error=one_line(str(exc) or type(exc).__name__))
 
 
-def _router_workers(client: httpx.Client, url: str) -> list[dict] | None:
-    r = client.get(url + "/workers", timeout=TIMEOUT)
-    if r.status_code != 200:
-        return None
-    try:
-        body = r.json()
-    except ValueError:                    # e.g. a Prometheus port answers every path with metrics
-        return None
+def _look(client: httpx.Client, url: str, api_key: str | None, deadline: Deadline, now: float) -> Sample:
+    workers = _router_workers(client, url, deadline)
+    if workers is not None:   # a router: its /metrics here would be a worker's, passed through
+        sample = Sample(url, now, up=True, kind="vllm-router", workers=workers)
+    else:
+        r = get(client, url + "/metrics", deadline)
+        if r.status != 200:
+            return Sample(url, now, up=False, error=f"/metrics answers {r.status}")
+        sample = from_metrics(url, r.text(), now)
+        if sample.kind == "tokentop":
+            _read_snapshot(client, url, sample, api_key, deadline)
+    health = get(client, url + "/health", deadline)
+    if health.status == 404:             # no /health (a router's Prometheus port): /metrics answered
+        pass
+    elif health.status != 200 and sample.kind != "vllm-router":
+        sample.up, sample.error = False, f"/health answers {health.status}"
+    elif health.status != 200:           # a router says 503 while any of its workers is down
+        sample.error = health.excerpt()
+    if sample.kind == "llamacpp":
+        sample.model = sample.model or _served_model(client, url, deadline)
+        slots = _slots(client, url, deadline)
+        if slots is not None:
+            sample.slots, decoding = slots
+            if sample.generated is not None:
+                sample.generated += decoding
+    return sample
+
+
+def _router_workers(client: httpx.Client, url: str, deadline: Deadline) -> list[dict] | None:
+    r = get(client, url + "/workers", deadline)
+    if r.status != 200 or not r.body.lstrip().startswith(b"{"):
+        return None                      # e.g. a Prometheus port answers every path with metrics
+    body = r.json()
     if not isinstance(body, dict) or not isinstance(body.get("workers"), list):
         return None
+    if len(body["workers"]) > MAX_LISTED:
+        raise OutsideDataError(f"{visible(url)}/workers lists more than {MAX_LISTED} workers; not read")
     return [{"url": w.get("url"), "healthy": bool(w.get("is_healthy")), "load": w.get("load")}
             for w in body["workers"] if isinstance(w, dict)]
 
 
-def _slots(client: httpx.Client, url: str) -> tuple[tuple[int, int], int] | None:
+def _slots(client: httpx.Client, url: str, deadline: Deadline) -> tuple[tuple[int, int], int] | None:
     """llama.cpp's /slots: ((busy, total), tokens its busy slots decoded so far)."""
-    r = client.get(url + "/slots", timeout=TIMEOUT)
-    if r.status_code != 200:
+    r = get(client, url + "/slots", deadline)
+    if r.status != 200:
         return None
     slots = r.json()
     if not isinstance(slots, list):
@@ -240,15 +263,15 @@ def _slots(client: httpx.Client, url: str) -> tuple[tuple[int, int], int] | None
     return (len(busy), len(slots)), sum(_decoded(s) for s in busy)
 
 
-def _served_model(client: httpx.Client, url: str) -> str | None:
+def _served_model(client: httpx.Client, url: str, deadline: Deadline) -> str | None:
     """The model an OpenAI-compatible server names first on /v1/models; a file path (llama.cpp's
     default alias) by its file name."""
-    r = client.get(url + "/v1/models", timeout=TIMEOUT)
-    if r.status_code != 200:
+    r = get(client, url + "/v1/models", deadline)
+    if r.status != 200:
         return None
     try:
         name = r.json()["data"][0]["id"]
-    except (ValueError, KeyError, IndexError, TypeError):
+    except (OutsideDataError, KeyError, IndexError, TypeError):
         return None
     if not isinstance(name, str):
         return None

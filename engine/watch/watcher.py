@@ -12,16 +12,20 @@
   workers: the busiest has IMBALANCE_MIN more requests than the idlest and IMBALANCE_RATIO
   times as many). A server that a watched router lists as its worker is judged among that
   router's workers only: its load is the router's doing, not comparable to a server beside it.
+
+Every server is looked at in its own thread, each look bounded by its deadline
+(engine/watch/sources.py): a slow or hostile server delays no other.
 """
 from __future__ import annotations
 
 import math
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 import httpx
 
-from engine.watch.sources import Sample, look
+from engine.watch.sources import TIMEOUT, Sample, look
 
 HISTORY = 60
 WINDOW_S = 30.0
@@ -29,6 +33,7 @@ STALL_S = 10.0
 IMBALANCE_MIN = 4
 IMBALANCE_RATIO = 3.0
 QUANTILES = (0.5, 0.9, 0.99)
+MAX_PARALLEL_LOOKS = 16
 
 
 @dataclass
@@ -159,15 +164,22 @@ def _imbalanced(loads: list[float]) -> bool:
 class Watcher:
     """Look at every URL each time poll() is called; status() says what was seen."""
 
-    def __init__(self, urls: list[str], client: httpx.Client | None = None, api_key: str | None = None):
+    def __init__(self, urls: list[str], client: httpx.Client | None = None, api_key: str | None = None,
+                 timeout: float = TIMEOUT):
         self.urls = [u.rstrip("/") for u in urls]
         self.client = client or httpx.Client()
         self.api_key = api_key             # for tokentop servers' /snapshot
+        self.timeout = timeout             # s: one look at one server
         self.tracks = {u: _Track(u) for u in self.urls}
+        self._pool = ThreadPoolExecutor(min(len(self.urls), MAX_PARALLEL_LOOKS) or 1,
+                                        thread_name_prefix="tokentop-look")
 
-    def poll(self) -> list[ServerStatus]:
-        for url in self.urls:
-            self.tracks[url].add(look(self.client, url, self.api_key))
+    def poll(self, urls: list[str] | None = None) -> list[ServerStatus]:
+        """Look at every server (or those of `urls`) side by side; every server's status."""
+        urls = self.urls if urls is None else urls
+        samples = self._pool.map(lambda url: look(self.client, url, self.api_key, self.timeout), urls)
+        for url, sample in zip(urls, samples):
+            self.tracks[url].add(sample)
         return self.status()
 
     def status(self) -> list[ServerStatus]:
@@ -183,4 +195,5 @@ class Watcher:
         return out
 
     def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
         self.client.close()

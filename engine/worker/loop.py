@@ -413,6 +413,7 @@ class Worker:
             preemptions_total=self.scheduler.preemptions,
             recomputed_tokens_total=self.scheduler.recomputed_tokens,
             prefix=self.reuse.stats() if self.reuse is not None else {},
+            kv_residency=self.pool.residency.as_dict(),
             spec=self.spec.stats_dict() if self.spec is not None else None,
             roofline=self.traffic.as_dict(now) if self.traffic is not None else None))
 

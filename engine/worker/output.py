@@ -67,7 +67,8 @@ class OutputProcessor:
         pending = seq.held_text + delta
         stopped = False
         if stops:
-            hits = [pending.find(s) for s in stops if s in pending]
+            # one scan per stop string of at most the longest's length plus the new text
+            hits = [i for i in map(pending.find, stops) if i >= 0]
             if hits:
                 out, held, stopped = pending[:min(hits)], "", True
             elif final:
