@@ -238,8 +238,8 @@ def _add_generate(sub) -> None:
 def _add_bench(sub) -> None:
     b = sub.add_parser("bench", help="benchmarks (JSON out)")
     b.add_argument("scenario", choices=["single", "batching", "routing", "dashboard", "trace", "record", "prefix", "serve",
-                                        "spec", "router", "soak", "first-start"])
-    b.add_argument("--models", default="qwen2.5-coder-0.5b", type=_names, help="comma-separated (bench single)")
+                                        "spec", "router", "soak", "first-start", "rows"])
+    b.add_argument("--models", default="qwen2.5-coder-0.5b", type=_names, help="comma-separated (bench single, rows)")
     b.add_argument("--runs", type=_positive_int, default=3)
     b.add_argument("--quick", action="store_true", help="fewer/shorter runs (smoke test)")
     b.add_argument("--minutes", type=_positive_minutes, default=2.0, metavar="N",
@@ -249,7 +249,7 @@ def _add_bench(sub) -> None:
                    help="bench routing: which policies to compare")
     b.add_argument("--sizes", default=None, metavar="N,N,...", type=_sizes,
                    help="bench batching: concurrent request counts (1 and 8 always included); "
-                        "bench router: worker counts (default 8,64,256)")
+                        "bench router: worker counts (default 8,64,256); bench rows: row counts (default 1-16)")
     b.add_argument("--queued", type=_positive_int, default=1000,
                    help="bench router: requests queued on the workers while it decides")
     b.add_argument("--no-sequential", action="store_true",

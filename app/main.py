@@ -57,7 +57,7 @@ ACTIONS = (
     Binding("p", "cycle_scheduler", "Sched", tooltip=f"Cycle the scheduler policy ({', '.join(SCHED_POLICIES)})"),
     Binding("r", "cycle_router", "Router", tooltip=f"Cycle the router policy ({', '.join(ROUTER_POLICIES)})"),
     Binding("s", "cycle_spec", "Spec", tooltip="Cycle speculative decoding of new requests "
-                                               "(off, ngram, draft when a draft model is loaded)"),
+                                               "(off, ngram, suffix, draft when a draft model is loaded)"),
     Binding("w", "cycle_window", "Window", show=False, tooltip="Cycle the latency window: last 10 s, last 60 s, "
                                                      "the whole session"),
     Binding("e", "expand_worker", "Expand", show=False,

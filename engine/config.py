@@ -23,7 +23,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int = 0                 # top-n logprobs per generated token, 0 = off
     return_logprobs: bool = False     # the client wants logprobs back (a remote worker asks for them)
-    speculate: str = ""               # "" = the worker's default, or off | ngram | draft
+    speculate: str = ""               # "" = the worker's default, or off | ngram | suffix | draft
     spec_k: str = ""                  # "" = the worker's --spec-k, or N | adaptive:POLICY
     spec_tv_budget: float | None = None   # None = the worker's --spec-tv-budget
     cache_salt: str | None = None     # requests share cached KV pages only with the same salt
@@ -106,7 +106,7 @@ MAX_STOPS = 64
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 
-SPEC_MODES = ("off", "ngram", "draft")
+SPEC_MODES = ("off", "ngram", "suffix", "draft")
 SPEC_K_POLICIES = ("adaptive:cost", "adaptive:acceptance", "adaptive:length")
 KV_MODES = ("paged", "contiguous")
 KV_DTYPES = ("auto", "fp32", "bf16", "fp16")   # auto: engine/facade/devices.py DEFAULT_KV_DTYPE
@@ -175,7 +175,7 @@ class WorkerConfig:
     recalibrate: bool = False             # measure the speed profile again instead of the cached one
     calibrate: bool = True                # False: skip the profile (tests, benchmarks of one worker)
     # speculative decoding (engine/speculative/)
-    speculate: str = "off"                # default mode of requests: off | ngram | draft
+    speculate: str = "off"                # default mode of requests: off | ngram | suffix | draft
     draft_model: str = ""                 # catalog name or .gguf path of the draft model
     spec_k: str = "adaptive:cost"         # N (fixed draft length) or one of SPEC_K_POLICIES
     spec_tv_budget: float = 0.0           # mentored decoding: TV budget D (0 = lossless)

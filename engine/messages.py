@@ -203,6 +203,8 @@ class WorkerStats:
     external_requests: int = 0
     # KV page residency (engine/kv/residency.py): {histogram: (counts per bucket, sum)}
     kv_residency: dict | None = None
+    # decode steps' read GB/s and shares of the measured ceilings (engine/worker/roofline.py)
+    roofline: dict | None = None
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import time
 
 from app.main import TokentopApp
 from app.widgets.requests import spec_text
-from app.widgets.spec import spec_markup
+from app.widgets.spec import gain_line, spec_markup
 from app.widgets.streams import DRAFTED_STYLE, drafted_ranges, stream_content, stream_lines
 from engine.config import EngineConfig, SamplingParams, WorkerConfig
 from engine.facade.snapshot import RequestView
@@ -28,7 +28,7 @@ async def test_s_cycles_the_mode_and_the_panel_shows_acceptance(tmp_path):
                       settings_path=tmp_path / "settings.json")
     async with app.run_test(size=(140, 40)) as pilot:
         await wait_for(pilot, lambda: app.engine.ready, "the worker")
-        assert app.engine.spec_modes() == ("off", "ngram")   # no draft model loaded
+        assert app.engine.spec_modes() == ("off", "ngram", "suffix")   # no draft model loaded
         await pilot.press("s")
         assert app.engine.spec_mode == "ngram"
         handles = [app.engine.submit("zebra " * 20, params=SamplingParams(max_tokens=40, ignore_eos=True))
@@ -37,6 +37,11 @@ async def test_s_cycles_the_mode_and_the_panel_shows_acceptance(tmp_path):
         assert all(r.metrics.spec["mode"] == "ngram" for r in results)
         await wait_for(pilot, lambda: "pos 1" in app.panels["spec"]._shown, "acceptance by position")
         assert "acc " in app.panels["spec"]._shown and "new requests: [b]ngram" in app.panels["spec"]._shown
+        await wait_for(pilot, lambda: "gain [b]" in app.panels["spec"]._shown, "the measured gain")
+        spec = app.engine.snapshot().workers[0].spec
+        assert spec["spec_tok_s"] > 0 and spec["plain_tok_s_est"] > 0
+        await pilot.press("s")
+        assert app.engine.spec_mode == "suffix"
         await pilot.press("s")
         assert app.engine.spec_mode == "off"
         off = app.engine.submit("zebra " * 20, params=SamplingParams(max_tokens=5)).result(60)
@@ -66,3 +71,6 @@ def test_request_column_and_panel_text():
     assert spec_text(_view("x", ())) == ""
     text = spec_markup((), (r,), "draft", 60)
     assert "r7 draft k 4 acc 75% len 4.00" in text
+    line = gain_line({"gain": 1.5, "spec_tok_s": 30.0, "plain_tok_s_est": 20.0})
+    assert "×1.50" in line and "30.0 tok/s" in line and "20.0 est. without" in line and "$success" in line
+    assert "$error" in gain_line({"gain": 0.8, "spec_tok_s": 16.0, "plain_tok_s_est": 20.0})

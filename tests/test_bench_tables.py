@@ -106,7 +106,8 @@ def bench_dir(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("section, command", [
     (bt.sec_router, "tokentop bench router"), (bt.sec_record, "tokentop bench record"),
-    (bt.sec_soak, "tokentop bench soak --minutes N"), (bt.sec_first_start, "tokentop bench first-start")])
+    (bt.sec_soak, "tokentop bench soak --minutes N"), (bt.sec_first_start, "tokentop bench first-start"),
+    (bt.sec_rows, "tokentop bench rows --models qwen2.5-coder-0.5b,qwen2.5-coder-1.5b")])
 def test_a_benchmark_without_a_report_gets_what_it_measures_and_its_command(bench_dir, section, command):
     text = section()
     assert f"no report kept: `{command} --out docs/bench/" in text and "|" not in text
@@ -331,3 +332,16 @@ def test_seeds_batching_rows_beside_the_published(bench_dir):
     text = bt.sec_seeds()
     assert "| 3 | 60.0 | 2.00× | 17.41 | 13.05 | 17.52 |" in text
     assert "| 2 | — | — | 16.15 | 8.70 | 16.25 |" in text
+
+
+def test_rows_renders_what_bench_rows_writes(bench_dir):
+    row = lambda n, ms, read, mm: {"rows": n, "step_ms": ms, "vs_1_row": round(ms / 18.0, 3), "tok_s": n / ms * 1000,
+                                   "read_gb_s": 20.0, "read_share": read, "gflops": 10.0, "compute_share": mm,
+                                   "nearer_bound": "bandwidth"}
+    bench_dir("rows-zen4", {"sizes": [1, 8], "results": [
+        {"model": "qwen2.5-coder-0.5b", "rows": [row(1, 18.0, 0.8, 0.05), row(8, 39.6, 0.4, 0.62)]},
+        {"model": "qwen2.5-coder-1.5b", "error": "not found"}]})
+    text = bt.sec_rows()
+    assert ("| CPU | model | 1 rows | 8 rows | read share, 1 row | read share, 8 rows "
+            "| matmul-peak share, 8 rows |") in text
+    assert "| Zen 4 | 0.5B | 1.00× | 2.20× | 80% | 40% | 62% |" in text

@@ -190,3 +190,26 @@ def test_no_side_is_measured_on_the_torch_fallback():
     assert engine.polls == 4 and said == ["waiting for worker(s) 1 to build their kernels (first use)"]
     with pytest.raises(TokentopError, match="still on the torch fallback"):
         wait_for_kernels(Engine(building_for=10**9), said.append, limit_s=0, poll_s=0)
+
+
+def test_speculation_acceptance_is_recorded_per_request_and_explained(tiny_model_path):
+    model = tiny_model_path("qwen2")
+    config = EngineConfig(workers=(WorkerConfig(model=str(model), threads=1, calibrate=False, deterministic=True),),
+                          worker_mode="thread")
+    prompts = ["zebra " * 20, "one two three four one two three four one two"]
+    items = [Item(f"q{i}", p, SamplingParams(max_tokens=24, ignore_eos=True)) for i, p in enumerate(prompts)]
+    report = compare(config, items, {"speculate": "off"}, {"speculate": "ngram", "spec-k": "4"})
+    assert report["outputs"]["identical"]
+    assert all(r["acceptance_rate"] is None and r["speculate"] is None for r in report["a"]["requests"])
+    b = report["b"]["requests"]
+    assert all(r["speculate"] == "ngram" and r["draft_tokens"] > 0 for r in b)
+    for r in b:
+        assert r["acceptance_rate"] == round(r["accepted_tokens"] / r["draft_tokens"], 4)
+        assert r["mean_accepted_length"] == round(1 + r["accepted_tokens"] / r["spec_rounds"], 3)
+    sb = report["b"]["summary"]
+    assert sb["draft_tokens"] == sum(r["draft_tokens"] for r in b) and sb["acceptance_rate"] > 0
+    assert report["a"]["summary"]["acceptance_rate"] is None
+    text = format_report(report)
+    assert "acceptance" in text and "accepted length" in text
+    assert f"B: {sb['acceptance_rate']:.0%} of {sb['draft_tokens']} drafted tokens accepted" in text
+    assert "A: no drafts" in text

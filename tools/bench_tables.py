@@ -285,6 +285,10 @@ def sec_spec() -> str:
                      f"\n\nBurst of {b['requests']} concurrent requests ({b['max_tokens']} tokens, {b['policy']}): "
                      f"off {f(b['off_tok_s'])} tok/s, draft model {f(b['draft_tok_s'])} ({x(b['draft_vs_off'])}), "
                      f"n-gram {f(b['ngram_tok_s'])} ({x(b['ngram_vs_off'])}).")
+        if rb := r.data.get("repeated_burst"):
+            parts[-1] += (f"\n\nThe burst's {rb['tasks']} tasks fired twice on the 0.5B (greedy): suffix decoding's "
+                          f"second pass {x(rb['second_pass_suffix_vs_off'])} the second pass without speculation "
+                          f"(first pass {x(rb['first_pass_suffix_vs_off'])}).")
     return section("spec: speculative decoding", TEXT["spec"], found, "\n\n".join(parts), BOUNDS["spec"])
 
 
@@ -591,6 +595,28 @@ def numeric_fields(node, prefix: str = "") -> list[tuple[str, float]]:
     return out
 
 
+def sec_rows() -> str:
+    title = "rows: a decode step by its row count"
+    found = newest_per_class(reports("rows-*.json"))
+    if not found:
+        return unmeasured(title, TEXT["rows"], "tokentop bench rows --models qwen2.5-coder-0.5b,qwen2.5-coder-1.5b "
+                                               "--out docs/bench/rows-CLASS.json")
+    results = [(r, res) for r in found for res in r["results"] if "rows" in res]
+    sizes = sorted({row["rows"] for _, res in results for row in res["rows"]})
+    rows = []
+    for r, res in results:
+        by_n = {row["rows"]: row for row in res["rows"]}
+        rows.append([r.cls, MODEL_SHORT.get(res["model"], res["model"]),
+                     *(x(by_n[n]["vs_1_row"]) if n in by_n else "—" for n in sizes),
+                     *(f"{100 * by_n[n]['read_share']:.0f}%" if by_n.get(n, {}).get("read_share") is not None
+                       else "—" for n in (sizes[0], sizes[-1])),
+                     f"{100 * by_n[sizes[-1]]['compute_share']:.0f}%"
+                     if by_n.get(sizes[-1], {}).get("compute_share") is not None else "—"])
+    body = table(["CPU", "model", *(f"{n} rows" for n in sizes), f"read share, {sizes[0]} row",
+                  f"read share, {sizes[-1]} rows", f"matmul-peak share, {sizes[-1]} rows"], rows)
+    return section(title, TEXT["rows"], found, body)
+
+
 def sec_first_start() -> str:
     title = "first start: from the command to the first token"
     found = reports("first-start-*.json")
@@ -753,7 +779,7 @@ def render() -> str:
     """docs/benchmarks.md."""
     return join([TEXT["intro"], "## Headline\n\n" + headline() + "\n", sec_single(), sec_batching(),
                  sec_llama_server(), sec_routing(), sec_router(), sec_prefix(), sec_spec(), sec_seeds(), sec_serve(),
-                 sec_dashboard(), sec_trace(), sec_record(), sec_soak(), sec_first_start(), sec_gpu(), sec_fuzz(),
+                 sec_dashboard(), sec_trace(), sec_record(), sec_soak(), sec_first_start(), sec_rows(), sec_gpu(), sec_fuzz(),
                  sec_reports()])
 
 
@@ -853,6 +879,11 @@ aborted) over two local worker processes and a remote `tokentop serve`, simulate
 SIGKILLed at a third, the remote restarted at two thirds. Once idle: requests by outcome, lost and
 doubled (both ledgers), the most RSS grew after warm-up, KV pages held, seconds from each
 disruption to serving again. Goals: RSS within 5%, nothing held, lost or doubled, both back.""",
+    "rows": """\
+A decode step's time by its rows (N requests decoding together), against one row. A step reads
+the weights once whatever its rows: one row is bound by that read (its share of the read
+bandwidth measured in the same run), many rows by the arithmetic and the unpacking of the
+weight blocks (the share of a float32 matmul peak measured in the same run).""",
     "first_start": """\
 A first start: the seconds to each stage the report records (model assembled, worker ready, first
 token, kernels switched in for the torch matmuls), every number under its own name.""",

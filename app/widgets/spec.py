@@ -3,7 +3,9 @@ accepted length, acceptance by draft position (bars), and each speculating reque
 
 Acceptance is accepted draft tokens / draft tokens verified; the mean accepted length is
 vLLM's (tokens emitted per verify round: 1 + accepted / rounds); position i's bar is the
-share of rounds that drafted an i-th token and had it accepted.
+share of rounds that drafted an i-th token and had it accepted. The gain is the measured
+tok/s of the steps with speculating requests over the worker's cost-model estimate of the
+same steps without drafts.
 """
 from __future__ import annotations
 
@@ -42,9 +44,18 @@ def worker_lines(w: WorkerView, width: int) -> list[str]:
     mean = s["mean_accepted_length"]
     lines = [f"[b]{name}[/] acc [b]{pct(s['acceptance_rate'])}[/] [$accent]{spark}[/] "
              f"len [b]{mean:.2f}[/] k {s['k']}  {s['drafts']} rounds"]
+    if s.get("gain"):
+        lines.append(gain_line(s))
     for i, a in enumerate(s["acceptance_per_position"][:MAX_POSITIONS]):
         lines.append(f"  pos {i + 1} [$success]{bar(a)}[/] {pct(a)}")
     return lines
+
+
+def gain_line(s: dict) -> str:
+    gain = s["gain"]
+    colour = "$success" if gain >= 1.0 else "$error"
+    return (f"  gain [b][{colour}]×{gain:.2f}[/][/]  {s['spec_tok_s']:.1f} tok/s "
+            f"[$text-muted]vs {s['plain_tok_s_est']:.1f} est. without[/]")
 
 
 def request_line(r: RequestView) -> str:

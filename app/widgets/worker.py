@@ -132,6 +132,7 @@ class WorkerPanel(Vertical):
             parts.append((2, f"CPU {w.cpu_percent:.0f}%"))
         if w.rss_bytes is not None:
             parts.append((3, f"RSS {fmt_mib(w.rss_bytes)}"))
+        parts += roofline_parts(w.roofline)
         parts.append((4, outside_markup(w.policy)))
         return parts
 
@@ -176,6 +177,20 @@ class WorkerPanel(Vertical):
                 parts.append((0 if w.kernels_building else 1, path))
         line = getattr(self, "_identity_line", None)
         return fit_parts(parts, line.size.width if line is not None and line.size.width else 10_000, sep=" ")
+
+
+def roofline_parts(r: dict | None) -> list[tuple[int, str]]:
+    """Decode steps' reads against the machine's measured read bandwidth; for many-row steps
+    also their multiply-adds against the measured matmul peak."""
+    if not r:
+        return []
+    read = f"read {r['read_gbs']:.1f} GB/s"
+    if r.get("read_share") is not None:
+        read += f" {100 * r['read_share']:.0f}% of {r['bandwidth_gbs']:.0f}"
+    parts = [(1, read)]
+    if r.get("rows", 1) >= 2 and r.get("compute_share") is not None:
+        parts.append((3, f"{r['rows']:.0f} rows {100 * r['compute_share']:.0f}% of matmul peak"))
+    return parts
 
 
 def kernel_path(w: WorkerView) -> str:

@@ -9,6 +9,7 @@ prefix    prefix reuse: warm vs cold, identical and partial-prefix bursts, cycli
 router    the facade's cost of one routing decision with 8 / 64 / 256 workers (router_cost.py)
 first-start  a fresh cache: model assembled, serving on torch matmuls, the switch to the kernels (first_start.py)
 soak      minutes of mixed load with a worker killed and the remote restarted: leaks, lost and doubled requests (soak.py)
+rows      a decode step's cost by its row count, 1-16, against one row, with read GB/s and roofline shares (rows.py)
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from dataclasses import replace
 
 from engine.bench import peak_rss_mb, read_bandwidth, rss_now_mb
 from engine.bench.router_cost import bench_router  # noqa: F401  (the scenario `router`)
+from engine.bench.rows import decode_roofline
 from engine.config import EngineConfig, SamplingParams, WorkerConfig
 from engine.dtypes import resolve_kv_dtype
 from engine.errors import describe_error
@@ -78,17 +80,27 @@ def _single_child(worker: WorkerConfig, runs: int, prompt_len: int, out_tokens: 
                                       params=SamplingParams(max_tokens=out_tokens, ignore_eos=True))
                 m = res.metrics
                 decode.append((m.output_tokens - 1) / (m.e2e - m.ttft))
+            live = _live_roofline(engine)
             rss, rss_end = peak_rss_mb(), rss_now_mb()
             from engine import kernels
             from engine.models.catalog import resolve_model
             extra = _framework_overhead(engine, str(resolve_model(worker.model)), worker) if overhead else {}
             q.put({"prefill_tok_s": prefill, "decode_tok_s": decode, "peak_rss_mb": rss,
                    "rss_after_runs": rss_end, "decode_step_ms": round(1000 / median(decode), 2), **extra,
+                   "live_roofline": live,
                    "linear_kernels": kernels.describe()})
         finally:
             engine.shutdown()
     except Exception as exc:  # report, don't hang the parent
         q.put({"error": describe_error(exc)})
+
+
+def _live_roofline(engine, wait_s: float = 1.0) -> dict | None:
+    """The worker's own read GB/s over its last decode steps (its next stats report)."""
+    deadline = time.monotonic() + wait_s
+    while (live := engine.snapshot().workers[0].roofline) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return live
 
 
 def _framework_overhead(engine, path: str, worker: WorkerConfig, pairs: int = 7, steps: int = 33) -> dict:
@@ -267,6 +279,8 @@ def bench_single(args) -> dict:
             continue
         row["prefill_tok_s_median"] = median(res["prefill_tok_s"])
         row["decode_tok_s_median"] = median(res["decode_tok_s"])
+        row["roofline"] = decode_roofline(worker, row["decode_tok_s_median"], 16 + out_tokens // 2,
+                                          row.pop("live_roofline", None))
         if args.llama_cpp:
             row["llama_cpp"] = _compare_with_llama_cpp(row, res, refs, reads)
         rows.append(row)
@@ -613,6 +627,12 @@ from engine.bench.spec import bench_spec  # noqa: E402,F401  (tokentop bench spe
 def bench_first_start(args) -> dict:
     """A fresh install's start: serving on the torch fallback, then the kernels (first_start.py)."""
     from engine.bench.first_start import bench_first_start as run
+    return run(args)
+
+
+def bench_rows(args) -> dict:
+    """A decode step's cost by its row count (engine/bench/rows.py)."""
+    from engine.bench.rows import bench_rows as run
     return run(args)
 
 

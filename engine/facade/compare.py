@@ -6,12 +6,14 @@ same seed on both sides). Settings are the engine flags that change how a burst 
 
     policy=fcfs|spf                  scheduler policy           router-policy=POLICY
     prefix-cache=on|off              single-flight=off|after-prefill|at-completion
-    speculate=off|ngram|draft        spec-k=N|adaptive:...      spec-tv-budget=D
+    speculate=off|ngram|suffix|draft spec-k=N|adaptive:...      spec-tv-budget=D
     max-active=N                     worker=N (every request to worker N: a forced baseline)
 
 The report has TTFT, ITL and end-to-end latency (p50 / p95 / p99), aggregate output tok/s and
-the completion time of the whole burst, each request's figures on both sides, and, where both
-sides ran greedy requests on real (not simulated) workers, whether the outputs were identical.
+the completion time of the whole burst, each request's figures on both sides, speculation's
+acceptance and accepted length (per request and per side: why a speculating side won or lost),
+and, where both sides ran greedy requests on real (not simulated) workers, whether the outputs
+were identical.
 
 Requests are given as objects with `id`, `prompt`, `messages` and `params` (app/bursts.py's
 BurstItem), so the engine does not read burst files itself.
@@ -145,9 +147,31 @@ class RequestOutcome:
     e2e: float | None
     greedy: bool
     token_ids: list[int] = field(default_factory=list)
+    speculate: str | None = None   # the mode it speculated with; None = it did not
+    spec_rounds: int = 0           # verify rounds with at least one draft token
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return round(self.accepted_tokens / self.draft_tokens, 4) if self.draft_tokens else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens per verify round (vLLM's mean acceptance length)."""
+        return round(1 + self.accepted_tokens / self.spec_rounds, 3) if self.spec_rounds else None
 
     def to_json(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "token_ids"}
+        return {**{k: v for k, v in self.__dict__.items() if k != "token_ids"},
+                "acceptance_rate": self.acceptance_rate, "mean_accepted_length": self.mean_accepted_length}
+
+
+def spec_fields(spec: dict | None) -> dict:
+    """A request record's speculation counters as RequestOutcome's fields."""
+    if not spec:
+        return {}
+    return {"speculate": spec.get("mode"), "spec_rounds": spec.get("drafts", 0),
+            "draft_tokens": spec.get("draft_tokens", 0), "accepted_tokens": spec.get("accepted_tokens", 0)}
 
 
 @dataclass
@@ -175,7 +199,17 @@ class SideResult:
         for r in self.requests:
             per_worker[str(r.worker)] = per_worker.get(str(r.worker), 0) + 1
         out["requests_per_worker"] = per_worker
+        out.update(self.speculation())
         return out
+
+    def speculation(self) -> dict:
+        """The side's drafts: how many were accepted, how long an accepted run was."""
+        rounds = sum(r.spec_rounds for r in self.requests)
+        drafted = sum(r.draft_tokens for r in self.requests)
+        accepted = sum(r.accepted_tokens for r in self.requests)
+        return {"spec_rounds": rounds, "draft_tokens": drafted, "accepted_tokens": accepted,
+                "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
+                "mean_accepted_length": round(1 + accepted / rounds, 3) if rounds else None}
 
 
 def seeded(items: list[BurstRequest]) -> list[SamplingParams]:
@@ -235,7 +269,8 @@ def run_side(name: str, config: EngineConfig, settings: dict[str, Any], items: l
                 id=item.id, worker=r.worker, finish_reason=r.finish_reason, error=r.error,
                 prompt_tokens=len(r.prompt_token_ids), cached_tokens=m.cached_tokens if m else 0,
                 output_tokens=len(r.token_ids), ttft=m.ttft if m else None, itl_mean=m.itl_mean if m else None,
-                e2e=m.e2e if m else None, greedy=p.temperature == 0.0, token_ids=list(r.token_ids)))
+                e2e=m.e2e if m else None, greedy=p.temperature == 0.0, token_ids=list(r.token_ids),
+                **spec_fields(m.spec if m else None)))
         completion = max(ends) - handles[0][0] if handles else 0.0
         workers = [{"index": w.index, "name": w.name, "device": w.device, "simulated": w.simulated,
                     "state": w.state} for w in engine.snapshot().workers]
@@ -290,7 +325,18 @@ def _ms(v: float | None) -> str:
 
 
 def _cell(r: dict) -> str:
-    return f"w{r['worker']} {_ms(r['ttft'])} {_ms(r['e2e'])} {r['output_tokens']} tok {r['finish_reason']}"
+    cell = f"w{r['worker']} {_ms(r['ttft'])} {_ms(r['e2e'])} {r['output_tokens']} tok {r['finish_reason']}"
+    if r.get("acceptance_rate") is not None:
+        cell += f" acc {r['acceptance_rate']:.0%} x{r['mean_accepted_length']:.1f}"
+    return cell
+
+
+def _speculation_line(name: str, summary: dict) -> str:
+    """Why a speculating side gained or lost: how much of what it drafted the target kept."""
+    if not summary.get("draft_tokens"):
+        return f"{name}: no drafts"
+    return (f"{name}: {summary['acceptance_rate']:.0%} of {summary['draft_tokens']} drafted tokens accepted, "
+            f"{summary['mean_accepted_length']:.2f} tokens per verify round")
 
 
 def format_report(report: dict) -> str:
@@ -317,6 +363,10 @@ def format_report(report: dict) -> str:
     row("aggregate tok/s", "aggregate_tok_s", lambda v: "-" if v is None else f"{v:.1f}")
     row("completion", "completion_s", _ms)
     row("requests ok", "ok", lambda v: f"{v} of {report['requests']}")
+    if sa.get("draft_tokens") or sb.get("draft_tokens"):
+        row("acceptance", "acceptance_rate", lambda v: "-" if v is None else f"{v:.0%}")
+        row("accepted length", "mean_accepted_length", lambda v: "-" if v is None else f"{v:.2f}")
+        lines += ["", "speculation: " + _speculation_line("A", sa) + "; " + _speculation_line("B", sb)]
     lines += ["", f"{'request':18}{'A: worker TTFT e2e out end':<{width}}{'B: worker TTFT e2e out end':<{width}}"]
     for ra, rb in zip(a["requests"], b["requests"]):
         lines.append(f"{ra['id'][:17]:18}{_cell(ra):<{width}}{_cell(rb):<{width}}".rstrip())

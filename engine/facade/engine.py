@@ -271,7 +271,7 @@ class Engine:
         self.log("info", f"scheduler policy -> {policy}")
 
     def set_spec_mode(self, mode: str) -> None:
-        """Speculative decoding of new requests: off, ngram, draft ("" = the workers' default)."""
+        """Speculative decoding of new requests: off, ngram, suffix, draft ("" = the workers' default)."""
         if mode and mode not in SPEC_MODES:
             raise ConfigError(f"speculation mode must be one of {', '.join(SPEC_MODES)}, got {mode!r}")
         self.spec_mode = mode
@@ -281,7 +281,7 @@ class Engine:
         with self.lock:
             sets = [set(w.info.spec_modes) for w in self.workers.ready()]
         common = set.intersection(*sets) if sets else {"off"}
-        return tuple(m for m in ("off", "ngram", "draft") if m in common)
+        return tuple(m for m in SPEC_MODES if m in common)
 
     def set_router_policy(self, policy: str) -> None:
         with self.lock:

@@ -108,6 +108,7 @@ class WorkerView:
     preemptions: int = 0          # since the worker started
     recomputed_tokens: int = 0    # tokens whose KV preemptions threw away, computed again
     spec: dict | None = None      # speculative decoding totals (engine/speculative/stats.py), None = sim
+    roofline: dict | None = None  # decode read GB/s and shares of the machine's ceilings; None = not measured
     spec_history: tuple[float, ...] = ()   # acceptance rate of each stats report that verified drafts
     spec_modes: tuple[str, ...] = ("off",)
     draft_model: str = ""

@@ -14,7 +14,7 @@ VERSION = 1
 # view reaches /snapshot by adding its name here
 WORKER_FIELDS = ("index", "name", "device", "model", "dtype", "simulated", "remote_url", "state", "message",
                  "running", "waiting", "max_active", "prefill_tps", "decode_tps", "preemptions",
-                 "recomputed_tokens", "steps", "policy", "cpu_percent", "rss_bytes", "prefix_cache")
+                 "recomputed_tokens", "steps", "policy", "cpu_percent", "rss_bytes", "prefix_cache", "roofline")
 REQUEST_FIELDS = ("id", "worker", "leader", "prompt_tokens", "prompt_source", "cached_tokens", "output_tokens",
                   "max_tokens", "queue_time", "ttft", "itl_mean", "e2e", "age", "finish_reason", "error", "burst")
 

@@ -1,7 +1,8 @@
 """Speculative decoding inside continuous batching.
 
 A proposer guesses the next k tokens of a decoding request (ngram.py: prompt lookup;
-draft.py: a small draft model on the same worker). The target verifies them in the very
+suffix.py: suffix trees over the request and recent outputs; draft.py: a small draft model
+on the same worker). The target verifies them in the very
 step that decodes everyone else: the request's row of the flat batch becomes 1 + k rows
 (its pending token and the drafts), each attended exactly like a decode. verify.py turns
 the k + 1 target distributions into emitted tokens (greedy / lossless / mentored

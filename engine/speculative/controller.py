@@ -1,11 +1,12 @@
 """The worker's side of speculative decoding: choose k, propose, roll back, count.
 
 Per step, around the scheduler and the runner:
-  prepare(scheduler)   before scheduling: each decoding request's k (policy.py); n-gram
-                       proposals are made here, so the scheduler reserves exactly them
+  prepare(scheduler)   before scheduling: each decoding request's k (policy.py); n-gram and
+                       suffix proposals are made here, so the scheduler reserves exactly them
   propose(plan)        after scheduling: the draft model drafts for the scheduled requests
   settle(item, v)      after the target step: keep the K/V of the emitted tokens only,
                        release whole pages past them (target's and draft's), record metrics
+  end(seq)             the request left: its suffix tree goes, its output stays shared
 """
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from engine.errors import InvalidRequest
 from engine.worker.sequence import Sequence, SeqState
 from engine.speculative.ngram import propose_ngram
 from engine.speculative.policy import CostK, CostModel, PositionAcceptance, StepContext, make_policy
-from engine.speculative.stats import SpecStats
+from engine.speculative.stats import MeasuredGain, SpecStats
+from engine.speculative.suffix import SuffixCache
 from engine.speculative.verify import Verdict
 from engine.trace import get_tracer
 
@@ -25,10 +27,11 @@ from engine.trace import get_tracer
 @dataclass
 class SeqSpec:
     """A request's speculation state."""
-    mode: str                       # ngram | draft
+    mode: str                       # ngram | suffix | draft
     policy: object
     tv_budget: float = 0.0          # mentored decoding's D (0 = lossless)
     stats: SpecStats = field(default_factory=SpecStats)
+    suffix_fed: int = 0             # output tokens already in the suffix trees
     draft_probs: object = None      # q of this round's drafts (draft model, sampled requests)
     _draft_gen: object = None
 
@@ -51,12 +54,14 @@ class SpecController:
         self.draft = getattr(runner, "draft", None)   # engine.speculative.draft.DraftModel or None
         self.calibrated = False
         self.stats = SpecStats()             # the worker's totals
-        self.recent = {"ngram": PositionAcceptance(), "draft": PositionAcceptance()}
+        self.gain = MeasuredGain()
+        self.recent = {m: PositionAcceptance() for m in ("ngram", "suffix", "draft")}
         self.cost = CostModel()
+        self.suffix = SuffixCache()
 
     @property
     def modes(self) -> tuple[str, ...]:
-        return ("off", "ngram", "draft") if self.draft is not None else ("off", "ngram")
+        return ("off", "ngram", "suffix", "draft") if self.draft is not None else ("off", "ngram", "suffix")
 
     def start(self, seq: Sequence) -> None:
         mode = seq.params.speculate or self.cfg.speculate
@@ -66,6 +71,13 @@ class SpecController:
         p = seq.params
         tv = self.cfg.spec_tv_budget if p.spec_tv_budget is None else p.spec_tv_budget
         seq.spec = None if mode == "off" else SeqSpec(mode, make_policy(p.spec_k or self.cfg.spec_k), tv)
+        if mode == "suffix":
+            self.suffix.start(seq.id)
+
+    def end(self, seq: Sequence) -> None:
+        if seq.spec is not None and seq.spec.mode == "suffix":
+            self._feed_suffix(seq)   # the last tokens too: the shared tree keeps the whole output
+            self.suffix.stop(seq.id)
 
     # --- before scheduling --------------------------------------------------------------
     def prepare(self, scheduler) -> None:
@@ -93,9 +105,10 @@ class SpecController:
                               catchup_tokens=seq.num_tokens - seq.draft_computed if mode == "draft" else 0)
             k = max(0, min(seq.spec.policy.next_k(ctx), max_k))
             seq.spec.stats.k = k
-            if k and seq.spec.mode == "ngram":
-                seq.draft_ids = propose_ngram(seq.prompt_ids + seq.output_ids, k,
-                                              self.cfg.ngram_min, self.cfg.ngram_max)
+            if seq.spec.mode == "suffix":
+                self._feed_suffix(seq)
+            if k and seq.spec.mode in ("ngram", "suffix"):
+                seq.draft_ids = self._lookup(seq, k)
                 k = len(seq.draft_ids)
             seq.spec_want = k
             rows += k
@@ -104,6 +117,20 @@ class SpecController:
                 other += policy.expected_tokens(k) - 1 if isinstance(policy, CostK) else k / 2
                 if seq.spec.mode == "draft":
                     draft_rounds = max(draft_rounds, k)
+
+    def _feed_suffix(self, seq: Sequence) -> None:
+        """Put the output tokens sampled since the last step into the suffix trees."""
+        fed = seq.spec.suffix_fed
+        if fed < len(seq.output_ids):
+            self.suffix.add_output(seq.id, seq.output_ids[fed:])
+            seq.spec.suffix_fed = len(seq.output_ids)
+
+    def _lookup(self, seq: Sequence, k: int) -> list[int]:
+        """A model-free proposal of up to k tokens: prompt lookup or the suffix trees."""
+        tokens = seq.prompt_ids + seq.output_ids
+        if seq.spec.mode == "suffix":
+            return self.suffix.propose(seq.id, tokens, k).tokens
+        return propose_ngram(tokens, k, self.cfg.ngram_min, self.cfg.ngram_max)
 
     def calibrate(self) -> None:
         """Measure a verify step by rows, and a draft step, on a scratch sequence (about a
@@ -168,10 +195,19 @@ class SpecController:
             item.seq.draft_ids = drafts
             item.seq.spec.draft_probs = q
 
-    def record_step(self, plan, seconds: float) -> None:
-        """Teach the cost model: target step time by rows (decode/verify-only steps)."""
-        if all(i.seq.state == SeqState.DECODE for i in plan.items):
-            self.cost.add_target(plan.num_tokens, seconds)
+    def record_step(self, plan, seconds: float, emitted: int) -> None:
+        """Teach the cost model: target step time by rows (decode/verify-only steps); and
+        measure the gain of those with speculating requests against the same step undrafted."""
+        if not all(i.seq.state == SeqState.DECODE for i in plan.items):
+            return
+        if any(i.seq.spec is not None for i in plan.items) and self.cost.target.known:
+            rows = len(plan.items)
+            self.gain.add(seconds, emitted, self.cost.target(rows), rows)
+        self.cost.add_target(plan.num_tokens, seconds)
+
+    def stats_dict(self) -> dict:
+        """The worker's totals and the measured gain, for WorkerStats."""
+        return {**self.stats.as_dict(), **self.gain.as_dict()}
 
     # --- after the target step ------------------------------------------------------------
     def settle(self, item, verdict: Verdict | None, blocks) -> None:

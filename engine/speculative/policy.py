@@ -136,7 +136,9 @@ class StepContext:
 
 
 class PositionAcceptance:
-    """Decayed counts of drafts tried and accepted at each position (recent rounds weigh more)."""
+    """Decayed counts of drafts reached and accepted at each position (recent rounds weigh
+    more). A position is reached when every draft before it was accepted, so rate(i) is
+    P(draft i+1 accepted | drafts 1..i were), the factor expected_tokens multiplies by."""
 
     DECAY = 0.9
 
@@ -145,7 +147,7 @@ class PositionAcceptance:
         self.tried = [0.0] * K_MAX
 
     def update(self, proposed: int, accepted: int) -> None:
-        for i in range(min(proposed, K_MAX)):
+        for i in range(min(proposed, accepted + 1, K_MAX)):
             self.accepted[i] = self.DECAY * self.accepted[i] + (1.0 if i < accepted else 0.0)
             self.tried[i] = self.DECAY * self.tried[i] + 1.0
 

@@ -56,3 +56,29 @@ class SpecStats:
                 "acceptance_per_position": self.per_position(),
                 "accepted_per_position": self.accepted_per_pos[:len(self.per_position())],
                 "acceptance_histogram": self.rounds_by_accepted[:len(self.per_position()) + 1], "k": self.k}
+
+
+@dataclass
+class MeasuredGain:
+    """What speculation buys a worker: the tokens per second of its steps with speculating
+    requests, against the cost model's estimate of the same steps without drafts (one row per
+    decoding request). Sums decay so the figure follows the current load."""
+    DECAY = 0.98
+    seconds: float = 0.0
+    tokens: float = 0.0
+    plain_seconds: float = 0.0
+    plain_tokens: float = 0.0
+
+    def add(self, seconds: float, tokens: int, plain_seconds: float, plain_tokens: int) -> None:
+        d = self.DECAY
+        self.seconds = d * self.seconds + seconds
+        self.tokens = d * self.tokens + tokens
+        self.plain_seconds = d * self.plain_seconds + plain_seconds
+        self.plain_tokens = d * self.plain_tokens + plain_tokens
+
+    def as_dict(self) -> dict:
+        """spec_tok_s, plain_tok_s_est and their ratio gain; all None before any such step."""
+        if self.seconds <= 0 or self.plain_seconds <= 0:
+            return {"spec_tok_s": None, "plain_tok_s_est": None, "gain": None}
+        spec, plain = self.tokens / self.seconds, self.plain_tokens / self.plain_seconds
+        return {"spec_tok_s": spec, "plain_tok_s_est": plain, "gain": spec / plain if plain else None}

@@ -22,6 +22,7 @@ from engine.kv.prefix_cache import model_identity
 from engine.kv.reuse import PrefixReuse
 from engine.worker.output import OutputProcessor, SampledToken, spec_dict
 from engine.worker.profile import worker_profile
+from engine.worker.roofline import machine_ceilings, worker_traffic
 from engine.worker.runner import ModelRunner
 from engine.worker.runner_api import Runner
 from engine.worker.scheduler import ScheduledSeq, Scheduler, StepPlan
@@ -93,6 +94,8 @@ class Worker:
             if cfg.speculate != "off" or self.spec.draft is not None:
                 emit(msg.WorkerLoading(index, "measuring verify and draft step costs"))
                 self.spec.calibrate()   # else on the first speculating request
+        # the live roofline: not measured while a kernel build holds the cores (then at the switch)
+        self.traffic = worker_traffic(self.runner, cfg, self._threads, measure=not self.kernels_pending)
         self.reuse = None
         if cfg.prefix_cache == "on" and cfg.kv_cache == "paged":
             self.reuse = PrefixReuse(
@@ -150,6 +153,8 @@ class Worker:
             return
         self.kernels_pending = False
         torch.set_num_threads(self._threads)   # the build no longer holds the cores
+        if self.traffic is not None and not self.traffic.ceilings:
+            self.traffic.ceilings = machine_ceilings(self._threads)
         ok = kernels.available() if kernels.is_loaded() else kernels.finish_background_build()
         if not ok:
             self.emit(msg.KernelsSwitched(self.index, self.runner.info.get("kernels", ""),
@@ -241,8 +246,9 @@ class Worker:
                 plan = self._propose(plan)
             t0 = time.perf_counter()
             sampled, errors, whole = self._execute(plan.items)
-        if self.spec is not None and whole:
-            self.spec.record_step(plan, time.perf_counter() - t0)
+            seconds = time.perf_counter() - t0
+        decode_only = all(i.seq.state == SeqState.DECODE for i in plan.items)
+        context = sum(i.seq.num_computed + i.num_tokens for i in plan.items)   # K/V positions read
         decode = plan.num_decode
         chunks = tuple((i.seq.id, i.num_tokens) for i in plan.items
                        if i.seq.state != SeqState.DECODE and i.seq.id not in errors)
@@ -252,6 +258,10 @@ class Worker:
         now = time.monotonic()
         # a verify round emits 1 + accepted tokens (or more with the bonus): count them all
         decode += sum(len(v.tokens) - 1 for v in sampled.values() if not isinstance(v, tuple))
+        if self.spec is not None and whole:
+            self.spec.record_step(plan, seconds, decode)
+        if self.traffic is not None and whole and decode_only:
+            self.traffic.add(now, seconds, plan.num_tokens, context)
         self._account(now, plan.num_tokens - plan.num_decode - plan.num_draft, decode, plan.num_tokens)
 
         tokens: list[msg.TokenDelta] = []
@@ -329,6 +339,8 @@ class Worker:
             if seq.id in self.seqs:
                 self.scheduler.remove(seq)
                 self.runner.end_sequence(seq)
+            if self.spec is not None:
+                self.spec.end(seq)
             seq.state = SeqState.FINISHED
             seq.finish_reason, seq.error = reason, error
             seq.finished_at = time.monotonic()
@@ -402,7 +414,8 @@ class Worker:
             recomputed_tokens_total=self.scheduler.recomputed_tokens,
             prefix=self.reuse.stats() if self.reuse is not None else {},
             kv_residency=self.pool.residency.as_dict(),
-            spec=self.spec.stats.as_dict() if self.spec is not None else None))
+            spec=self.spec.stats_dict() if self.spec is not None else None,
+            roofline=self.traffic.as_dict(now) if self.traffic is not None else None))
 
 
 def worker_main(index: int, cfg: WorkerConfig, model_path: str, commands, events) -> None:

@@ -19,6 +19,7 @@ from engine.models.selfcheck import check_linears
 from engine.models.tokenizer import IncrementalDetokenizer, Tokenizer
 from engine.worker.cuda_graphs import DecodeGraphs, TorchCudaGraphs
 from engine.worker.output import SampledToken, StepOutput
+from engine.worker.roofline import weight_traffic
 from engine.worker.runner_api import Runner
 from engine.worker.sampling import RequestSampler, SamplingError, sample
 from engine.worker.scheduler import StepPlan
@@ -91,6 +92,8 @@ class ModelRunner(Runner):
         self.kv_dtype = KV_TORCH_DTYPES[resolve_kv_dtype(cfg.device, cfg.kv_dtype)]
         self.bytes_per_slot = KVStore.bytes_per_slot(
             gf.config.n_layers, gf.config.n_kv_heads, gf.config.head_dim, self.kv_dtype)
+        self.kv_bytes_per_token = self.bytes_per_slot          # the target's own, read by its steps
+        self.weight_bytes, self.weight_macs = weight_traffic(gf)   # what one decode step reads
         if self.draft is not None:   # the draft's K/V share the slots (and the memory budget)
             self.bytes_per_slot += self.draft.bytes_per_slot
         self.kv: KVStore | None = None

@@ -1,0 +1,96 @@
+"""adaptive:cost on synthetic cost tables: with the acceptance it has seen, it picks the draft
+length that maximizes the true expected tokens per second, and no drafting where drafting loses."""
+import pytest
+
+from engine.speculative.policy import CostK, CostModel, PositionAcceptance, StepContext
+
+T1 = 0.020   # seconds of a one-row target step
+
+
+def table(ratio_at_8: float) -> CostModel:
+    """Target steps costing T1 at one row and ratio_at_8 × T1 at eight, linear in between."""
+    cost = CostModel()
+    for rows in range(1, 17):
+        cost.add_target(rows, T1 * (1 + (ratio_at_8 - 1) * (rows - 1) / 7))
+    return cost
+
+
+def true_rate(k: int, accepted_lengths: list[int], cost: CostModel, draft_step: float) -> float:
+    """Tokens per second of rounds of k drafts when a round's drafts match for accepted_lengths."""
+    tokens = sum(1 + min(a, k) for a in accepted_lengths) / len(accepted_lengths)
+    return tokens / (cost.target(1 + k) + k * draft_step)
+
+
+def trained(accepted_lengths: list[int], rounds: int = 60) -> tuple[CostK, PositionAcceptance]:
+    """A request and its worker that have seen rounds of 8 drafts accepted as the pattern says."""
+    policy, worker = CostK(), PositionAcceptance()
+    for i in range(rounds):
+        accepted = accepted_lengths[i % len(accepted_lengths)]
+        policy.update(8, accepted)
+        worker.update(8, accepted)
+    return policy, worker
+
+
+def best_k(accepted_lengths, cost, draft_step) -> int:
+    rates = {k: true_rate(k, accepted_lengths, cost, draft_step) for k in range(9)}
+    return max(rates, key=rates.get)
+
+
+CASES = [
+    # cheap rows, drafts all right or all wrong half the time: long drafts pay
+    ("all or nothing, cheap rows", [8, 0], 1.4, 0.0),
+    # every round accepts exactly three: a fourth draft only costs
+    ("three every time", [3], 1.4, 0.0),
+    # three of four rounds accept 2, one accepts 8: the short run wins on dear rows
+    ("mostly two, dear rows", [2, 2, 2, 8], 2.2, 0.0),
+    # the issue's CPU: an 8-row step 2.2× a 1-row step, a draft step half a target step
+    ("draft model on dear rows", [8, 0], 2.2, 0.5 * T1),
+    # n-gram drafts that always fail
+    ("failing drafts", [0], 1.4, 0.0),
+]
+
+
+@pytest.mark.parametrize("name,accepted,ratio,draft_step", CASES, ids=[c[0] for c in CASES])
+def test_cost_policy_picks_the_k_that_wins(name, accepted, ratio, draft_step):
+    cost = table(ratio)
+    if draft_step:
+        for rows in (1, 2):
+            cost.add_draft(rows, draft_step)
+    policy, worker = trained(accepted)
+    ctx = StepContext(cost, 1, 0.0, 0, 1, bool(draft_step), 8, prior=worker)
+    want = best_k(accepted, cost, draft_step)
+    if true_rate(want, accepted, cost, draft_step) < CostK.MARGIN * true_rate(0, accepted, cost, draft_step):
+        want = 0   # a gain inside the margin is not worth the risk
+    assert policy.next_k(ctx) == want
+
+
+def test_the_winning_k_of_each_case_is_what_the_case_says():
+    """The cases cover a long k, an interior k, and k = 0 by cost and by acceptance."""
+    wants = {name: best_k(a, (c := table(r)), d) for name, a, r, d in CASES}
+    assert wants["all or nothing, cheap rows"] == 8
+    assert wants["three every time"] == 3
+    assert 0 < wants["mostly two, dear rows"] < 8
+    assert wants["draft model on dear rows"] == 0 and wants["failing drafts"] == 0
+
+
+def test_acceptance_by_position_is_conditional_on_reaching_it():
+    """A round that failed at its first draft says nothing about the second."""
+    seen = PositionAcceptance()
+    for accepted in (8, 0) * 20:
+        seen.update(8, accepted)
+    assert seen.rate(0, 0.5) == pytest.approx(0.5, abs=0.05)
+    assert seen.rate(1, 0.5) == pytest.approx(1.0)
+
+
+def test_measured_gain_is_speculating_tok_s_over_the_undrafted_estimate():
+    from engine.speculative.stats import MeasuredGain
+    gain = MeasuredGain()
+    assert gain.as_dict() == {"spec_tok_s": None, "plain_tok_s_est": None, "gain": None}
+    for _ in range(50):
+        gain.add(0.030, 3, 0.020, 1)    # a verify step: 30 ms for 3 tokens; undrafted 20 ms for 1
+    got = gain.as_dict()
+    assert got["spec_tok_s"] == pytest.approx(100.0) and got["plain_tok_s_est"] == pytest.approx(50.0)
+    assert got["gain"] == pytest.approx(2.0)
+    for _ in range(400):                # then drafts stop paying: the figure follows
+        gain.add(0.030, 1, 0.020, 1)
+    assert gain.as_dict()["gain"] == pytest.approx(2 / 3, rel=0.02)
