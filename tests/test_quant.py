@@ -14,7 +14,7 @@ from engine.models.gguf import TensorData, load_gguf
 from engine import kernels
 from engine.models.quant import (SUPPORTED_TYPES, LinearPolicy, dequantize, dequantize_rows,
                                  make_embedding, make_linear)
-from tests.fixtures.tiny_gguf import quantize, random_k_blocks
+from tests.fixtures.tiny_gguf import quantize, random_blocks
 
 BLOCK_TYPES = (T.Q8_0, T.Q5_0, T.Q4_0, T.BF16, T.F16, T.F32)
 K_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K)
@@ -25,7 +25,7 @@ def make_td(qtype: T, rows: int = 48, cols: int = 256, seed: int = 0, name: str 
     """A TensorData of random weights: quantized by gguf-py, or random K-quant blocks."""
     rng = np.random.default_rng(seed)
     if qtype in K_TYPES:
-        data = random_k_blocks((rows, cols), qtype, rng)
+        data = random_blocks((rows, cols), qtype, rng)
     else:
         data = quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.05, qtype, rng)
     raw = np.ascontiguousarray(data).view(np.uint8).reshape(rows, -1)
