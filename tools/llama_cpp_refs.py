@@ -48,8 +48,9 @@ def reference_for(name: str, folder: Path, threads: int) -> dict:
     from llama_cpp import Llama
 
     path = write_case(name, folder)
+    # logits_all: llama-cpp-python fills `scores` only then
     llm = Llama(model_path=str(path), n_ctx=128, n_batch=128, n_threads=threads, type_k=GGML_TYPE_F32,
-                type_v=GGML_TYPE_F32, verbose=False)
+                type_v=GGML_TYPE_F32, logits_all=True, verbose=False)
     runs = [greedy(llm, p) for p in prompts()]
     del llm
     print(f"{name}: min top-2 gap {min(min(r['top2_gap']) for r in runs):.3f}", flush=True)
