@@ -79,14 +79,21 @@ def test_matches_llama_cpp(case_files, name, policy):
         f"{name}: the rebuilt tiny model differs from the file llama.cpp ran (the writer or gguf "
         f"changed): rerun tools/llama_cpp_refs.py --case {name}")
     model = Decoder.from_gguf(load_gguf(path), POLICIES[policy])
-    exact = steps = 0
+    worst, exact, steps = compare(model, ref, name)
+    assert worst <= 1, f"{name}: a top-5 logit is {worst:.2f}x the tolerance away from llama.cpp's"
+    assert exact >= 0.9 * steps, f"{name}: only {exact} of {steps} greedy ids equal llama.cpp's"
+
+
+def compare(model: Decoder, ref: dict, name: str) -> tuple[float, int, int]:
+    """(largest |ours - llama.cpp| over top-5 logits, in tolerances; steps whose greedy id
+    equals llama.cpp's; steps). Asserts that every other step is a near-tie."""
+    worst, exact, steps = 0.0, 0, 0
     for run in ref["prompts"]:
         logits = run_fed(model, run["prompt_ids"], run["greedy_ids"])
         want = torch.tensor(run["top_logits"])
         tol = LOGITS_ATOL + LOGITS_RTOL * want.abs().amax(-1, keepdim=True)
         ours = logits.gather(1, torch.tensor(run["top_ids"]))
-        worst = ((ours - want).abs() / tol).max()
-        assert worst <= 1, f"{name}: a top-5 logit is {worst:.2f}x the tolerance away from llama.cpp's"
+        worst = max(worst, float(((ours - want).abs() / tol).max()))
         for step, (got, top_ids, top, t) in enumerate(zip(logits.argmax(-1).tolist(), run["top_ids"],
                                                          run["top_logits"], tol[:, 0].tolist())):
             near_tie = got in top_ids and top[0] - top[top_ids.index(got)] < 2 * t
@@ -94,4 +101,15 @@ def test_matches_llama_cpp(case_files, name, policy):
                 f"{name}: step {step} picks {got}, llama.cpp {top_ids[0]} (its top 5: {top_ids} {top})")
             exact += got == top_ids[0]
             steps += 1
-    assert exact >= 0.9 * steps, f"{name}: only {exact} of {steps} greedy ids equal llama.cpp's"
+    return worst, exact, steps
+
+
+def test_the_tolerance_catches_a_missing_llama3_rope_scaling(case_files):
+    """The smallest of the bugs the comparison must catch: Llama 3's frequency factors left
+    out (the rope of Llama 2) moves the tiny model's logits past the tolerance."""
+    name = "llama3-rope-tied"
+    gf = load_gguf(write_case(name, case_files))
+    del gf.tensors["rope_freqs.weight"]
+    model = Decoder.from_gguf(gf, POLICIES["fp32-dense"])
+    worst, _, _ = compare(model, REFERENCE["cases"][name], name)
+    assert worst > 1.5
