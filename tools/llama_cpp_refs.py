@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -57,6 +58,13 @@ def reference_for(name: str, folder: Path, threads: int) -> dict:
     return {"sha256": sha256(path), "bytes": path.stat().st_size, "prompts": runs}
 
 
+def compact_json(data: dict) -> str:
+    """Indented JSON with each list of numbers on one line (a step's top 5, a prompt's ids)."""
+    text = json.dumps(data, indent=1)
+    return re.sub(r"\[\s*([-\d.e,\s]+?)\s*\]",
+                  lambda m: "[" + ", ".join(x.strip() for x in m[1].split(",")) + "]", text) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--case", action="append", choices=sorted(CASES), help="only these cases (default: all)")
@@ -73,7 +81,7 @@ def main() -> None:
         for name in args.case or CASES:
             data["cases"][name] = reference_for(name, Path(tmp), args.threads)
     data["cases"] = {n: data["cases"][n] for n in CASES if n in data["cases"]}
-    out.write_text(json.dumps(data, indent=1) + "\n")
+    out.write_text(compact_json(data))
     print(f"wrote {out}")
 
 
