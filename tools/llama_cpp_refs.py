@@ -1,14 +1,4 @@
-"""Record llama.cpp's greedy ids and top-5 logits on the tiny models of every architecture and
-quant type tokentop runs (tests/fixtures/llama_cpp_cases.py), for tests/test_llama_cpp_refs.py.
-
-Dev-time tool, not part of the product: it needs llama-cpp-python (built from source, e.g.
-`CMAKE_ARGS="-DGGML_NATIVE=OFF" pip install llama-cpp-python==0.3.36`). Each case's GGUF is
-rebuilt from its seed, loaded by llama.cpp with fp32 K/V (tokentop's KV store is fp32), and
-run greedily from each prompt (token ids). Per step it records the greedy id, the top-5 ids
-and logits, and the gap between the two best logits (how far from a tie the choice was).
-
-    PYTHONPATH=. python tools/llama_cpp_refs.py [--case NAME ...]
-"""
+"""Record llama.cpp's greedy ids and top-5 logits on the tiny model of each architecture and quant type."""
 from __future__ import annotations
 
 import argparse
@@ -26,6 +16,16 @@ from tests.fixtures.llama_cpp_cases import (CASES, NEW_TOKENS, REFERENCE_PATH, T
                                             prompts, sha256, write_case)
 
 GGML_TYPE_F32 = 0
+USAGE = """\
+Dev-time tool, not part of the product: it needs llama-cpp-python (the llama-refs extra,
+built from source: CMAKE_ARGS="-DGGML_NATIVE=OFF" pip install llama-cpp-python==0.3.36).
+Each case of tests/fixtures/llama_cpp_cases.py is rebuilt from its seed, loaded by llama.cpp
+with fp32 K/V (tokentop's KV store is fp32) and run greedily from each prompt (token ids).
+Per step it records the greedy id, the top-5 ids and logits and the gap between the two best
+logits, into tests/data/llama_cpp_reference.json (tests/test_llama_cpp_refs.py reads it).
+
+    PYTHONPATH=. python tools/llama_cpp_refs.py [--case NAME ...]
+"""
 
 
 def greedy(llm, prompt: list[int]) -> dict:
@@ -66,7 +66,7 @@ def compact_json(data: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, epilog=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--case", action="append", choices=sorted(CASES), help="only these cases (default: all)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(REFERENCE_PATH))
