@@ -63,7 +63,7 @@ class ModelConfig:
     rope_local_base: float         # base of sliding-window layers (gemma3: 10000), else rope_base
     rope_scaling: dict[str, Any] | None   # {'type': 'linear', 'factor': 8.0, ...}; gemma3: global layers only
     rope_interleaved: bool         # llama: rotate adjacent pairs (llama.cpp permutes Q/K at conversion);
-                                   # qwen2/gemma3: rotate halves (NeoX style)
+                                   # qwen2/qwen3/gemma3/phi3: rotate halves (NeoX style)
     norm_eps: float
     qkv_bias: bool
     qk_norm: bool                  # RMSNorm over head_dim of q and k, before rope (gemma3, qwen3)
