@@ -544,6 +544,7 @@ def cmd_models(args) -> int:
     for m in models:
         flag = "assembled" if m.get("assembled") else "installed" if m.get("installed") else "not installed"
         print(f"{m['name']:22} {m.get('arch', ''):8} {m.get('size', 0) / 1e6:8.0f} MB  {flag}")
+    print("\n".join(_what_runs()))
     from engine import kernels  # imports torch: only here, not for every command
     from engine.cpuinfo import cpu_summary
     from engine.models import huge_pages
@@ -551,6 +552,23 @@ def cmd_models(args) -> int:
     print("model weights: the file mapping, " + ("in 2 MiB pages of the page cache where the filesystem "
           "allows (TOKENTOP_WEIGHTS=4k: 4 KiB pages)" if huge_pages.offered() else "in 4 KiB pages"))
     return 0
+
+
+def _what_runs() -> list[str]:
+    """Which architectures and GGUF types a --model file may use, and how each was checked."""
+    from engine.models.gguf import DENSE_FALLBACK_TYPES, KERNEL_TYPES, SUPPORTED_ARCHS
+
+    def names(types) -> str:
+        return " ".join(t.name for t in types)
+    return [
+        f"any .gguf of: {', '.join(SUPPORTED_ARCHS)} (llama covers Llama 2/3.x, Mistral, SmolLM; "
+        f"phi3 without LongRoPE)",
+        f"types: F32 F16 BF16; in place on the GGUF kernels {names(KERNEL_TYPES)}; as a dense copy "
+        f"made at load (bf16 or fp32, 2-4 bytes a weight) {names(DENSE_FALLBACK_TYPES)}; others refused",
+        "checked: every architecture and type, greedy ids and top-5 logits against llama.cpp on tiny "
+        "random files (tests/test_llama_cpp_refs.py); the bundled models against transformers "
+        "(tests/test_fidelity.py)",
+    ]
 
 
 # --- serve -------------------------------------------------------------------------------

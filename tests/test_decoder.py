@@ -55,11 +55,12 @@ class NaiveModel:
         return self.arch == "gemma3" and (layer + 1) % 6 != 0
 
     def rope(self, x: torch.Tensor, pos: int, base: float) -> torch.Tensor:
-        """x: [heads, head_dim] at one position."""
+        """x: [heads, head_dim] at one position; llama 3's rope_freqs divide each frequency."""
         d = self.head_dim
         out = x.clone()
+        factors = self.w.get("rope_freqs.weight", torch.ones(d // 2))
         for i in range(d // 2):
-            theta = pos * base ** (-2.0 * i / d)
+            theta = pos * base ** (-2.0 * i / d) / float(factors[i])
             c, s = math.cos(theta), math.sin(theta)
             a, b = (2 * i, 2 * i + 1) if self.arch == "llama" else (i, i + d // 2)
             out[:, a] = x[:, a] * c - x[:, b] * s
@@ -80,13 +81,16 @@ class NaiveModel:
             p = f"blk.{i}."
             h = self.norm(x, p + "attn_norm.weight")
             proj = {}
-            for m in "qkv":
+            if p + "attn_qkv.weight" in self.w:    # phi3: rows [q | k | v]
+                fused = (h @ self.w[p + "attn_qkv.weight"].T).split([H * d, KV * d, KV * d], dim=-1)
+                proj = {m: y.reshape(n, -1, d) for m, y in zip("qkv", fused)}
+            for m in "qkv" if not proj else "":
                 y = h @ self.w[p + f"attn_{m}.weight"].T
                 if p + f"attn_{m}.bias" in self.w:
                     y = y + self.w[p + f"attn_{m}.bias"]
                 proj[m] = y.view(n, -1, d)
             q, k, v = proj["q"], proj["k"], proj["v"]
-            if gemma:
+            if p + "attn_q_norm.weight" in self.w:   # gemma3, qwen3
                 q = self.norm(q, p + "attn_q_norm.weight")
                 k = self.norm(k, p + "attn_k_norm.weight")
             base = 10000.0 if gemma and self.sliding(i) else self.base
@@ -104,9 +108,12 @@ class NaiveModel:
                 a = self.norm(a, p + "post_attention_norm.weight")
             x = x + a
             h = self.norm(x, p + "ffn_norm.weight")
-            g = h @ self.w[p + "ffn_gate.weight"].T
+            if p + "ffn_gate.weight" in self.w:
+                g, u = h @ self.w[p + "ffn_gate.weight"].T, h @ self.w[p + "ffn_up.weight"].T
+            else:                                     # phi3: rows [gate | up]
+                g, u = (h @ self.w[p + "ffn_up.weight"].T).chunk(2, dim=-1)
             g = torch.nn.functional.gelu(g, approximate="tanh") if gemma else torch.nn.functional.silu(g)
-            m = (g * (h @ self.w[p + "ffn_up.weight"].T)) @ self.w[p + "ffn_down.weight"].T
+            m = (g * u) @ self.w[p + "ffn_down.weight"].T
             if gemma:
                 m = self.norm(m, p + "post_ffw_norm.weight")
             x = x + m
@@ -154,11 +161,20 @@ def tiny_qwen(tmp_path_factory) -> Path:
 
 # ---- against the naive reference -------------------------------------------------------------
 
-ARCH_CASES = {
-    "qwen2": dict(n_layers=2),
-    "llama": dict(n_layers=2),
+ARCH_CASES = {   # write_tiny_model's arguments
+    "qwen2": dict(arch="qwen2", n_layers=2),
+    "llama": dict(arch="llama", n_layers=2),
+    # Llama 3.2: frequency factors in rope_freqs.weight (original context short enough that
+    # the factors differ across the head), lm_head tied to the embeddings
+    "llama3": dict(arch="llama", n_layers=2, tied=True,
+                   llama3_rope=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                    original_context_length=64)),
     # six layers: five sliding (window 4) and one global, as gemma3's 5:1 pattern
-    "gemma3": dict(n_layers=6, n_heads=4, n_kv_heads=1, head_dim=32, sliding_window=4),
+    "gemma3": dict(arch="gemma3", n_layers=6, n_heads=4, n_kv_heads=1, head_dim=32, sliding_window=4),
+    # QK-norm without qkv biases, heads wider than hidden / n_heads (as Qwen3-0.6B's)
+    "qwen3": dict(arch="qwen3", n_layers=2, head_dim=32),
+    # fused attn_qkv and ffn_up; a window in the metadata that llama.cpp (and so tokentop) ignores
+    "phi3": dict(arch="phi3", n_layers=2, n_kv_heads=4, sliding_window=4),
 }
 
 
@@ -171,7 +187,7 @@ def test_matches_naive_reference(tiny_model_path, arch, ops):
 
     if ops == "fused" and not kernels.available():
         pytest.skip("kernel library could not be built")
-    path = tiny_model_path(arch, **ARCH_CASES[arch])
+    path = tiny_model_path(**ARCH_CASES[arch])
     naive = NaiveModel(path).logits(tokens := tokens_for(12, seed=1))
     model = Decoder.from_gguf(load_gguf(path), FP32)
     if ops == "fused":
@@ -193,7 +209,7 @@ def test_matches_naive_reference(tiny_model_path, arch, ops):
 def test_naive_reference_is_sensitive_to_arch_switches(tiny_model_path):
     """Guard against the two implementations agreeing by sharing a mistake: the llama rope
     pairing differs from NeoX's, so running llama weights through a NeoX decoder must differ."""
-    path = tiny_model_path("llama", **ARCH_CASES["llama"])
+    path = tiny_model_path(**ARCH_CASES["llama"])
     naive = NaiveModel(path)
     tokens = tokens_for(8, seed=2)
     want = naive.logits(tokens)
@@ -250,7 +266,7 @@ def test_batched_decodes_equal_alone(tiny_qwen):
 
 @pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
 def test_chunked_prefill_equals_one_shot(tiny_model_path, arch):
-    path = tiny_model_path(arch, **ARCH_CASES[arch])
+    path = tiny_model_path(**ARCH_CASES[arch])
     model = Decoder.from_gguf(load_gguf(path), FP32)
     tokens = tokens_for(23, seed=6)
     slots = torch.arange(32)
@@ -302,7 +318,7 @@ def test_sliding_window_hides_old_tokens(tiny_model_path):
 
 def test_global_layer_sees_past_the_window(tiny_model_path):
     """With gemma3's 6th layer global, an old token does reach the last position."""
-    path = tiny_model_path("gemma3", **ARCH_CASES["gemma3"])
+    path = tiny_model_path(**ARCH_CASES["gemma3"])
     model = Decoder.from_gguf(load_gguf(path), FP32)
     assert not model.config.is_sliding(5)
     tokens = tokens_for(16, seed=9)
@@ -455,9 +471,9 @@ def test_decode_steps_in_one_call_equal_the_per_layer_path(tiny_model_path, arch
         pytest.skip("kernel library could not be built")
     # the kernel's block types only: a float tensor gets a dense form, which keeps the per-layer path
     T = gguf.GGMLQuantizationType
-    kinds = {"attn_q": T.Q8_0, "attn_k": T.Q4_0, "attn_v": T.Q5_0, "attn_output": T.Q4_0,
+    kinds = {"attn_q": T.Q8_0, "attn_k": T.Q4_0, "attn_v": T.Q5_0, "attn_qkv": T.Q8_0, "attn_output": T.Q4_0,
              "ffn_gate": T.Q5_0, "ffn_up": T.Q8_0, "ffn_down": T.Q4_0}
-    path = tiny_model_path(arch, **ARCH_CASES[arch], types=kinds)
+    path = tiny_model_path(**ARCH_CASES[arch], types=kinds)
     seqs = [(tokens_for(n, seed=n), torch.arange(32 * i, 32 * i + 32)) for i, n in enumerate((3, 9, 6))]
 
     def decode(one_call: bool, rows: int):

@@ -62,6 +62,47 @@ def test_llama_config(tiny_model_path):
     assert c.norm_eps == pytest.approx(1e-5) and not c.tied_embeddings
 
 
+def test_qwen3_config(tiny_model_path):
+    """Qwen3: QK-norm over each head (attn_q_norm / attn_k_norm), no qkv biases, NeoX rope,
+    heads wider than embedding_length / head_count (attention.key_length)."""
+    c = load_gguf(tiny_model_path("qwen3", head_dim=32)).config
+    assert c.arch == "qwen3" and c.qk_norm and not c.qkv_bias and not c.post_norms
+    assert c.head_dim == 32 and c.n_heads * c.head_dim != c.hidden and not c.rope_interleaved
+    assert not c.fused_qkv and not c.fused_gate_up and c.activation == "silu"
+
+
+def test_qwen3_without_its_qk_norms_is_refused(tiny_model_path):
+    path = tiny_model_path("qwen3", omit=["blk.1.attn_k_norm.weight"])
+    with pytest.raises(ModelError, match=r"has no tensor 'blk\.1\.attn_k_norm\.weight' \(needed by its qwen3"):
+        load_gguf(path)
+
+
+def test_llama3_rope_factors_are_read(tiny_model_path):
+    rope = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_context_length=64)
+    gf = load_gguf(tiny_model_path("llama", tied=True, llama3_rope=rope))
+    factors = gf.tensor("rope_freqs.weight")
+    assert factors.shape == (gf.config.head_dim // 2,) and gf.config.tied_embeddings
+
+
+def test_phi3_config(tiny_model_path):
+    """Phi-3: q/k/v in one attn_qkv matrix and gate/up in one ffn_up; its sliding window is
+    ignored, as llama.cpp ignores it."""
+    gf = load_gguf(tiny_model_path("phi3", hidden=64, n_heads=4, n_kv_heads=4, head_dim=16, ffn=96))
+    c = gf.config
+    assert c.arch == "phi3" and c.fused_qkv and c.fused_gate_up and not c.qkv_bias and not c.qk_norm
+    assert c.sliding_window is None and not c.rope_interleaved
+    assert gf.tensor("blk.0.attn_qkv.weight").shape == (3 * 64, 64)
+    assert gf.tensor("blk.0.ffn_up.weight").shape == (2 * 96, 64)
+
+
+def test_phi3_longrope_is_refused_in_one_line(tiny_model_path):
+    path = tiny_model_path("phi3", n_kv_heads=4, extra={"rope_factors_long.weight": np.ones(8, np.float32),
+                                                        "rope_factors_short.weight": np.ones(8, np.float32)})
+    with pytest.raises(ModelError, match=r"uses LongRoPE .*; use a 4k-context Phi-3 GGUF") as e:
+        load_gguf(path)
+    assert "\n" not in str(e.value)
+
+
 def test_gemma3_config(tiny_model_path):
     c = load_gguf(tiny_model_path("gemma3", n_layers=12, hidden=64, n_heads=2, n_kv_heads=1,
                                   head_dim=48, sliding_window=16)).config
@@ -131,7 +172,7 @@ def test_unknown_architecture(tmp_path):
     w.write_tensors_to_file()
     w.close()
     with pytest.raises(ModelError, match="architecture 'mamba' is not supported; supported "
-                                         "architectures are qwen2, llama, gemma3"):
+                                         "architectures are qwen2, qwen3, llama, gemma3, phi3"):
         load_gguf(p)
 
 
@@ -272,6 +313,14 @@ def test_a_retyped_tensor_is_named_at_load(tiny_model_path, name, new_type):
     path = corrupted(tiny_model_path("qwen2", n_layers=2), "type", name, int(new_type))
     with pytest.raises(ModelError, match=rf"is corrupt: tensor '{name}' \({new_type.name}, shape .* takes .* "
                                          rf"so the next tensor, .* should start at .*: the type or shape of"):
+        load_gguf(path)
+
+
+def test_a_type_without_kernel_or_fallback_is_refused_at_load(tiny_model_path):
+    path = tiny_model_path("llama", hidden=256, ffn=512, head_dim=64, types={"ffn_down": T.IQ2_XXS})
+    with pytest.raises(ModelError, match=r"tensor 'blk\.0\.ffn_down\.weight' is stored as IQ2_XXS, which "
+                                         r"tokentop cannot compute \(supported: .*IQ4_XS\); use a GGUF "
+                                         r"quantized to one of those types$"):
         load_gguf(path)
 
 

@@ -21,7 +21,7 @@ from engine import kernels
 from engine.models import quant
 from engine.models.gguf import TensorData, load_gguf
 from engine.models.quant import dequantize
-from tests.fixtures.tiny_gguf import random_k_blocks
+from tests.fixtures.tiny_gguf import random_blocks
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="quantized kernels could not be built")
 
@@ -39,7 +39,7 @@ def random_td(qtype: T, rows: int, cols: int, seed: int = 0) -> TensorData:
     with finite fp16 scales of a realistic size."""
     rng = np.random.default_rng(seed)
     if qtype in K_TYPES:
-        raw = random_k_blocks((rows, cols), qtype, rng)
+        raw = random_blocks((rows, cols), qtype, rng)
     else:
         block, size = GGML_QUANT_SIZES[qtype]
         n = rows * cols // block

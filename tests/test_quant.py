@@ -14,7 +14,8 @@ from engine.models.gguf import TensorData, load_gguf
 from engine import kernels
 from engine.models.quant import (SUPPORTED_TYPES, LinearPolicy, dequantize, dequantize_rows,
                                  make_embedding, make_linear)
-from tests.fixtures.tiny_gguf import quantize, random_k_blocks
+from engine.models.gguf import DENSE_FALLBACK_TYPES
+from tests.fixtures.tiny_gguf import RANDOM_BLOCK_TYPES, quantize, random_blocks
 
 BLOCK_TYPES = (T.Q8_0, T.Q5_0, T.Q4_0, T.BF16, T.F16, T.F32)
 K_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K)
@@ -22,10 +23,11 @@ FP32 = LinearPolicy(activation_dtype=torch.float32)
 
 
 def make_td(qtype: T, rows: int = 48, cols: int = 256, seed: int = 0, name: str = "w") -> TensorData:
-    """A TensorData of random weights: quantized by gguf-py, or random K-quant blocks."""
+    """A TensorData of random weights: quantized by gguf-py, or random blocks (K-quants, Q2_K,
+    Q3_K, IQ4_NL, IQ4_XS: gguf-py has no quantizer for them)."""
     rng = np.random.default_rng(seed)
-    if qtype in K_TYPES:
-        data = random_k_blocks((rows, cols), qtype, rng)
+    if qtype in RANDOM_BLOCK_TYPES:
+        data = random_blocks((rows, cols), qtype, rng)
     else:
         data = quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.05, qtype, rng)
     raw = np.ascontiguousarray(data).view(np.uint8).reshape(rows, -1)
@@ -59,16 +61,35 @@ def test_dequantize_real_file_tensors(tiny_model_path):
     for td in gf.tensors.values():
         assert np.array_equal(dequantize(td).numpy().reshape(-1), reference(td).reshape(-1)), td.name
         types.add(td.ggml_type)
-    assert types == set(SUPPORTED_TYPES)    # the K-quant tiny model holds every supported type
+    # the K-quant tiny model's mix holds every type but the dense-fallback ones
+    assert types == set(SUPPORTED_TYPES) - set(DENSE_FALLBACK_TYPES)
 
 
 def test_unsupported_type():
-    td = TensorData("blk.0.ffn_down.weight", T.Q2_K, (4, 256), np.zeros((4, 84), np.uint8))
+    td = TensorData("blk.0.ffn_down.weight", T.IQ2_XXS, (4, 256), np.zeros((4, 66), np.uint8))
     for build in (lambda: dequantize(td), lambda: make_linear(td, bias=None, policy=LinearPolicy()),
                   lambda: make_embedding(td)):
-        with pytest.raises(ModelError, match=r"'blk\.0\.ffn_down\.weight' has type Q2_K.*supported: "
-                                             r"F32, F16, BF16, Q8_0, Q5_0, Q4_0, Q4_K, Q5_K, Q6_K"):
+        with pytest.raises(ModelError, match=r"'blk\.0\.ffn_down\.weight' has type IQ2_XXS, which tokentop "
+                                             r"cannot load \(supported: F32, F16, BF16, Q4_0, .*, IQ4_XS\); "
+                                             r"use a GGUF quantized to one of those types"):
             build()
+
+
+@pytest.mark.parametrize("qtype", DENSE_FALLBACK_TYPES, ids=lambda t: t.name)
+def test_dense_fallback_types_run_as_a_dense_copy(qtype):
+    """No kernel reads these types: the layer holds the dequantized weight (policy's dense
+    dtype), and embeddings dequantize only the rows looked up."""
+    td = make_td(qtype, rows=40)
+    policy = LinearPolicy(activation_dtype=torch.float32)
+    lin = make_linear(td, bias=None, policy=policy)
+    assert lin.gguf is None and lin.kernel_forms() == {"dense-float32": 1}
+    assert torch.equal(lin.dense, torch.from_numpy(reference(td)))
+    x = torch.randn(3, 256)
+    torch.testing.assert_close(lin(x), x @ torch.from_numpy(reference(td)).T, rtol=1e-5, atol=1e-5)
+    bf16 = make_linear(td, bias=None, policy=LinearPolicy(dense_dtype=torch.bfloat16))
+    assert bf16.dense.dtype == torch.bfloat16 and bf16.gguf is None
+    ids = torch.tensor([3, 0, 39])
+    assert torch.equal(make_embedding(td)(ids), torch.from_numpy(reference(td))[ids])
 
 
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason="quantized kernels could not be built")

@@ -210,6 +210,14 @@ def test_tiny_spm_merges_spaces_bos_and_byte_fallback(tiny_spm):
     assert tiny_spm.eog_ids == {1, 5}
 
 
+def test_phi3_turn_end_is_an_end_of_generation():
+    """Phi-3's chat turns end with <|end|> while its eos_token_id is another token: generation
+    stops at either (as llama.cpp stops)."""
+    md = tiny_spm_metadata()
+    md["tokenizer.ggml.tokens"] = ["<|end|>", *md["tokenizer.ggml.tokens"][1:]]
+    assert Tokenizer.from_metadata(md).eog_ids == {0, 1, 5}
+
+
 def test_tiny_spm_decode_round_trips(tiny_spm):
     for text in ["hello world", "  hello\n\nworld ", "é日本😀", "<start_of_turn>hello<end_of_turn>"]:
         assert tiny_spm.decode(tiny_spm.encode(text, add_special=False)) == text

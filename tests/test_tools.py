@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOLS = ROOT / "tools"
-MAX_TOOLS = 10
+MAX_TOOLS = 11
 
 
 def tool_files() -> list[Path]:

@@ -1,4 +1,5 @@
-"""One decoder-only transformer for qwen2, llama and gemma3; the differences are config switches.
+"""One decoder-only transformer for qwen2, qwen3, llama, gemma3 and phi3; the differences are
+config switches (engine/models/gguf.py's ModelConfig).
 
 Numerics: the residual stream, norms, rotary, attention and the KV store are fp32. Linear
 layers get fp32 inputs and give fp32 outputs; each casts to what the kernel it picks for the
@@ -38,7 +39,8 @@ MARKS = ("layer", "qkv", "qkv end", "attention", "attention end", "o end", "attn
 REFINED_CANDIDATES = 32
 
 class Block(nn.Module):
-    """Pre-norm attention + gated MLP, with gemma's optional QK-norm and post-norms."""
+    """Pre-norm attention + gated MLP, with the optional QK-norm (gemma3, qwen3) and post-norms
+    (gemma3); phi3's fused attn_qkv and ffn_up are already the stacked layouts used here."""
 
     def __init__(self, gf: GGUFFile, i: int, policy: LinearPolicy):
         super().__init__()
@@ -63,7 +65,8 @@ class Block(nn.Module):
         self.attn_scale = c.attn_scale
 
         self.attn_norm = norm("attn_norm")
-        self.qkv_proj = linear("attn_q", "attn_k", "attn_v", bias=c.qkv_bias)
+        qkv = ("attn_qkv",) if c.fused_qkv else ("attn_q", "attn_k", "attn_v")
+        self.qkv_proj = linear(*qkv, bias=c.qkv_bias)
         self.o_proj = linear("attn_output")
         self.qkv_proj.op, self.o_proj.op = "attention-qkv", "attention-output"
         # gemma's QK-norm: one weight row per head of the fused [q heads | k heads] block
@@ -72,7 +75,7 @@ class Block(nn.Module):
                         if c.qk_norm else None)
         self.post_attn_norm = norm("post_attention_norm") if c.post_norms else None
         self.ffn_norm = norm("ffn_norm")
-        self.gate_up_proj = linear("ffn_gate", "ffn_up")
+        self.gate_up_proj = linear("ffn_up") if c.fused_gate_up else linear("ffn_gate", "ffn_up")
         self.down_proj = linear("ffn_down")
         self.gate_up_proj.op, self.down_proj.op = "mlp-gate-up", "mlp-down"
         self.post_ffn_norm = norm("post_ffw_norm") if c.post_norms else None

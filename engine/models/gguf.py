@@ -25,10 +25,16 @@ from engine.errors import ModelError
 from engine.models.catalog import file_kind
 from engine.models.gguf_header import GGUF_MAGIC, TensorInfo, corrupt, read_header, shown
 
-SUPPORTED_ARCHS = ("qwen2", "llama", "gemma3")
-# The GGML types tokentop computes (engine/models/quant.py dequantizes each, the kernels take
-# the quantized ones): a tensor of another type is refused when the file is opened.
-SUPPORTED_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q5_0, T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K)
+# Mistral, SmolLM and Llama 3.x are `llama` files; each arch is checked against llama.cpp on
+# tiny random files (tests/test_llama_cpp_refs.py).
+SUPPORTED_ARCHS = ("qwen2", "qwen3", "llama", "gemma3", "phi3")
+# The GGML types the GGUF kernels read in place (engine/models/quant.py, engine/kernels).
+KERNEL_TYPES = (T.Q4_0, T.Q5_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
+# Types a linear layer holds as a dense copy, dequantized once at load (gguf.quants, as ggml
+# does): 2 bytes per weight in bf16 (4 in fp32 where bf16 is emulated) instead of 2.6-5 bits.
+DENSE_FALLBACK_TYPES = (T.Q4_1, T.Q5_1, T.Q2_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS)
+# Every type tokentop computes: a tensor of another type is refused when the file is opened.
+SUPPORTED_TYPES = (T.F32, T.F16, T.BF16, *KERNEL_TYPES, *DENSE_FALLBACK_TYPES)
 
 # Gemma 3 facts GGUF does not store (llama.cpp hard-codes them the same way).
 GEMMA3_LOCAL_ROPE_BASE = 10000.0
@@ -43,7 +49,7 @@ class ModelConfig:
     Gemma 3 270M: x * w reproduces transformers' greedy text, x * (1 + w) gives garbage.
     """
 
-    arch: str                      # 'qwen2' | 'llama' | 'gemma3'
+    arch: str                      # one of SUPPORTED_ARCHS
     name: str
     n_layers: int
     hidden: int
@@ -57,10 +63,12 @@ class ModelConfig:
     rope_local_base: float         # base of sliding-window layers (gemma3: 10000), else rope_base
     rope_scaling: dict[str, Any] | None   # {'type': 'linear', 'factor': 8.0, ...}; gemma3: global layers only
     rope_interleaved: bool         # llama: rotate adjacent pairs (llama.cpp permutes Q/K at conversion);
-                                   # qwen2/gemma3: rotate halves (NeoX style)
+                                   # qwen2/qwen3/gemma3/phi3: rotate halves (NeoX style)
     norm_eps: float
     qkv_bias: bool
-    qk_norm: bool                  # RMSNorm over head_dim of q and k (gemma3)
+    qk_norm: bool                  # RMSNorm over head_dim of q and k, before rope (gemma3, qwen3)
+    fused_qkv: bool                # phi3: one attn_qkv matrix, rows [q | k | v]
+    fused_gate_up: bool            # phi3: one ffn_up matrix, rows [gate | up]
     activation: str                # 'silu' | 'gelu_tanh'
     embed_scale: float             # embeddings are multiplied by this (gemma: sqrt(hidden))
     post_norms: bool               # gemma: RMSNorm after attention and after the FFN, before the residual add
@@ -212,6 +220,12 @@ _REQUIRED = object()
 # tensors of each layer that every architecture has (qkv biases, QK-norms and post norms vary)
 _LAYER_CORE = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
                "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
+# phi3 stores q/k/v as one matrix and gate/up as one
+_PHI3_LAYER_CORE = ("attn_norm", "attn_qkv", "attn_output", "ffn_norm", "ffn_up", "ffn_down")
+
+
+def _layer_core(arch: str) -> tuple[str, ...]:
+    return _PHI3_LAYER_CORE if arch == "phi3" else _LAYER_CORE
 
 
 class _Metadata:
@@ -277,11 +291,12 @@ def _model_config(path: Path, md: dict[str, Any], tensors: dict[str, TensorData]
         raise ModelError(f"{path}: architecture {shown(arch)} is not supported; supported architectures "
                          f"are {', '.join(SUPPORTED_ARCHS)}")
     m = _Metadata(path, md, arch)
-    gemma = arch == "gemma3"
+    gemma, phi3 = arch == "gemma3", arch == "phi3"
     n_layers = m.integer("block_count")
-    if n_layers * len(_LAYER_CORE) > len(tensors):   # checked before anything is made per layer
+    core = _layer_core(arch)
+    if n_layers * len(core) > len(tensors):   # checked before anything is made per layer
         raise ModelError(f"{path}: metadata {arch}.block_count is {n_layers:,}, but the file holds "
-                         f"{len(tensors)} tensors, too few for that many layers ({len(_LAYER_CORE)} "
+                         f"{len(tensors)} tensors, too few for that many layers ({len(core)} "
                          f"or more each): the file is corrupt")
     hidden = m.integer("embedding_length")
     n_heads = m.per_model("attention.head_count", n_layers)
@@ -313,7 +328,10 @@ def _model_config(path: Path, md: dict[str, Any], tensors: dict[str, TensorData]
         if original is not None:
             rope_scaling["original_context_length"] = original
 
-    sliding_window = m.integer("attention.sliding_window", None)
+    if phi3:
+        _refuse_longrope(path, tensors)
+    # llama.cpp runs phi3 without its window (llama.cpp#13676): so does tokentop, to match it
+    sliding_window = None if phi3 else m.integer("attention.sliding_window", None)
     pattern: tuple[bool, ...] = ()
     if sliding_window is not None:
         key = "attention.sliding_window_pattern"
@@ -348,7 +366,9 @@ def _model_config(path: Path, md: dict[str, Any], tensors: dict[str, TensorData]
         norm_eps=m.number("attention.layer_norm_rms_epsilon"),
         # architecture facts, so that a file missing such a tensor fails at load time
         qkv_bias=arch == "qwen2" or "blk.0.attn_q.bias" in tensors,
-        qk_norm=gemma or "blk.0.attn_q_norm.weight" in tensors,
+        qk_norm=gemma or arch == "qwen3" or "blk.0.attn_q_norm.weight" in tensors,
+        fused_qkv=phi3,
+        fused_gate_up=phi3,
         activation="gelu_tanh" if gemma else "silu",
         embed_scale=math.sqrt(hidden) if gemma else 1.0,
         post_norms=gemma or "blk.0.post_attention_norm.weight" in tensors,
@@ -364,6 +384,14 @@ def _model_config(path: Path, md: dict[str, Any], tensors: dict[str, TensorData]
     )
 
 
+def _refuse_longrope(path: Path, tensors: dict[str, TensorData]) -> None:
+    """Phi-3's 128k variants switch rope factors with the context length (LongRoPE): not run."""
+    if "rope_factors_long.weight" in tensors or "rope_factors_short.weight" in tensors:
+        raise ModelError(f"{path}: this phi3 model uses LongRoPE (tensors rope_factors_long/short, "
+                         f"the 128k-context variants), which tokentop does not run; use a 4k-context "
+                         f"Phi-3 GGUF (e.g. Phi-3-mini-4k-instruct)")
+
+
 # --- the tensor table against the architecture ---------------------------------------------
 
 def expected_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -372,9 +400,10 @@ def expected_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     c = config
     q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
     matrix = {"attn_q": (q, c.hidden), "attn_k": (kv, c.hidden), "attn_v": (kv, c.hidden),
-              "attn_output": (c.hidden, q), "ffn_gate": (c.ffn_dim, c.hidden),
-              "ffn_up": (c.ffn_dim, c.hidden), "ffn_down": (c.hidden, c.ffn_dim)}
-    per_layer = {f"{n}.weight": matrix.get(n, (c.hidden,)) for n in _LAYER_CORE}
+              "attn_qkv": (q + 2 * kv, c.hidden), "attn_output": (c.hidden, q),
+              "ffn_gate": (c.ffn_dim, c.hidden), "ffn_down": (c.hidden, c.ffn_dim),
+              "ffn_up": ((2 if c.fused_gate_up else 1) * c.ffn_dim, c.hidden)}
+    per_layer = {f"{n}.weight": matrix.get(n, (c.hidden,)) for n in _layer_core(c.arch)}
     if c.qk_norm:
         per_layer |= {"attn_q_norm.weight": (c.head_dim,), "attn_k_norm.weight": (c.head_dim,)}
     if c.post_norms:

@@ -1,9 +1,10 @@
 """GGUF blocks -> torch: exact dequantization, and linear layers that run on the GGUF bytes.
 
-Every supported type is first unpacked to *codes*: an integer q per weight plus an affine map
+Every kernel type is first unpacked to *codes*: an integer q per weight plus an affine map
 per group, w = scale * (q - offset) - minus. Dequantization evaluates that map in fp32 in
 ggml's order (bit-exact with gguf.quants.dequantize); it serves embeddings, references and
-dense copies.
+dense copies. The dense-fallback types (DENSE_FALLBACK_TYPES: Q4_1, Q5_1, Q2_K, Q3_K, IQ4_NL,
+IQ4_XS) are dequantized by gguf.quants itself, and their linear layers are dense copies only.
 
 Linear layers over quantized matrices call the C++ op tokentop::qmatmul (engine/kernels),
 which reads the mmap'd GGUF blocks themselves: no unpacked or dense copy of a weight exists,
@@ -24,16 +25,14 @@ from typing import Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T, quants as gguf_quants
 
 from engine import kernels
 from engine.cpuinfo import has_flag
 from engine.errors import ModelError
-from engine.models.gguf import SUPPORTED_TYPES, TensorData
+from engine.models.gguf import DENSE_FALLBACK_TYPES, KERNEL_TYPES, SUPPORTED_TYPES, TensorData
 from engine.trace import get_tracer
 
-# Types the GGUF kernels read directly (every quantized type of SUPPORTED_TYPES).
-KERNEL_TYPES = (T.Q4_0, T.Q5_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
 # Dequantize about this many weights at a time: bounds peak memory, and temporaries of a
 # few MiB are recycled by malloc instead of being fresh (page-faulting) mappings every time.
 _CHUNK_WEIGHTS = 1 << 20
@@ -185,6 +184,8 @@ def _dequantize_np(td: TensorData, rows: slice | None = None) -> np.ndarray:
     if td.ggml_type == T.BF16:
         bits = _blocks(td, rows).view(np.uint16).astype(np.uint32) << 16
         return bits.view(np.float32).reshape(-1, td.shape[-1])
+    if td.ggml_type in DENSE_FALLBACK_TYPES:
+        return gguf_quants.dequantize(_blocks(td, rows), td.ggml_type).reshape(-1, td.shape[-1])
     return _dequantize_codes(_unpack(td, rows))
 
 

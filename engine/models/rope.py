@@ -1,8 +1,9 @@
 """Rotary position embedding: cos/sin tables computed once, applied by position lookup.
 
 Two pairings exist in GGUF files. NeoX ("rotate half": dim i pairs with i + d/2) is what
-qwen2 and gemma3 use. Llama GGUFs are converted with their Q/K rows permuted so that
-llama.cpp can use its "normal" rope, where dim 2i pairs with 2i+1 (interleaved).
+qwen2, qwen3, gemma3 and phi3 use (as llama.cpp runs them). Llama GGUFs are converted with
+their Q/K rows permuted so that llama.cpp can use its "normal" rope, where dim 2i pairs with
+2i+1 (interleaved).
 """
 from __future__ import annotations
 

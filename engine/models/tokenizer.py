@@ -59,7 +59,8 @@ BPE_SPLITS = {
 }
 
 # Tokens that end a generation when the model emits them, besides tokenizer.ggml.eos_token_id.
-_EOG_NAMES = ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<eos>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>")
+_EOG_NAMES = ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<eos>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>",
+              "<|end|>")   # Phi-3 ends a turn with <|end|>; its eos_token_id is <|endoftext|>
 _EOG_ID_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 # Tokenizer.from_gguf: the live tokenizer of each model file in this process (resolved path)
 _SHARED: dict[str, "weakref.ref[Tokenizer]"] = {}
