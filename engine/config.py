@@ -5,6 +5,7 @@ import math
 from dataclasses import dataclass, field
 
 from engine.errors import ConfigError, InvalidRequest
+from engine.worker_kinds import WorkerKind, kind_of
 
 
 @dataclass(frozen=True)
@@ -211,13 +212,19 @@ class WorkerConfig:
     name: str = ""
 
     @property
+    def kind(self) -> WorkerKind | None:
+        """What builds this worker and what it can do (engine/worker_kinds.py)."""
+        return kind_of(self.device)
+
+    @property
     def simulated(self) -> bool:
-        return self.device.startswith("sim:")
+        """Labelled simulated: no model runs (sim:NAME)."""
+        return self.kind is not None and self.kind.simulated
 
     @property
     def remote(self) -> bool:
-        """remote:URL - requests are forwarded to an OpenAI-compatible server (engine/remote/worker.py)."""
-        return self.device.startswith("remote:")
+        """Forwards requests to another server from a thread of the facade (remote:URL)."""
+        return self.kind is not None and not self.kind.local
 
     def validate(self) -> "WorkerConfig":
         if self.threads < 0:
