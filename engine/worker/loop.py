@@ -35,7 +35,9 @@ class Worker:
     def __init__(self, index: int, cfg: WorkerConfig, model_path: str, emit):
         self.index, self.cfg, self.emit, self.model_path = index, cfg, emit, model_path
         kind = kind_of(cfg.device)
-        say = self._say_loading
+
+        def say(text: str) -> None:
+            emit(msg.WorkerLoading(index, text))
         say(f"loading {cfg.model} on {cfg.device}")
         self.kernels_pending = start_kernels(kind, say)
         # while the compiler has the cores, one thread: OpenMP threads that share busy cores
@@ -57,9 +59,6 @@ class Worker:
         profile = speed_profile(kind, cfg, self.runner, self.blocks, model_path, say)
         self._reset_counters()
         emit(msg.WorkerReady(index, self._ready_info(kv, profile)))
-
-    def _say_loading(self, text: str) -> None:
-        self.emit(msg.WorkerLoading(self.index, text))
 
     def _reset_counters(self) -> None:
         self.seqs: dict[str, Sequence] = {}
