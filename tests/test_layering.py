@@ -240,16 +240,11 @@ def test_the_graph_resolves_relative_imports_and_skips_type_checking():
     assert cycles({"a": {"b"}, "b": set()}) == []
 
 
-# app/main.py and app/cli.py import each other (and app/bench.py, app/replay.py import app/main.py,
-# which app/cli.py imports): the dashboard command is to move into app/cli.py, and then this goes.
-KNOWN_CYCLES = [["app.bench", "app.cli", "app.main", "app.replay"]]
-
-
 def test_no_import_cycles():
     graph = import_graph()
     assert "engine.facade.engine" in graph and "engine.facade.dispatch" in graph["engine.facade.engine"]
-    unknown = [cycle for cycle in cycles(graph) if cycle not in KNOWN_CYCLES]
-    assert not unknown, unknown
+    found = cycles(graph)
+    assert not found, found
 
 
 def test_kv_never_imports_the_worker():
