@@ -19,6 +19,7 @@ from dataclasses import replace
 
 from engine.config import (CUDA_GRAPHS, KV_DTYPES, KV_MODES, PREFIX_CACHE, ROUTER_POLICIES, SCHED_POLICIES,
                            SINGLE_FLIGHT, SPEC_MODES, EngineConfig, SamplingParams)
+from engine.bench import SCENARIOS
 from engine.facade.devices import parse_devices
 from engine.config import parse_size
 from app.flags import as_flags, describe_error, worker_from_flags
@@ -236,9 +237,9 @@ def _add_generate(sub) -> None:
 
 
 def _add_bench(sub) -> None:
-    b = sub.add_parser("bench", help="benchmarks (JSON out)")
-    b.add_argument("scenario", choices=["single", "batching", "routing", "dashboard", "trace", "record", "prefix", "serve",
-                                        "spec", "router", "soak", "first-start", "rows"])
+    b = sub.add_parser("bench", help="benchmarks (JSON out)", formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="scenarios:\n" + "\n".join(f"  {name:<12} {s.summary}" for name, s in SCENARIOS.items()))
+    b.add_argument("scenario", choices=list(SCENARIOS), help="which benchmark (listed above)")
     b.add_argument("--models", default="qwen2.5-coder-0.5b", type=_names, help="comma-separated (bench single, rows)")
     b.add_argument("--runs", type=_positive_int, default=3)
     b.add_argument("--quick", action="store_true", help="fewer/shorter runs (smoke test)")

@@ -6,30 +6,12 @@ from __future__ import annotations
 import re
 
 from engine import errors
-from engine.config import WorkerConfig, parse_size
+from engine.config import SETTING_NAMES, WorkerConfig, parse_size
 from engine.errors import ConfigError
 from engine.outside import visible
 
-# Every setting field the command line sets, with the flag that sets it.
-FIELD_FLAGS = {
-    # WorkerConfig: the engine flags, which every --device starts from
-    "device": "--device", "model": "--model", "threads": "--threads", "max_active": "--max-active",
-    "max_batched_tokens": "--max-batched-tokens", "max_context": "--max-context", "page_size": "--page-size",
-    "kv_cache_memory": "--kv-cache-memory", "kv_cache": "--kv-cache", "kv_dtype": "--kv-dtype",
-    "policy": "--policy", "deterministic": "--deterministic", "activation_dtype": "--activation-dtype",
-    "recalibrate": "--recalibrate", "speculate": "--speculate", "draft_model": "--draft-model",
-    "spec_k": "--spec-k", "spec_tv_budget": "--spec-tv-budget", "ngram_min": "--ngram-min",
-    "ngram_max": "--ngram-max", "prefix_cache": "--prefix-cache", "single_flight": "--single-flight",
-    # EngineConfig: its workers are the --device specs
-    "workers": "--device", "router_policy": "--router-policy", "trace_dir": "--trace-dir",
-    "routing_log": "--routing-log", "worker_mode": "--worker-mode", "trace_detail": "--trace-detail",
-    "trace_window_s": "--trace-window", "trace_memory": "--trace-memory", "cuda_graphs": "--cuda-graphs",
-    "trace_keep": "--trace-keep", "trace_keep_mib": "--trace-keep-mib",
-    # ServeConfig: the server flags
-    "host": "--host", "port": "--port", "api_key": "--api-key", "max_queue": "--max-queue",
-    "max_body": "--max-body", "allowed_hosts": "--allowed-host",
-    "per_request_metrics": "--enable-per-request-metrics",
-}
+# Every setting field the command line sets, with the flag that sets it (engine/config.py's names).
+FIELD_FLAGS = {name: f"--{flag}" for name, flag in SETTING_NAMES.items()}
 FIELD_IN_MESSAGE = re.compile(r"`([a-z][a-z0-9_]*)(?:=([^`]*))?`")
 
 

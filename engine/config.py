@@ -5,6 +5,7 @@ import math
 from dataclasses import dataclass, field
 
 from engine.errors import ConfigError, InvalidRequest
+from engine.worker_kinds import WorkerKind, kind_of
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,23 @@ PREFIX_CACHE = ("on", "off")
 SINGLE_FLIGHT = ("off", "after-prefill", "at-completion")
 CUDA_GRAPHS = ("on", "off")
 
+# Every setting field the command line sets, by the name it gives it: the flag `--NAME`, and
+# `NAME=VALUE` among compare's settings. Engine messages say the field; app/flags.py renders
+# the flag from this one map.
+SETTING_NAMES = {name: name.replace("_", "-") for name in (
+    # WorkerConfig: the engine flags, which every `device` starts from
+    "device", "model", "threads", "max_active", "max_batched_tokens", "max_context", "page_size",
+    "kv_cache_memory", "kv_cache", "kv_dtype", "policy", "deterministic", "activation_dtype",
+    "recalibrate", "speculate", "draft_model", "spec_k", "spec_tv_budget", "ngram_min", "ngram_max",
+    "prefix_cache", "single_flight",
+    # EngineConfig
+    "router_policy", "trace_dir", "routing_log", "worker_mode", "trace_detail", "trace_memory", "cuda_graphs",
+    "trace_keep", "trace_keep_mib",
+    # ServeConfig: the server's settings
+    "host", "port", "api_key", "max_queue", "max_body")}
+SETTING_NAMES |= {"workers": "device", "trace_window_s": "trace-window", "allowed_hosts": "allowed-host",
+                  "per_request_metrics": "enable-per-request-metrics"}
+
 
 def shown(value) -> str:
     """A client's value in an error message: its repr, cut short."""
@@ -194,13 +212,19 @@ class WorkerConfig:
     name: str = ""
 
     @property
+    def kind(self) -> WorkerKind | None:
+        """What builds this worker and what it can do (engine/worker_kinds.py)."""
+        return kind_of(self.device)
+
+    @property
     def simulated(self) -> bool:
-        return self.device.startswith("sim:")
+        """Labelled simulated: no model runs (sim:NAME)."""
+        return self.kind is not None and self.kind.simulated
 
     @property
     def remote(self) -> bool:
-        """remote:URL - requests are forwarded to an OpenAI-compatible server (engine/remote/worker.py)."""
-        return self.device.startswith("remote:")
+        """Forwards requests to another server from a thread of the facade (remote:URL)."""
+        return self.kind is not None and not self.kind.local
 
     def validate(self) -> "WorkerConfig":
         if self.threads < 0:

@@ -41,10 +41,13 @@ def resolve_kv_dtype(device: str, requested: str) -> str:
     return DEFAULT_KV_DTYPE.get(device.split(":", 1)[0], "fp32")
 
 
+# bytes per element of each KV dtype: the facade sizes pools without importing torch
+KV_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
 def kv_bytes_per_slot(config, device: str, kv_dtype: str) -> int:
     """K and V of one token position, every layer, in the dtype the worker stores them in."""
-    from engine.models.batch import KV_TORCH_DTYPES, KVStore
-    return KVStore.bytes_per_slot(config.n_layers, config.n_kv_heads, config.head_dim,
-                                  KV_TORCH_DTYPES[resolve_kv_dtype(device, kv_dtype)])
+    return 2 * config.n_layers * config.n_kv_heads * config.head_dim * \
+        KV_DTYPE_BYTES[resolve_kv_dtype(device, kv_dtype)]
 
 

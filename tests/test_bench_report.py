@@ -1,7 +1,7 @@
 """Bench reports name the CPU they ran on and no path of that machine."""
 import pytest
 
-from engine.bench import command_line, machine
+from engine.bench.common import command_line, machine
 from engine.cpuinfo import ISA_FLAGS, cpu_info, parse_cpuinfo
 
 
@@ -136,7 +136,7 @@ def test_single_with_llama_cpp_measures_the_ratios_in_the_same_run(monkeypatch):
 def test_read_bandwidth_reads_with_the_threads_asked_and_puts_them_back():
     import torch
 
-    from engine.bench import read_bandwidth
+    from engine.bench.common import read_bandwidth
     before = torch.get_num_threads()
     gb_s = read_bandwidth(1 << 22, reps=2, threads=1)
     assert gb_s > 0.1 and torch.get_num_threads() == before
@@ -146,7 +146,7 @@ def test_bench_flags_reach_the_benchmarked_worker():
     """Every engine flag reaches the benchmarked worker (--max-context, --policy, --prefix-cache,
     --single-flight and the speculation flags included), not only those the parser reads."""
     from app.cli import build_parser, with_worker
-    from engine.bench.scenarios import base_worker
+    from engine.bench.common import base_worker
 
     def parse(argv):   # as `tokentop bench` does: the flags become the WorkerConfig it passes on
         return with_worker(build_parser().parse_args(argv))

@@ -42,6 +42,17 @@ def test_bad_settings_are_one_line(pairs, words):
     assert "\n" not in str(err.value) and str(err.value).startswith("--a ")
 
 
+def test_compare_names_each_setting_as_its_flag_from_the_one_map():
+    """compare's keys are the command line's flags without the dashes: both come from
+    engine/config.py's SETTING_NAMES, so a renamed flag renames the setting."""
+    from app.flags import FIELD_FLAGS
+    from engine.facade.compare import SETTINGS
+
+    fields = {key: name for key, (kind, name, _) in SETTINGS.items() if kind != "force"}
+    assert fields and all(FIELD_FLAGS[name] == f"--{key}" for key, name in fields.items()), fields
+    assert [key for key, (kind, _, _) in SETTINGS.items() if kind == "force"] == ["worker"]
+
+
 def test_settings_reach_the_workers_the_router_and_the_forced_worker(tiny_model_path):
     config = sim_config(tiny_model_path("qwen2"))
     settings = parse_settings(["policy=spf", "max-active=3", "router-policy=cache-aware", "prefix-cache=off",
@@ -148,7 +159,7 @@ def test_compare_figures_agree_with_bench_on_the_same_burst(tiny_model_path):
     the scenario's throughput is known: 400 tok/s."""
     from statistics import median
 
-    from engine.bench.scenarios import timed_burst
+    from engine.bench.common import timed_burst
     from engine.facade.engine import Engine
 
     config = sim_config(tiny_model_path("qwen2", context_length=8192), ["sim:gpu0:prefill=20000,decode=400"],

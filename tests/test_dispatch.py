@@ -86,3 +86,29 @@ def test_a_worker_that_never_served_or_runs_in_a_thread_is_not_respawned():
     workers, slot = _serving_process_slot()
     workers.worker_mode = "thread"
     assert workers.note_death(slot, 1.0) == "" and slot.respawn_at is None
+
+
+def test_every_event_a_worker_sends_has_its_handler():
+    """An event is a message whose first field is the worker that sent it: each has one entry in
+    the dispatcher's table (a new event without one would be dropped without a word)."""
+    import dataclasses
+    import inspect
+
+    events = {cls for _, cls in inspect.getmembers(msg, inspect.isclass)
+              if dataclasses.is_dataclass(cls) and cls.__module__ == msg.__name__
+              and [f.name for f in dataclasses.fields(cls)][:1] == ["worker"]}
+    engine, _, _ = _engine_with_one_exited_worker()
+    handlers = Dispatcher(engine).handlers
+    assert len(events) >= 11 and set(handlers) == events, set(handlers) ^ events
+
+
+def test_state_events_move_the_slot_and_log_its_message():
+    engine, worker, logs = _engine_with_one_exited_worker()
+    d = Dispatcher(engine)
+    d.apply(msg.WorkerDegraded(0, "stream silent for 30 s"))
+    assert (worker.state, worker.message) == ("degraded", "stream silent for 30 s")
+    d.apply(msg.WorkerDown(0, "connection refused"))
+    assert (worker.state, worker.message) == ("down", "connection refused")
+    d.apply(msg.WorkerLoading(0, "loading m"))
+    assert (worker.state, worker.message) == ("loading", "loading m")
+    assert logs == ["worker 0 (cpu) degraded: stream silent for 30 s", "worker 0 (cpu) down: connection refused"]

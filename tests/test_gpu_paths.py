@@ -61,7 +61,7 @@ def test_auto_never_picks_a_refused_dtype(monkeypatch):
 
 
 def test_benches_run_on_the_given_device():
-    from engine.bench.scenarios import base_worker
+    from engine.bench.common import base_worker
     from app.cli import build_parser, with_worker
 
     args = with_worker(build_parser().parse_args(["bench", "single", "--device", "sim:gpu0"]))

@@ -132,3 +132,150 @@ def test_every_field_engine_messages_name_has_a_flag():
     assert named, "no engine message names a field: the pattern no longer matches them"
     missing = sorted(f"{path}:{line}: `{name}`" for path, line, name in named if name not in FIELD_FLAGS)
     assert not missing, missing
+
+
+# The import graph of app/ and engine/, from the AST: a module's edges are what it imports at any
+# depth (function-level imports too), except under `if TYPE_CHECKING:` (annotations only).
+ROOT = ENGINE.parent
+PACKAGES = ("app", "engine")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    skip = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip.update(id(inner) for statement in node.body for inner in ast.walk(statement))
+    return skip
+
+
+def runtime_imports(source: str, module: str, is_package: bool) -> set[str]:
+    """Every dotted name `module` imports at run time, relative imports resolved; `from a import b`
+    gives both a and a.b (b may be a module)."""
+    tree = ast.parse(source)
+    skip = _type_checking_nodes(tree)
+    package = module if is_package else module.rpartition(".")[0]
+    names = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([node.module] if node.module else []))
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+    return names
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the modules of app/ and engine/ it imports (a name resolves to its longest
+    module prefix, so `from engine.bench.common import x` is an edge to engine.bench.common)."""
+    paths = {module_name(p): p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))}
+    graph = {}
+    for module, path in paths.items():
+        edges = set()
+        for name in runtime_imports(path.read_text(encoding="utf-8"), module, path.name == "__init__.py"):
+            while name and name not in paths:
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                edges.add(name)
+        graph[module] = edges
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's, iterative)."""
+    index, low, on_stack, stack, found = {}, {}, set(), [], []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            child = next(edges, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_the_graph_resolves_relative_imports_and_skips_type_checking():
+    src = ("from typing import TYPE_CHECKING\nfrom . import sibling\nfrom ..kv.pages import PagePool\n"
+           "if TYPE_CHECKING:\n    from engine.facade.engine import Engine\n"
+           "def f():\n    import engine.stats\n")
+    names = runtime_imports(src, "engine.worker.loop", is_package=False)
+    assert {"engine.worker.sibling", "engine.kv.pages", "engine.kv.pages.PagePool", "engine.stats"} <= names
+    assert not any("facade" in name for name in names)
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    assert "engine.facade.engine" in graph and "engine.facade.dispatch" in graph["engine.facade.engine"]
+    found = cycles(graph)
+    assert not found, found
+
+
+def test_kv_never_imports_the_worker():
+    """The KV pages and prefix cache serve the worker; what they need of a sequence is
+    engine/kv/paged.py's Protocol, so they stand without it (TYPE_CHECKING imports included)."""
+    offenders = [f"{path.relative_to(ROOT)}:{line} imports {module}"
+                 for path in sorted((ENGINE / "kv").rglob("*.py"))
+                 for line, module in imported_modules(path.read_text(encoding="utf-8"))
+                 if module == "engine.worker" or module.startswith("engine.worker.")]
+    assert not offenders, offenders
+
+
+def test_root_modules_import_only_root_modules():
+    """engine/'s root modules are the leaves both sides share: they import no package of engine/."""
+    roots = {path.stem for path in ENGINE.glob("*.py")} - {"__init__"}
+    offenders = [f"{path.name}:{line} imports {module}"
+                 for path in sorted(ENGINE.glob("*.py"))
+                 for line, module in imported_modules(path.read_text(encoding="utf-8"))
+                 if module.startswith("engine.") and module.split(".")[1] not in roots]
+    assert "outside" in roots and "dtypes" in roots
+    assert not offenders, offenders
+
+
+def test_kv_sizes_without_torch_match_the_store():
+    """engine/dtypes.py sizes a KV slot without torch; the store allocates with it: the same."""
+    from types import SimpleNamespace
+
+    from engine.dtypes import KV_DTYPE_BYTES, kv_bytes_per_slot
+    from engine.models.batch import KV_TORCH_DTYPES, KVStore
+
+    model = SimpleNamespace(n_layers=3, n_kv_heads=2, head_dim=64)
+    assert set(KV_DTYPE_BYTES) == set(KV_TORCH_DTYPES)
+    for dtype, torch_dtype in KV_TORCH_DTYPES.items():
+        assert kv_bytes_per_slot(model, "cpu", dtype) == KVStore.bytes_per_slot(3, 2, 64, torch_dtype)

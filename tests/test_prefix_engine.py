@@ -171,10 +171,10 @@ def finished_events(handle):
 def test_randomized_stress_accounts_for_every_page_and_handle(model, single_flight, monkeypatch):
     import functools
 
-    import engine.worker.loop
+    import engine.worker.setup
     from engine.worker.scheduler import Scheduler
     # admissions overcommit (2 tokens of decode headroom), so preemption happens often
-    monkeypatch.setattr(engine.worker.loop, "Scheduler", functools.partial(Scheduler, decode_headroom=2))
+    monkeypatch.setattr(engine.worker.setup, "Scheduler", functools.partial(Scheduler, decode_headroom=2))
     rng = random.Random(zlib.crc32(single_flight.encode()))   # the same run in every process
     docs = [doc_ids(rng.randrange(20, 60), seed=s) for s in range(6)]
     specs = ["sim:a:prefill=200000,decode=50000", "sim:b:prefill=200000,decode=50000"]

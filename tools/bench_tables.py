@@ -1041,7 +1041,7 @@ def bundle(runs: list[tuple[str, str, str, str]]) -> dict:
     """One kept report of several `tokentop compare` reports: compare records neither the machine
     nor its command line, so each run keeps its command and the report this machine's CPU."""
     sys.path.insert(0, str(ROOT))
-    from engine.bench import machine
+    from engine.bench.common import machine
     experiments: dict[str, list[dict]] = {}
     for experiment, label, path, command in runs:
         report = json.loads(Path(path).read_text())

@@ -21,7 +21,10 @@ both sides; prints each round, the medians and the median of the rounds' ratios.
 CHILD = r'''
 import json
 import app.cli as cli
-from engine.bench import scenarios as sc
+try:
+    from engine.bench import common as sc
+except ImportError:     # a checkout before engine/bench/common.py
+    from engine.bench import scenarios as sc
 args = cli.build_parser().parse_args(["bench", "batching", "--threads", "2"])
 args = cli.with_worker(args) if hasattr(cli, "with_worker") else args
 burst = getattr(sc, "timed_burst", None) or getattr(sc, "_burst")

@@ -651,7 +651,7 @@ def decode_step_profile(model_path: Path, device: str, graphs: bool, context: in
 def engine_decode_rates(model_path: Path, device: str, graphs: str, sizes: tuple[int, ...], out_tokens: int) -> dict:
     """Aggregate decode tok/s of n concurrent requests through one engine (bench batching's
     timed_burst), for each n; and the log lines on CUDA graphs."""
-    from engine.bench.scenarios import start_engine, stop_engine, timed_burst
+    from engine.bench.common import start_engine, stop_engine, timed_burst
     from engine.config import WorkerConfig
     from engine.facade.devices import parse_devices
 
@@ -676,7 +676,7 @@ def cpu_rates(model_path: Path, threads: int, prompt_tokens: int, decode_tokens:
     """One CPU worker (its own process) at `threads`: prefill and one-stream decode as bench
     single measures them (ttft of a long prompt; the tokens after the first over their time),
     and 8 concurrent requests as bench batching's N=8."""
-    from engine.bench.scenarios import prompt_of, start_engine, stop_engine, timed_burst
+    from engine.bench.common import prompt_of, start_engine, stop_engine, timed_burst
     from engine.config import SamplingParams, WorkerConfig
     from engine.facade.devices import parse_devices
 

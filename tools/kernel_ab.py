@@ -23,7 +23,7 @@ CHILD = r'''
 import json, sys, torch
 sys.path.insert(0, "tools")
 from kernel_bench import time_set
-from engine.bench import read_bandwidth
+from engine.bench.common import read_bandwidth
 from engine.models.catalog import resolve_model
 from engine.models.decoder import Decoder
 from engine.models.gguf import load_gguf

@@ -8,7 +8,7 @@ from collections import defaultdict
 import torch
 
 from engine import kernels
-from engine.bench import read_bandwidth
+from engine.bench.common import read_bandwidth
 from engine.models.catalog import resolve_model
 from engine.models.decoder import Decoder
 from engine.models.gguf import load_gguf

@@ -6,21 +6,52 @@ medians and ratios, together with the command line that produced them.
 from __future__ import annotations
 
 import json
-import platform
 import sys
 import time
-from typing import Iterator
+from importlib import import_module
+from typing import Iterator, NamedTuple
 
-import torch
+
+class Scenario(NamedTuple):
+    """A benchmark: `function(args) -> report` in `module`, and the line `bench --help` shows."""
+    module: str
+    function: str
+    summary: str
+
+
+# Every benchmark, by the name `tokentop bench NAME` takes. `dashboard` and `record` need the
+# UI or its burst files: the command line runs them through the functions it hands run_bench.
+SCENARIOS: dict[str, Scenario] = {
+    "single": Scenario("scenarios", "bench_single", "prefill and one-stream decode tok/s per model"),
+    "batching": Scenario("scenarios", "bench_batching", "N concurrent requests vs one after another"),
+    "routing": Scenario("scenarios", "bench_routing", "routing policies over unequal workers"),
+    "trace": Scenario("scenarios", "bench_trace", "what the flight recorder costs"),
+    "prefix": Scenario("prefix", "bench_prefix", "prefix reuse: warm vs cold, single flight"),
+    "serve": Scenario("serve", "bench_serve", "the HTTP API vs in-process"),
+    "spec": Scenario("spec", "bench_spec", "speculative decoding vs target-only"),
+    "router": Scenario("router_cost", "bench_router", "one routing decision's cost"),
+    "soak": Scenario("soak", "bench_soak", "minutes of mixed load with faults"),
+    "first-start": Scenario("first_start", "bench_first_start", "a fresh install: time to serve, to the kernels"),
+    "dashboard": Scenario("dashboard", "bench_dashboard", "the engine's throughput with the dashboard open"),
+    "record": Scenario("record", "bench_record", "how big a recording grows"),
+    "rows": Scenario("rows", "bench_rows", "a decode step's cost by its row count, with roofline shares"),
+}
+
+
+def scenario_function(name: str):
+    """The function that runs scenario `name`, its module imported now (they import torch)."""
+    scenario = SCENARIOS[name]
+    return getattr(import_module(f"engine.bench.{scenario.module}"), scenario.function)
 
 
 def run_bench(args, extra: dict | None = None) -> int:
-    """Run `args.scenario`: one of engine/bench/scenarios.py, or of `extra` (name -> function),
-    how the command line adds the scenarios that measure the dashboard."""
-    from engine.bench import scenarios
+    """Run `args.scenario`, one of SCENARIOS; `extra` (name -> function) is how the command line
+    runs the scenarios that need the UI."""
+    from engine.bench import common
+    from engine.bench.common import command_line, machine
 
-    fn = (extra or {}).get(args.scenario) or getattr(scenarios, f"bench_{args.scenario.replace('-', '_')}")
-    scenarios.TRACE_DIR = args.trace_dir
+    fn = (extra or {}).get(args.scenario) or scenario_function(args.scenario)
+    common.TRACE_DIR = args.trace_dir
     started = time.time()
     report = fn(args)
     report = {
@@ -59,74 +90,3 @@ def failed_parts(node, where: str = "report") -> Iterator[tuple[str, str]]:
             yield from failed_parts(value, where)
 
 
-def command_line(argv: list[str]) -> str:
-    """The command as a reader would retype it, without the path of the machine that ran it."""
-    hidden = {"--llama-cpp": "PATH/TO/python", "--llama-server": "PATH/TO/llama-server"}
-    words, hide = ["tokentop"], None
-    for word in argv:
-        flag = word.split("=", 1)[0]
-        if hide:
-            word, hide = hide, None
-        elif word in hidden:
-            hide = hidden[word]
-        elif "=" in word and flag in hidden:
-            word = f"{flag}={hidden[flag]}"
-        words.append(word)
-    return " ".join(words)
-
-
-def machine() -> dict:
-    """Every figure depends on the CPU: its model and instruction sets go in every report."""
-    import os
-    from engine.cpuinfo import cpu_info
-    from engine import kernels
-    info = cpu_info()
-    isa = kernels.isa_name() if kernels.available() else None
-    if isa == "avx2":   # its integer dots: AVX-VNNI where the CPU has it (TOKENTOP_AVX_VNNI=0: not)
-        isa += " (dots: avx-vnni)" if torch.ops.tokentop.avx_vnni() else " (dots: maddubs)"
-    return {"quantized_kernels": isa,
-            "python": platform.python_version(), "torch": torch.__version__,
-            "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "processor": platform.processor() or platform.machine(),
-            "cpu_model": info["model"], "cpu_family_model": info["family"], "isa": info["isa"], "torch_cpu_capability": info["torch_capability"]}
-
-
-def read_bandwidth(nbytes: int = 1 << 30, reps: int = 5, threads: int | None = None) -> float:
-    """GB/s of a plain read of nbytes (a float32 sum over `threads`, default torch's): the
-    memory ceiling a decode step's weight reads compare with. On a shared machine it can swing
-    over minutes (other tenants), so benchmarks take it next to each figure."""
-    from engine.stats import median
-    before = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    try:
-        buf = torch.ones(nbytes // 4)
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            buf.sum()
-            times.append(time.perf_counter() - t0)
-    finally:
-        torch.set_num_threads(before)
-    return nbytes / median(times) / 1e9
-
-
-def peak_rss_mb() -> float:
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def rss_now_mb() -> dict:
-    """This process's resident memory now, in MB: anonymous (heap, KV, torch) and file-backed
-    (the mmap'd GGUF weights, shared libraries); {} where /proc is missing."""
-    keys = {"VmRSS": "rss_mb", "RssAnon": "anon_mb", "RssFile": "file_mb"}
-    out = {}
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                key = line.split(":", 1)[0]
-                if key in keys:
-                    out[keys[key]] = round(int(line.split()[1]) / 1024, 1)
-    except OSError:
-        pass
-    return out

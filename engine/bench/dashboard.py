@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable
 
-from engine.bench.scenarios import base_worker, decode_burst_tok_s, timed_burst
+from engine.bench.common import base_worker, decode_burst_tok_s, timed_burst
 from engine.config import EngineConfig
 from engine.stats import median
 

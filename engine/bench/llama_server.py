@@ -76,7 +76,7 @@ def llama_server(binary: str, model_path: str, threads: int, timeout: float = 30
 @contextmanager
 def tokentop_server(worker):
     """tokentop's HTTP server in this process, over an engine whose worker has its own process."""
-    from engine.bench.scenarios import start_engine, stop_engine
+    from engine.bench.common import start_engine, stop_engine
     from engine.serve.app import ServeConfig
     from engine.serve.server import HttpServer
 
@@ -138,7 +138,7 @@ def compare(servers: dict[str, str], make_prompt, ns: list[int], runs: int, out_
 
 def bench_llama_server(args, worker, model_path: str, out_tokens: int, runs: int, ns: list[int]) -> dict:
     """The side-by-side section of `bench batching --llama-server PATH`."""
-    from engine.bench.scenarios import FILLER
+    from engine.bench.common import FILLER
     from engine.models.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(model_path)

@@ -20,7 +20,7 @@ import statistics
 import time
 
 from engine.stats import median
-from engine.bench.scenarios import FILLER, base_worker, start_engine, stop_engine
+from engine.bench.common import FILLER, base_worker, start_engine, stop_engine
 from engine.config import SamplingParams
 
 SEEDS = {   # mini-vllm-rs, Qwen2.5 0.5B Q4 on an Apple M2 GPU ("Why My Prefix Cache Missed ...")

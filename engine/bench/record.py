@@ -13,7 +13,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from engine.bench.scenarios import base_worker
+from engine.bench.common import base_worker
 from engine.config import EngineConfig
 
 DEVICES = ["sim:gpu0:prefill=4000,decode=120", "sim:gpu1:prefill=2500,decode=90"]

@@ -64,7 +64,7 @@ def decode_roofline(worker, steps_per_s: float, context_tokens: int, live: dict 
 
 def _step_seconds(engine, n: int, out_tokens: int, salt: str) -> float:
     """Median decode step time of n requests decoding together."""
-    from engine.bench.scenarios import prompt_of
+    from engine.bench.common import prompt_of
     params = SamplingParams(max_tokens=out_tokens, ignore_eos=True)
     handles = [engine.submit(prompt_ids=prompt_of(engine, PROMPT_TOKENS, f"{salt} row {i}: "), params=params)
                for i in range(n)]
@@ -97,7 +97,7 @@ def _sizes(args) -> list[int]:
 
 
 def _one_model(args, model: str, sizes: list[int], runs: int, out_tokens: int) -> dict:
-    from engine.bench.scenarios import base_worker, start_engine, stop_engine
+    from engine.bench.common import base_worker, start_engine, stop_engine
     from engine.facade.compare import wait_for_kernels
     worker = base_worker(args, model=model, max_active=max(sizes),
                          max_batched_tokens=max(2048, max(sizes) * (PROMPT_TOKENS + 1)))

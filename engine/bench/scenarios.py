@@ -1,15 +1,12 @@
-"""Benchmark scenarios. Every figure here is measured by running the engine; nothing is assumed.
+"""The engine's own benchmarks. Every figure here is measured by running the engine; nothing is assumed.
 
 single    prefill tok/s (500-token prompt) and one-stream decode tok/s (128 tokens), peak RSS,
           per model; with --llama-cpp also llama.cpp's, measured in the same run, and the ratios
 batching  N concurrent requests vs the same requests one after another; paged vs contiguous;
           memory pressure: 8 x 1000 tokens on a simulated worker with 48 MiB vs 1 GiB of KV
           (preemptions and recomputed tokens)
-prefix    prefix reuse: warm vs cold, identical and partial-prefix bursts, cyclic, equality (prefix.py)
-router    the facade's cost of one routing decision with 8 / 64 / 256 workers (router_cost.py)
-first-start  a fresh cache: model assembled, serving on torch matmuls, the switch to the kernels (first_start.py)
-soak      minutes of mixed load with a worker killed and the remote restarted: leaks, lost and doubled requests (soak.py)
-rows      a decode step's cost by its row count, 1-16, against one row, with read GB/s and roofline shares (rows.py)
+routing   a paced burst over unequal simulated workers, policy by policy
+trace     decode throughput with the flight recorder off, light and full
 """
 from __future__ import annotations
 
@@ -18,48 +15,15 @@ import multiprocessing as mp
 import time
 from dataclasses import replace
 
-from engine.bench import peak_rss_mb, read_bandwidth, rss_now_mb
-from engine.bench.router_cost import bench_router  # noqa: F401  (the scenario `router`)
+from engine.bench import common
+from engine.bench.common import (base_worker, decode_burst_tok_s, peak_rss_mb, prompt_of, read_bandwidth,
+                                 rss_now_mb, start_engine, stop_engine, timed_burst)
 from engine.bench.rows import decode_roofline
 from engine.config import EngineConfig, SamplingParams, WorkerConfig
 from engine.dtypes import resolve_kv_dtype
 from engine.errors import describe_error
 from engine.pacing import paced
 from engine.stats import median, percentile
-
-FILLER = ("The scheduler admits requests in arrival order, charges each step against a token "
-          "budget, and preempts the youngest sequence when the page pool runs dry. ")
-
-
-def base_worker(args, **over) -> WorkerConfig:
-    """The benchmarked worker: the first device of the run (default cpu) built from
-    `args.worker` (the WorkerConfig the command line made), on 2 threads unless it names
-    another count, without a speed calibration; `over` replaces fields."""
-    from engine.facade.devices import parse_devices
-    w = replace(args.worker, threads=args.worker.threads or 2, calibrate=False)
-    if args.device:
-        w = parse_devices(args.device[:1], w)[0]
-    return replace(w, **over)
-
-
-TRACE_DIR: str | None = None   # `bench --trace-dir DIR`: every engine of the run writes a trace
-
-
-def start_engine(workers, mode="thread"):
-    from engine.facade.engine import Engine
-    return Engine(EngineConfig(workers=tuple(workers), worker_mode=mode, trace_dir=TRACE_DIR)).start()
-
-
-def stop_engine(engine) -> None:
-    if TRACE_DIR:
-        engine.export_trace(TRACE_DIR)
-    engine.shutdown()
-
-
-def prompt_of(engine, n_tokens: int, salt: str = "") -> list[int]:
-    ids = engine.tokenizer.encode(salt + FILLER * (n_tokens // 20 + 2), add_special=False)
-    return ids[:n_tokens]
-
 
 # --- single ------------------------------------------------------------------------------
 def _single_child(worker: WorkerConfig, runs: int, prompt_len: int, out_tokens: int, q,
@@ -288,21 +252,6 @@ def bench_single(args) -> dict:
 
 
 # --- batching ----------------------------------------------------------------------------
-def timed_burst(engine, n: int, out_tokens: int, concurrent: bool, salt: str) -> float:
-    """Wall seconds to finish n requests, all at once or one after another."""
-    params = SamplingParams(max_tokens=out_tokens, ignore_eos=True)
-    prompts = [prompt_of(engine, 24, f"{salt} request {i}: ") for i in range(n)]
-    t0 = time.perf_counter()
-    if concurrent:
-        handles = [engine.submit(prompt_ids=p, params=params) for p in prompts]
-        results = [h.result() for h in handles]
-    else:
-        results = [engine.generate(prompt_ids=p, params=params) for p in prompts]
-    wall = time.perf_counter() - t0
-    assert all(r.finish_reason == "length" for r in results), [r.error for r in results]
-    return wall
-
-
 PAIR_CONTEXT = 512   # tokens per sequence in bench batching's paged-vs-contiguous pair
 
 
@@ -316,6 +265,44 @@ def bench_batching(args) -> dict:
         ns = sorted({int(n) for n in args.sizes.split(",")} | {1, 8})
     sequential_too = not getattr(args, "no_sequential", False)
     active = max(8, *ns)
+    table, runs_of = _batched_vs_sequential(args, ns, runs, out_tokens, active, sequential_too)
+    one = next(t for t in table if t["n"] == 1)["batched_tok_s"]
+    eight = next(t for t in table if t["n"] == 8)["batched_tok_s"]
+    largest = table[-1]
+    # N = 8 over one stream: the median of the rounds' ratios (each round ran both sizes)
+    n8_over_n1 = paired_ratio(runs_of[8][0], runs_of[1][0])
+    nmax_over_n1 = paired_ratio(runs_of[largest["n"]][0], runs_of[1][0])
+    context = getattr(args, "max_context", None) or PAIR_CONTEXT
+    kv, device = _paged_vs_contiguous(args, runs, out_tokens, active, context)
+    pressure = [_memory_pressure(args, kv_memory) for kv_memory in ("48MiB", "1GiB")]
+    side_by_side = None
+    if getattr(args, "llama_server", None):
+        from engine.bench.llama_server import bench_llama_server
+        from engine.models.catalog import resolve_model
+        side_by_side = bench_llama_server(args, base_worker(args, max_active=active), str(resolve_model(args.model)),
+                                          out_tokens, runs, [1, 8])
+    goals = {"paged_ge_97pct_contiguous": all(k["paged_over_contiguous"] >= 0.97 for k in kv)}
+    if sequential_too:
+        # from N = 2: one request alone is the same work either way (its ratio is noise around 1)
+        goals["batched_ge_sequential_all_n"] = all(t["ratio"] >= 1.0 for t in table if t["n"] >= 2)
+    if largest["n"] >= 32:
+        goals[f"n{largest['n']}_at_least_10x_one_stream"] = nmax_over_n1 >= 10.0
+    return {
+        "output_tokens": out_tokens, "runs": runs, "model": args.model, "device": device,
+        "batching": table, "aggregate_n8_over_n1": round(n8_over_n1, 3),
+        f"aggregate_n{largest['n']}_over_n1": round(nmax_over_n1, 3),
+        "aggregate_n8_over_n1_ratio_of_medians": round(eight / one, 3),
+        "paged_vs_contiguous": kv, "paged_vs_contiguous_max_context": context, "memory_pressure": pressure,
+        **({"llama_server": side_by_side} if side_by_side else {}),
+        "goals": {**goals, **({"n8_ge_llama_server_n8": side_by_side["goals"]["n8_ge_llama_server_n8"]}
+                              if side_by_side else {})},
+    }
+
+
+def _batched_vs_sequential(args, ns: list[int], runs: int, out_tokens: int, active: int,
+                           sequential_too: bool) -> tuple[list[dict], dict]:
+    """One paged engine: each size's burst at once and one after another. The table's rows, and
+    per size its (batched, sequential) tok/s of each round."""
     paged = start_engine([base_worker(args, max_active=active, kv_cache="paged")])
     try:
         timed_burst(paged, 2, 8, True, "warm")
@@ -329,30 +316,29 @@ def bench_batching(args) -> dict:
                 batched.append(n * out_tokens / timed_burst(paged, n, out_tokens, True, f"b{r}"))
                 if sequential_too:
                     sequential.append(n * out_tokens / timed_burst(paged, n, out_tokens, False, f"s{r}"))
-        table = []
-        for n in ns:
-            batched, sequential = runs_of[n]
-            b, s = median(batched), median(sequential)
-            table.append({"n": n, "batched_tok_s": b, "sequential_tok_s": s,
-                          "ratio": round(paired_ratio(batched, sequential), 3) if s else None,
-                          "batched_runs": batched, "sequential_runs": sequential})
-        one = next(t for t in table if t["n"] == 1)["batched_tok_s"]
-        eight = next(t for t in table if t["n"] == 8)["batched_tok_s"]
-        largest = table[-1]
-        # N = 8 over one stream: the median of the rounds' ratios (each round ran both sizes)
-        n8_over_n1 = paired_ratio(runs_of[8][0], runs_of[1][0])
-        nmax_over_n1 = paired_ratio(runs_of[largest["n"]][0], runs_of[1][0])
     finally:
         stop_engine(paged)
+    table = []
+    for n in ns:
+        batched, sequential = runs_of[n]
+        b, s = median(batched), median(sequential)
+        table.append({"n": n, "batched_tok_s": b, "sequential_tok_s": s,
+                      "ratio": round(paired_ratio(batched, sequential), 3) if s else None,
+                      "batched_runs": batched, "sequential_runs": sequential})
+    return table, runs_of
 
-    # Two engines at once: each worker in its own process. As two threads of this process
-    # they would run two OpenMP teams on the same cores, and with more OpenMP threads than
-    # cores libgomp hardly spin-waits: both variants would measure the teams rather than the
-    # KV layouts. Contiguous K/V reserves a whole context per sequence: at the default 4096
-    # tokens 256 MiB of the 0.5B's fp32 K/V holds two, and N = 8 would measure admission
-    # rather than what paging costs. Both get a context that lets all N run (the burst's
-    # sequences are 24 + out_tokens long), unless --max-context says otherwise.
-    context = getattr(args, "max_context", None) or PAIR_CONTEXT
+
+def _paged_vs_contiguous(args, runs: int, out_tokens: int, active: int, context: int) -> tuple[list[dict], str]:
+    """The same bursts on paged and contiguous K/V, rounds alternating which goes first; the
+    rows for N = 1 and 8, and the device they ran on.
+
+    Two engines at once: each worker in its own process. As two threads of this process
+    they would run two OpenMP teams on the same cores, and with more OpenMP threads than
+    cores libgomp hardly spin-waits: both variants would measure the teams rather than the
+    KV layouts. Contiguous K/V reserves a whole context per sequence: at the default 4096
+    tokens 256 MiB of the 0.5B's fp32 K/V holds two, and N = 8 would measure admission
+    rather than what paging costs. Both get a context that lets all N run (the burst's
+    sequences are 24 + out_tokens long), unless --max-context says otherwise."""
     contiguous = start_engine([base_worker(args, max_active=active, kv_cache="contiguous", max_context=context)],
                               mode="process")
     paged = start_engine([base_worker(args, max_active=active, kv_cache="paged", max_context=context)],
@@ -377,29 +363,7 @@ def bench_batching(args) -> dict:
     finally:
         stop_engine(paged)
         stop_engine(contiguous)
-    pressure = [_memory_pressure(args, kv_memory) for kv_memory in ("48MiB", "1GiB")]
-    side_by_side = None
-    if getattr(args, "llama_server", None):
-        from engine.bench.llama_server import bench_llama_server
-        from engine.models.catalog import resolve_model
-        side_by_side = bench_llama_server(args, base_worker(args, max_active=active), str(resolve_model(args.model)),
-                                          out_tokens, runs, [1, 8])
-    goals = {"paged_ge_97pct_contiguous": all(k["paged_over_contiguous"] >= 0.97 for k in kv)}
-    if sequential_too:
-        # from N = 2: one request alone is the same work either way (its ratio is noise around 1)
-        goals["batched_ge_sequential_all_n"] = all(t["ratio"] >= 1.0 for t in table if t["n"] >= 2)
-    if largest["n"] >= 32:
-        goals[f"n{largest['n']}_at_least_10x_one_stream"] = nmax_over_n1 >= 10.0
-    return {
-        "output_tokens": out_tokens, "runs": runs, "model": args.model, "device": paged.config.workers[0].device,
-        "batching": table, "aggregate_n8_over_n1": round(n8_over_n1, 3),
-        f"aggregate_n{largest['n']}_over_n1": round(nmax_over_n1, 3),
-        "aggregate_n8_over_n1_ratio_of_medians": round(eight / one, 3),
-        "paged_vs_contiguous": kv, "paged_vs_contiguous_max_context": context, "memory_pressure": pressure,
-        **({"llama_server": side_by_side} if side_by_side else {}),
-        "goals": {**goals, **({"n8_ge_llama_server_n8": side_by_side["goals"]["n8_ge_llama_server_n8"]}
-                              if side_by_side else {})},
-    }
+    return kv, paged.config.workers[0].device
 
 
 PRESSURE_DEVICE = "sim:fast:prefill=25000,decode=4000"
@@ -461,6 +425,16 @@ def _routing_burst(engine, prompts, interval_s: float, out_tokens: int, force: i
             "requests_per_worker": per_worker, "output_tokens_per_worker": tokens}
 
 
+def _routing_row(n: int, policy: str, bursts: list[dict]) -> dict:
+    """One policy's row at n requests: the medians of its bursts' figures, and each burst's split."""
+    row = {"requests": n, "policy": policy}
+    for key in ("completion_s", "throughput_tok_s", "ttft_p50", "ttft_p95", "e2e_p50", "e2e_p95"):
+        row[key] = median([x[key] for x in bursts])
+    for key in ("requests_per_worker", "output_tokens_per_worker"):
+        row[key] = [x[key] for x in bursts]
+    return row
+
+
 def bench_routing(args) -> dict:
     """mini-vllm-rs's heterogeneous-serving burst: requests 50 ms apart, ~516-token prompts sharing a ~512-token
     prefix, 128 output tokens, up to 4 active per worker; forced-fastest vs each policy.
@@ -478,7 +452,7 @@ def bench_routing(args) -> dict:
     workers = parse_devices(specs, base)
     policies = [p.strip() for p in args.policies.split(",")]
     engine = Engine(EngineConfig(workers=workers, worker_mode=args.worker_mode or "process",
-                                 trace_dir=TRACE_DIR, routing_log=getattr(args, "routing_log", None))).start()
+                                 trace_dir=common.TRACE_DIR, routing_log=getattr(args, "routing_log", None))).start()
     try:
         snap = engine.snapshot()
         devices = [{"index": w.index, "name": w.name, "simulated": w.simulated,
@@ -497,16 +471,7 @@ def bench_routing(args) -> dict:
                         engine.set_router_policy(policy)
                     force = fastest if policy == "forced-fastest" else None
                     rows[policy].append(_routing_burst(engine, prompts, 0.05, out_tokens, force))
-            for policy, res in rows.items():
-                table.append({"requests": n, "policy": policy,
-                              "completion_s": median([x["completion_s"] for x in res]),
-                              "throughput_tok_s": median([x["throughput_tok_s"] for x in res]),
-                              "ttft_p50": median([x["ttft_p50"] for x in res]),
-                              "ttft_p95": median([x["ttft_p95"] for x in res]),
-                              "e2e_p50": median([x["e2e_p50"] for x in res]),
-                              "e2e_p95": median([x["e2e_p95"] for x in res]),
-                              "requests_per_worker": [x["requests_per_worker"] for x in res],
-                              "output_tokens_per_worker": [x["output_tokens_per_worker"] for x in res]})
+            table += [_routing_row(n, policy, res) for policy, res in rows.items()]
     finally:
         stop_engine(engine)
 
@@ -529,10 +494,6 @@ def bench_routing(args) -> dict:
 
 
 # --- tracing cost ------------------------------------------------------------------------
-def decode_burst_tok_s(engine, n: int, out_tokens: int, salt: str) -> float:
-    return n * out_tokens / timed_burst(engine, n, out_tokens, True, salt)
-
-
 TRACE_ORDERS = list(itertools.permutations(("off", "light", "full")))   # each detail in each place
 
 
@@ -544,8 +505,6 @@ def bench_trace(args) -> dict:
     detail alike; the figures are medians of per-round ratios of each detail's two runs. Also what
     light detail records in a step (engine step, scheduler and sampler spans, three counters)
     and the cost of a deep scope it leaves out (a no-op), timed alone, as shares of a step."""
-    from engine.trace import Tracer
-
     rounds = 1 if args.quick else max(6, args.runs)
     out_tokens = 16 if args.quick else 64
     n = 4
@@ -573,11 +532,29 @@ def bench_trace(args) -> dict:
     full_ratios = sorted(sum(r["full"]) / sum(r["off"]) for r in runs)
     light, full = median(light_ratios), median(full_ratios)
     step_s = n / tok_s["off"]
-    t = Tracer("bench", detail="light")
-    reps = 50_000
     # deep scopes a step would make on the per-layer path, a no-op at light detail: model +
     # per layer (layer, attn, attention, mlp, 4 qmatmul) + lm_head
     scopes_per_step = 2 + 8 * n_layers
+    noop_s, light_step_s = _light_record_costs(n)
+    return {"requests": n, "output_tokens": out_tokens, "rounds": rounds,
+            "no_recording_tok_s": tok_s["off"], "light_tok_s": tok_s["light"], "full_tok_s": tok_s["full"],
+            "light_over_none": round(light, 3), "full_over_none": round(full, 3),
+            "light_over_none_range": [round(light_ratios[0], 3), round(light_ratios[-1], 3)],
+            "full_over_none_range": [round(full_ratios[0], 3), round(full_ratios[-1], 3)],
+            "runs_tok_s": runs,
+            "light_step_records_us": round(light_step_s * 1e6, 2),
+            "light_step_records_fraction_of_step": round(light_step_s / step_s, 5),
+            "light_noop_scope_ns": round(noop_s * 1e9, 1), "scopes_per_step": scopes_per_step,
+            "light_noop_scopes_fraction_of_step": round(noop_s * scopes_per_step / step_s, 5),
+            "goals": {"light_costs_le_1pct": light >= 0.99, "full_costs_le_10pct": full >= 0.90}}
+
+
+def _light_record_costs(n: int, reps: int = 50_000) -> tuple[float, float]:
+    """Seconds of a no-op deep scope, and of what a worker records in one decode step of n
+    requests at light detail, each timed alone."""
+    from engine.trace import Tracer
+
+    t = Tracer("bench", detail="light")
     t0 = time.perf_counter()
     for _ in range(reps):
         with t.scope("qmatmul", op="x"):
@@ -594,50 +571,4 @@ def bench_trace(args) -> dict:
         t.counter("requests", running=n, waiting=0)
         t.counter("tokens in step", tokens=n)
     light_step_s = (time.perf_counter() - t0) / reps
-    return {"requests": n, "output_tokens": out_tokens, "rounds": rounds,
-            "no_recording_tok_s": tok_s["off"], "light_tok_s": tok_s["light"], "full_tok_s": tok_s["full"],
-            "light_over_none": round(light, 3), "full_over_none": round(full, 3),
-            "light_over_none_range": [round(light_ratios[0], 3), round(light_ratios[-1], 3)],
-            "full_over_none_range": [round(full_ratios[0], 3), round(full_ratios[-1], 3)],
-            "runs_tok_s": runs,
-            "light_step_records_us": round(light_step_s * 1e6, 2),
-            "light_step_records_fraction_of_step": round(light_step_s / step_s, 5),
-            "light_noop_scope_ns": round(noop_s * 1e9, 1), "scopes_per_step": scopes_per_step,
-            "light_noop_scopes_fraction_of_step": round(noop_s * scopes_per_step / step_s, 5),
-            "goals": {"light_costs_le_1pct": light >= 0.99, "full_costs_le_10pct": full >= 0.90}}
-
-
-# --- prefix -------------------------------------------------------------------------------
-def bench_prefix(args) -> dict:
-    from engine.bench.prefix import bench_prefix as run
-    return run(args)
-
-
-# --- serve ---------------------------------------------------------------------------------
-def bench_serve(args) -> dict:
-    """HTTP API vs in-process, 8 concurrent streams (engine/bench/serve.py)."""
-    from engine.bench.serve import bench_serve as run
-    return run(args)
-
-
-from engine.bench.spec import bench_spec  # noqa: E402,F401  (tokentop bench spec)
-
-
-# --- soak ----------------------------------------------------------------------------------
-def bench_first_start(args) -> dict:
-    """A fresh install's start: serving on the torch fallback, then the kernels (first_start.py)."""
-    from engine.bench.first_start import bench_first_start as run
-    return run(args)
-
-
-def bench_rows(args) -> dict:
-    """A decode step's cost by its row count (engine/bench/rows.py)."""
-    from engine.bench.rows import bench_rows as run
-    return run(args)
-
-
-def bench_soak(args) -> dict:
-    """Mixed load for --minutes, a worker killed and the remote restarted; then the leak and
-    ledger verdicts (engine/bench/soak.py)."""
-    from engine.bench.soak import bench_soak as run
-    return run(args)
+    return noop_s, light_step_s

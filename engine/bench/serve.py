@@ -65,7 +65,7 @@ async def _http(url: str, model: str, prompts: list[str], out_tokens: int) -> tu
 
 
 def bench_serve(args) -> dict:
-    from engine.bench.scenarios import base_worker, start_engine, stop_engine
+    from engine.bench.common import base_worker, start_engine, stop_engine
     from engine.serve.app import ServeConfig
     from engine.serve.server import HttpServer
 

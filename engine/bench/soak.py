@@ -22,9 +22,7 @@ and the restart failed are expected and counted apart. A failed verdict fails th
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -37,9 +35,10 @@ from pathlib import Path
 import httpx
 
 from engine.bench.llama_server import free_port
+from engine.bench.soak_load import (ABORT_AFTER_FIRST, ABORT_NOW, BURST_EVERY_S, BURST_SIZE, MAX_TOKENS,
+                                    STREAM_DISCONNECT, WHOLE_DISCONNECT, SoakClients)
 from engine.bench.soak_checks import (
     ABORTED,
-    DISCONNECTED,
     FAILED,
     FINISHED,
     EngineLedger,
@@ -65,19 +64,12 @@ REMOTE_DEVICE = "sim:soakremote:prefill=3000,decode=150"
 ROUTER_POLICY = "round-robin"
 MAX_ACTIVE = 8
 HTTP_CLIENTS = 4
-BURST_EVERY_S = 3.0
-BURST_SIZE = (3, 6)
-MAX_TOKENS = (4, 32)
-STREAM_DISCONNECT = 0.2     # share of streams the client leaves after a few chunks
-WHOLE_DISCONNECT = 0.1      # share of whole answers the client stops waiting for
-ABORT_NOW, ABORT_AFTER_FIRST = 0.15, 0.15   # in-process requests aborted at once / after a token
 CLIENT_TIMEOUT_S = 60.0     # an HTTP request making no progress for this long has failed
 DRAIN_S = 90.0              # after the load: for the clients' last requests to end
 RECOVER_S = 120.0           # for a respawn, for the restarted server, for the re-admission
 SETTLE_S = 30.0             # for the engine to be idle before the last sample
 EXAMPLES = 30               # engine log lines (warnings and errors) kept for the report
-SHARED = ("The service log below covers one hour of a scheduler that admits requests in arrival "
-          "order and preempts the youngest when its pages run out. ")
+
 
 
 class RemoteServer:
@@ -294,8 +286,9 @@ class Soak:
         try:
             limits = httpx.Limits(max_connections=4 * HTTP_CLIENTS)
             async with httpx.AsyncClient(base_url=self.http.url, timeout=CLIENT_TIMEOUT_S, limits=limits) as client:
-                tasks = [asyncio.ensure_future(self.http_client(client, i, stop)) for i in range(HTTP_CLIENTS)]
-                tasks.append(asyncio.ensure_future(self.bursts(stop)))
+                clients = SoakClients(self.engine, self.model_name, self.ledger, self.now)
+                tasks = [asyncio.ensure_future(clients.http_client(client, i, stop)) for i in range(HTTP_CLIENTS)]
+                tasks.append(asyncio.ensure_future(clients.bursts(stop)))
                 chaos.start()
                 await asyncio.sleep(self.duration)
                 while chaos.is_alive():        # a recovery still under way needs the load to notice it
@@ -315,143 +308,6 @@ class Soak:
                 chaos.join(RECOVER_S)
             sampler.cancel()
             await asyncio.gather(sampler, return_exceptions=True)
-
-    def _prompt(self, rng: random.Random, n: int) -> str:
-        if rng.random() < 0.5:   # a shared start: the prefix cache keeps its pages
-            return SHARED + f"Question {n}: what happened at minute {rng.randint(0, 59)}?"
-        return f"Request {n}: summarise item {rng.randint(0, 10**6)} of the queue in a few words."
-
-    async def http_client(self, client: httpx.AsyncClient, i: int, stop: asyncio.Event) -> None:
-        rng = random.Random(i)
-        n = 0
-        while not stop.is_set():
-            chat, stream = n % 2 == 1, n % 4 < 2
-            n += 1
-            await self.one_http(client, rng, chat, stream)
-            await asyncio.sleep(rng.uniform(0, 0.2))
-
-    async def one_http(self, client, rng: random.Random, chat: bool, stream: bool) -> None:
-        max_tokens = rng.randint(*MAX_TOKENS)
-        number = self.ledger.open(f"HTTP {'chat' if chat else 'completion'}{', streamed' if stream else ''}, "
-                                  f"{max_tokens} tokens, sent at {self.now()} s")
-        prompt = self._prompt(rng, number)
-        body = {"model": self.model_name, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                "return_token_ids": True}
-        body.update({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt})
-        path = "/v1/chat/completions" if chat else "/v1/completions"
-        try:
-            if stream:
-                leave = rng.randint(1, 4) if rng.random() < STREAM_DISCONNECT else 0
-                body.update(stream=True, stream_options={"include_usage": True})
-                outcome, reason, length = await self._stream(client, path, body, number, leave)
-            else:
-                leave = rng.uniform(0.05, 0.6) if rng.random() < WHOLE_DISCONNECT else 0
-                outcome, reason, length = await self._whole(client, path, body, leave)
-        except (httpx.HTTPError, ValueError, KeyError, AttributeError) as exc:
-            outcome, reason, length = FAILED, f"client: {describe_error(exc)}", None
-        self.ledger.close(number, outcome, reason)
-        if length is not None:
-            self._check_length(number, max_tokens, *length)
-
-    async def _stream(self, client, path: str, body: dict, number: int, leave: int):
-        """(outcome, reason, (finish, tokens streamed, tokens counted) or None)."""
-        tokens, chunks, finish, usage, done, error = 0, 0, None, None, False, None
-        async with client.stream("POST", path, json=body) as r:
-            if r.status_code != 200:
-                return FAILED, f"HTTP {r.status_code}: {_message(await r.aread())}", None
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                if done:
-                    self.ledger.streamed_after_finish(number, "data after [DONE]")
-                    continue
-                if line == "data: [DONE]":
-                    done = True
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    error = chunk["error"].get("message") or "an error chunk without a message"
-                    continue
-                usage = chunk.get("usage") or usage
-                for choice in chunk.get("choices") or ():
-                    if finish is not None:
-                        self.ledger.streamed_after_finish(number, "a chunk")
-                    tokens += len(choice.get("token_ids") or ())
-                    finish = choice.get("finish_reason") or finish
-                chunks += 1
-                if leave and chunks >= leave and finish is None and error is None:
-                    return DISCONNECTED, "", None      # leaving the block drops the connection
-        if error is not None:
-            return FAILED, error, None
-        if finish is None or not done:
-            return FAILED, "the stream ended without a finish reason and [DONE]", None
-        return FINISHED, "", (finish, tokens, (usage or {}).get("completion_tokens"))
-
-    async def _whole(self, client, path: str, body: dict, leave: float):
-        try:
-            r = await asyncio.wait_for(client.post(path, json=body), leave or None)
-        except TimeoutError:
-            return DISCONNECTED, "", None               # cancelled: the connection is dropped
-        if r.status_code != 200:
-            return FAILED, f"HTTP {r.status_code}: {_message(r.content)}", None
-        answer = r.json()
-        choice = answer["choices"][0]
-        return FINISHED, "", (choice["finish_reason"], len(choice.get("token_ids") or ()),
-                              (answer.get("usage") or {}).get("completion_tokens"))
-
-    def _check_length(self, number: int, asked: int, finish: str, got: int, counted: int | None) -> None:
-        """ignore_eos: a finished request ends by length with exactly the tokens it asked for."""
-        if finish != "length" or got != asked or counted not in (None, asked):
-            self.ledger.wrong_length(number, f"finish {finish!r} with {got} tokens streamed and {counted} "
-                                             f"counted; asked for {asked}")
-
-    async def bursts(self, stop: asyncio.Event) -> None:
-        rng = random.Random(1000)
-        running: set[asyncio.Future] = set()
-        while not stop.is_set():
-            for _ in range(rng.randint(*BURST_SIZE)):
-                task = asyncio.ensure_future(self.one_in_process(rng))
-                running.add(task)
-                task.add_done_callback(running.discard)
-            try:
-                await asyncio.wait_for(stop.wait(), BURST_EVERY_S)
-            except TimeoutError:
-                pass
-        await asyncio.gather(*running)
-
-    async def one_in_process(self, rng: random.Random) -> None:
-        from engine.facade.requests import RequestFailed
-
-        max_tokens = rng.randint(*MAX_TOKENS)
-        number = self.ledger.open(f"in process, {max_tokens} tokens, sent at {self.now()} s")
-        roll = rng.random()
-        abort_now, abort_first = roll < ABORT_NOW, ABORT_NOW <= roll < ABORT_NOW + ABORT_AFTER_FIRST
-        try:
-            handle = self.engine.submit(self._prompt(rng, number), burst="soak",
-                                        params=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-        except TokentopError as exc:
-            self.ledger.close(number, FAILED, f"refused: {describe_error(exc)}")
-            return
-        self.ledger.describe(number, f"in process {handle.id}, {max_tokens} tokens, sent at {self.now()} s"
-                                     + (", aborted at once" if abort_now else ", aborted after a token" if abort_first else ""))
-        if abort_now:
-            handle.abort()
-        tokens = 0
-        try:
-            async for d in handle:
-                tokens += d.token_id >= 0
-                if abort_first and tokens == 1:
-                    handle.abort()
-        except RequestFailed:
-            pass
-        res = handle.result(0)
-        if res.finish_reason == "abort":
-            self.ledger.close(number, ABORTED)
-        elif res.finish_reason == "error":
-            self.ledger.close(number, FAILED, res.error or "no reason given")
-        else:
-            self.ledger.close(number, FINISHED)
-            self._check_length(number, max_tokens, res.finish_reason, tokens, len(res.token_ids))
 
     # --- the disruptions ------------------------------------------------------------------
     def chaos(self) -> None:
@@ -602,14 +458,6 @@ class Soak:
         if error:
             report["error"] = error
         return report
-
-
-def _message(raw: bytes) -> str:
-    try:
-        err = json.loads(raw).get("error")
-        return (err.get("message") if isinstance(err, dict) else str(err)) or raw.decode()[:200]
-    except (ValueError, AttributeError):
-        return raw.decode("utf-8", "replace")[:200]
 
 
 def bench_soak(args) -> dict:

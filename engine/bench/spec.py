@@ -172,7 +172,7 @@ def _warm_up(engine, mode: str) -> None:
 
 
 def bench_spec(args) -> dict:
-    from engine.bench.scenarios import base_worker, start_engine, stop_engine
+    from engine.bench.common import base_worker, start_engine, stop_engine
 
     quick = args.quick
     target, draft = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"

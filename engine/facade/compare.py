@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Protocol
 
-from engine.config import (PREFIX_CACHE, ROUTER_POLICIES, SCHED_POLICIES, SINGLE_FLIGHT, SPEC_MODES,
+from engine.config import (PREFIX_CACHE, ROUTER_POLICIES, SCHED_POLICIES, SETTING_NAMES, SINGLE_FLIGHT, SPEC_MODES,
                            EngineConfig, SamplingParams, check_router_policy)
 from engine.errors import ConfigError, TokentopError
 from engine.pacing import paced
@@ -77,16 +77,21 @@ def _number(value: str) -> float:
         raise ValueError("a number, e.g. 0.5") from None
 
 
+# field -> (what it changes: a "worker" field or an "engine" field, parser); each is set by its
+# command-line name (engine/config.py SETTING_NAMES), `worker` forces every request to one worker
+COMPARED_FIELDS: dict[str, tuple[str, Callable[[str], Any]]] = {
+    "policy": ("worker", _choice(SCHED_POLICIES)),
+    "router_policy": ("engine", _choice(ROUTER_POLICIES)),
+    "prefix_cache": ("worker", _choice(PREFIX_CACHE)),
+    "single_flight": ("worker", _choice(SINGLE_FLIGHT)),
+    "speculate": ("worker", _choice(SPEC_MODES)),
+    "spec_k": ("worker", str),
+    "spec_tv_budget": ("worker", _number),
+    "max_active": ("worker", _count),
+}
 # key -> (what it changes: "worker" field / "engine" field / "force", field name, parser)
 SETTINGS: dict[str, tuple[str, str, Callable[[str], Any]]] = {
-    "policy": ("worker", "policy", _choice(SCHED_POLICIES)),
-    "router-policy": ("engine", "router_policy", _choice(ROUTER_POLICIES)),
-    "prefix-cache": ("worker", "prefix_cache", _choice(PREFIX_CACHE)),
-    "single-flight": ("worker", "single_flight", _choice(SINGLE_FLIGHT)),
-    "speculate": ("worker", "speculate", _choice(SPEC_MODES)),
-    "spec-k": ("worker", "spec_k", str),
-    "spec-tv-budget": ("worker", "spec_tv_budget", _number),
-    "max-active": ("worker", "max_active", _count),
+    **{SETTING_NAMES[name]: (kind, name, parse) for name, (kind, parse) in COMPARED_FIELDS.items()},
     "worker": ("force", "worker", _index),
 }
 

@@ -17,6 +17,7 @@ from dataclasses import replace
 from engine.config import WorkerConfig
 from engine.dtypes import check_activation_dtype
 from engine.errors import ConfigError
+from engine.worker_kinds import kind_of, load
 
 # Isolated backend profiles published by mini-vllm-rs ("From a Rust Inference Engine to
 # Heterogeneous Serving": Qwen2.5 0.5B on an Apple M2, Metal GPU and CPU): prefill, decode tok/s
@@ -24,39 +25,27 @@ SIM_PRESETS = {"gpu": (2551.0, 293.0), "cpu": (73.0, 45.0)}
 
 
 def parse_devices(specs: list[str], base: WorkerConfig) -> tuple[WorkerConfig, ...]:
+    """Each spec read by its kind's parser (engine/worker_kinds.py), in order."""
     specs = specs or ["cpu"]
     out: list[WorkerConfig] = []
-    claimed: set[int] = set()
     for spec in specs:
         spec = spec.strip()
-        if spec == "cpu":
-            out.append(replace(base, device="cpu", name=f"cpu{sum(w.device == 'cpu' for w in out) or ''}"))
-        elif spec == "cuda" or spec.startswith("cuda:"):
-            index = _claim_cuda(spec, claimed)
-            device = f"cuda:{index}"
-            # cuda:N named again: another worker (its own model copy and KV) on the same GPU
-            same = sum(w.device == device for w in out)
-            out.append(replace(base, device=device, name=f"{device}#{same + 1}" if same else device))
-        elif spec.startswith("sim:"):
-            out.append(_parse_sim(spec, base))
-        elif spec.startswith("remote:"):
-            from engine.remote.spec import parse_remote
-            out.append(parse_remote(spec, base, sum(w.remote for w in out)))
-        else:
-            raise ConfigError(f"unknown device {spec!r}; use cpu, cuda, cuda:N or "
-                              "sim:NAME[:prefill=R,decode=R] (e.g. `device=sim:gpu0`) or remote:URL[,name=NAME][,api_key=ENV_VAR]")
+        kind = kind_of(spec)
+        if kind is None:
+            raise ConfigError(unknown_device(spec))
+        out.append(load(kind.parse)(spec, base, out))
     for w in out:
-        if not w.simulated and not w.remote:   # a remote's dtype is its own business
+        if w.kind.checks_dtype:   # a remote's dtype is its own business
             check_activation_dtype(w.device, w.activation_dtype)
     names = [w.name for w in out]
     if len(set(names)) != len(names):
         raise ConfigError(f"two workers share a name in {names}; give simulated workers distinct names")
     # --threads 0 (all cores) on several CPU workers: they share the cores instead of each taking
     # all of them (two OpenMP teams on the same cores wait for each other: decode slows many times)
-    n_cpu = sum(w.device == "cpu" for w in out)
+    n_cpu = sum(w.kind.host_cpu for w in out)
     if n_cpu > 1:
         share = max(1, usable_cores() // n_cpu)
-        out = [replace(w, threads=share) if w.device == "cpu" and w.threads == 0 else w for w in out]
+        out = [replace(w, threads=share) if w.kind.host_cpu and w.threads == 0 else w for w in out]
     return tuple(w.validate() for w in out)
 
 
@@ -70,7 +59,7 @@ def too_many_threads(index: int, workers: list) -> str:
     for each other, and decode slows many times over (docs/kernels.md, 'One OpenMP team per
     core'). Said once, at the first CPU worker; `workers` are the engine's WorkerConfigs."""
     cores = usable_cores()
-    cpu = [i for i, w in enumerate(workers) if w.device == "cpu"]
+    cpu = [i for i, w in enumerate(workers) if kind_of(w.device).host_cpu]
     total = sum(workers[i].threads or cores for i in cpu)
     if not cpu or index != cpu[0] or total <= cores:
         return ""
@@ -80,6 +69,27 @@ def too_many_threads(index: int, workers: list) -> str:
     return (f"{len(cpu)} CPU workers run {total} threads in all on the {cores} cores this process may use; "
             f"threads that wait for each other slow CPU decode many times over: give them `threads="
             f"{max(1, cores // len(cpu))}`")
+
+
+def unknown_device(spec: str) -> str:
+    return (f"unknown device {spec!r}; use cpu, cuda, cuda:N or "
+            "sim:NAME[:prefill=R,decode=R] (e.g. `device=sim:gpu0`) or remote:URL[,name=NAME][,api_key=ENV_VAR]")
+
+
+def parse_cpu(spec: str, base: WorkerConfig, earlier: list[WorkerConfig]) -> WorkerConfig:
+    if spec != "cpu":
+        raise ConfigError(unknown_device(spec))
+    return replace(base, device="cpu", name=f"cpu{sum(w.device == 'cpu' for w in earlier) or ''}")
+
+
+def parse_cuda(spec: str, base: WorkerConfig, earlier: list[WorkerConfig]) -> WorkerConfig:
+    if spec != "cuda" and not spec.startswith("cuda:"):
+        raise ConfigError(unknown_device(spec))
+    claimed = {int(w.device.split(":", 1)[1]) for w in earlier if w.device.startswith("cuda:")}
+    device = f"cuda:{_claim_cuda(spec, claimed)}"
+    # cuda:N named again: another worker (its own model copy and KV) on the same GPU
+    same = sum(w.device == device for w in earlier)
+    return replace(base, device=device, name=f"{device}#{same + 1}" if same else device)
 
 
 def _claim_cuda(spec: str, claimed: set[int]) -> int:
@@ -101,11 +111,10 @@ def _claim_cuda(spec: str, claimed: set[int]) -> int:
             raise ConfigError(f"`device={spec}`: write cuda:N with N a GPU index, e.g. cuda:0") from None
         if not 0 <= index < count:
             raise ConfigError(f"`device={spec}`: only GPUs 0..{count - 1} exist")
-    claimed.add(index)
     return index
 
 
-def _parse_sim(spec: str, base: WorkerConfig) -> WorkerConfig:
+def parse_sim(spec: str, base: WorkerConfig, earlier: list[WorkerConfig]) -> WorkerConfig:
     parts = spec.split(":", 2)
     name = parts[1] if len(parts) > 1 else ""
     if not name:

@@ -178,20 +178,7 @@ class Engine:
         now = time.monotonic()
         with self.lock:
             live = self.workers.ready()
-            if not live:   # each worker's state and last word: a remote that is down says why
-                states = "; ".join(f"worker {w.index} ({w.cfg.device}) {w.state}"
-                                   + (f": {w.message}" if w.message else "") for w in self.workers)
-                raise InvalidRequest(f"no worker is ready yet ({states})")
-            max_ctx = max(w.info.max_context for w in live)
-            if len(ids) + 1 > max_ctx:
-                raise InvalidRequest(f"prompt has {len(ids)} tokens but the context is {max_ctx} tokens; "
-                                     "shorten the prompt or raise `max_context`")
-            if worker is not None and worker not in [w.index for w in live]:
-                raise InvalidRequest(f"worker {worker} is not ready")
-            if asked_draft and not all("draft" in w.info.spec_modes for w in live):
-                # refused here: a worker without a draft model would fail it after routing
-                raise InvalidRequest("speculate 'draft' needs a draft model (`draft_model`) on every worker; "
-                                     "use speculate 'ngram' or 'off'")
+            max_ctx = self._check_admissible(live, len(ids), worker, asked_draft)
             rid = f"r{next(self._ids)}"
             notice = None
             room = max_ctx - len(ids)   # the last token sampled needs no KV: context - prompt
@@ -214,9 +201,27 @@ class Engine:
             handle = RequestHandle(rec, self.abort)
             self.requests.add(rec, handle)
             slot = self.workers[decision.chosen]
-        self.send_to(slot, rec, now)
+        slot.send_request(rec, now)
         self.notify("route", decision)
         return handle
+
+    def _check_admissible(self, live: list[WorkerSlot], n_ids: int, worker: int | None, asked_draft: bool) -> int:
+        """Refuse what no ready worker could take; the largest context among them."""
+        if not live:   # each worker's state and last word: a remote that is down says why
+            states = "; ".join(f"worker {w.index} ({w.cfg.device}) {w.state}"
+                               + (f": {w.message}" if w.message else "") for w in self.workers)
+            raise InvalidRequest(f"no worker is ready yet ({states})")
+        max_ctx = max(w.info.max_context for w in live)
+        if n_ids + 1 > max_ctx:
+            raise InvalidRequest(f"prompt has {n_ids} tokens but the context is {max_ctx} tokens; "
+                                 "shorten the prompt or raise `max_context`")
+        if worker is not None and worker not in [w.index for w in live]:
+            raise InvalidRequest(f"worker {worker} is not ready")
+        if asked_draft and not all("draft" in w.info.spec_modes for w in live):
+            # refused here: a worker without a draft model would fail it after routing
+            raise InvalidRequest("speculate 'draft' needs a draft model (`draft_model`) on every worker; "
+                                 "use speculate 'ngram' or 'off'")
+        return max_ctx
 
     def record_route(self, decision: RouteDecision) -> None:
         """Keep a routing decision for the snapshot and the routing log (the flight recorder
@@ -225,12 +230,6 @@ class Engine:
         if self._routing_log:
             self._routing_log.write(json.dumps(decision.to_json()) + "\n")
             self._routing_log.flush()
-
-    @staticmethod
-    def send_to(slot: WorkerSlot, rec: RequestRecord, arrival: float) -> None:
-        """Hand a routed request to its worker: token ids, and the messages for a remote."""
-        slot.send(msg.Submit(rec.id, tuple(rec.prompt_ids), rec.params, arrival,
-                             rec.messages if slot.cfg.remote else None, rec.prompt_len_on(slot.index)))
 
     def encode(self, prompt: str | None, messages: list[dict] | None,
                prompt_ids: list[int] | None, parse_special: bool = False) -> list[int]:

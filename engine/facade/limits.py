@@ -67,9 +67,9 @@ def check_memory(workers, model_paths: dict[str, str], available: int | None = N
     need = sum(CPU_BYTES_PER_FILE_BYTE * os.path.getsize(model_paths[w.model]) + w.kv_cache_memory
                + (CPU_BYTES_PER_FILE_BYTE * os.path.getsize(model_paths[w.draft_model])
                   if w.draft_model in model_paths else 0)
-               for w in workers if w.device == "cpu")
+               for w in workers if w.kind.host_cpu)
     if need > available:
-        n = sum(w.device == "cpu" for w in workers)
+        n = sum(w.kind.host_cpu for w in workers)
         raise ConfigError(f"{n} CPU worker(s) need about {need / 2**30:.1f} GiB (model copies + KV cache) "
                           f"but only {available / 2**30:.1f} GiB is available; use fewer `device=cpu` "
                           "workers or a smaller `kv_cache_memory`")

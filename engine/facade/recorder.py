@@ -31,7 +31,7 @@ from engine.trace import DETAILS, TraceSettings, request_track_events, write_chr
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
-    from engine.facade.engine import Engine
+    from engine.facade.engine_parts import EngineParts
 
 RING_TIMEOUT_S = 10.0     # how long an export waits for the workers' rings
 MIN_TRACE_INTERVAL_S = 1.0
@@ -90,7 +90,7 @@ def lifecycle(rec: RequestRecord, until: float) -> tuple[str, int | None, list[t
 class FlightRecorder:
     """Owns the facade's tracer, the detail level every worker records at, and trace export."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: EngineParts) -> None:
         self.engine = engine
         self.settings = trace_settings(engine.config)
         self.detail = self.settings.detail

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -78,6 +79,42 @@ class RequestRecord:
     def prompt_source_on(self, worker: int | None) -> str:
         """Where that length came from: "local" (our tokenizer), "remote" (its /tokenize), "estimate"."""
         return self.prompt_lens[worker][1] if worker in self.prompt_lens else "local"
+
+    def add_delta(self, d: msg.TokenDelta) -> None:
+        """A token and its text, as the worker streamed them; text from accepted drafts is
+        marked (the last TEXT_TAIL characters' worth)."""
+        if d.token_id >= 0:
+            self.output_ids.append(d.token_id)
+            self.last_token_at = time.monotonic()
+            if self.first_token_at is None:
+                self.first_token_at = self.last_token_at
+        if d.drafted and d.text:
+            start = len(self.text)
+            if self.drafted and self.drafted[-1][1] == start:
+                self.drafted[-1][1] += len(d.text)
+            else:
+                self.drafted.append([start, start + len(d.text)])
+            while self.drafted and self.drafted[0][1] < start - TEXT_TAIL:
+                self.drafted.pop(0)
+        self.text += d.text
+        self.state = RequestState.DECODE
+
+    def finish(self, f: msg.Finished) -> None:
+        self.finish_reason, self.error, self.metrics = f.reason, f.error, f.metrics
+        if f.metrics is not None and f.metrics.spec is not None:
+            self.spec = f.metrics.spec
+        self.state = RequestState.of_finish(f.reason)
+        self.finished_at = time.monotonic()
+
+    def add_view(self, v: msg.SeqView) -> None:
+        """What the worker last reported of it: progress, single flight, speculation, state."""
+        self.computed, self.cached, self.leader = v.computed_tokens, v.cached_tokens, v.leader
+        if v.leader and self.follow_at is None:
+            self.follow_at = time.monotonic()
+        self.spec = v.spec
+        self.state = RequestState.of_worker(v.state)
+        if self.state != RequestState.QUEUED and self.prefill_at is None:
+            self.prefill_at = time.monotonic()
 
 
 class RequestHandle:
@@ -204,6 +241,41 @@ class RequestTable:
         """The record, while its request has not finished."""
         rec = self.records.get(request_id)
         return rec if rec is not None and rec.finish_reason is None else None
+
+    # --- what workers report, applied by the dispatcher under the facade's lock --------------
+    def on_delta(self, d: msg.TokenDelta) -> bool:
+        """A streamed token of a live request; False for one already ended (e.g. tokens a dying
+        worker sent after its requests were failed)."""
+        rec = self.live(d.request_id)
+        if rec is None:
+            return False
+        rec.add_delta(d)
+        self.recount(rec)
+        return True
+
+    def on_finished(self, f: msg.Finished) -> RequestRecord | None:
+        rec = self.get(f.request_id)
+        if rec is not None:
+            rec.finish(f)
+            self.finished(rec)
+        return rec
+
+    def on_view(self, v: msg.SeqView) -> None:
+        rec = self.live(v.request_id)
+        if rec is not None:
+            rec.add_view(v)
+            self.recount(rec)
+
+    def move(self, rec: RequestRecord, worker: int) -> None:
+        """`rec` queued again, on `worker` (a reroute)."""
+        rec.worker, rec.state = worker, RequestState.QUEUED
+        self.recount(rec)
+
+    def deliver(self, request_id: str, event) -> None:
+        """Wake the handle of `request_id` with `event` (a TokenDelta or its Finished)."""
+        handle = self.handles.get(request_id)
+        if handle is not None:
+            handle._deliver(event)
 
     def finished(self, rec: RequestRecord) -> None:
         """Count a request as finished; the oldest finished ones beyond KEEP_FINISHED go."""

@@ -13,13 +13,14 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from functools import cached_property
 
 from engine import messages as msg
 from engine.config import WorkerConfig
 from engine.trace import set_tracer
+from engine.worker_kinds import kind_of, load
 
 HISTORY = 60          # samples of tok/s kept per worker for sparklines
 HIT_WINDOW = 150      # WorkerStats samples (~30 s at 5 Hz) behind a worker's prefix hit rate
@@ -81,6 +82,13 @@ class WorkerSlot:
     def send(self, command) -> None:
         self.commands.put(command)
 
+    def send_request(self, rec, arrival: float) -> None:
+        """Hand a routed request (a RequestRecord) to this worker: its token ids, and its chat
+        messages where the worker's kind takes them."""
+        messages = rec.messages if kind_of(self.cfg.device).takes_messages else None
+        self.send(msg.Submit(rec.id, tuple(rec.prompt_ids), rec.params, arrival, messages,
+                             rec.prompt_len_on(self.index)))
+
     @cached_property
     def cache_ident(self) -> str:
         """The model identity its prefix cache hashes pages under (routing's reuse estimate)."""
@@ -89,6 +97,48 @@ class WorkerSlot:
 
     def info_or_config(self) -> msg.WorkerInfo:
         return self.info or msg.WorkerInfo.before_ready(self.cfg)
+
+    # --- what the worker reports, applied by the dispatcher under the facade's lock ---------
+    def set_state(self, state: WorkerState, message: str) -> None:
+        self.state, self.message = state, message
+
+    def became_ready(self, info: msg.WorkerInfo) -> None:
+        self.state, self.info, self.message = WorkerState.READY, info, ""
+        if self.profile == (0.0, 0.0):   # unless set_worker_profile came first
+            self.profile = (info.profile_prefill_tps, info.profile_decode_tps)
+
+    def set_profile(self, prefill_tps: float, decode_tps: float) -> None:
+        self.profile = (prefill_tps, decode_tps)
+
+    def update_cache_keys(self, delta) -> None:
+        """(added, key) pairs: the pages it published or evicted."""
+        for added, key in delta:
+            if added:
+                self.cache_keys.add(key)
+            else:
+                self.cache_keys.discard(key)
+
+    def add_stats(self, s: msg.WorkerStats) -> bool:
+        """Keep a report and its histories; False (kept nothing) once the worker is dead: a
+        report its process sent just before it died."""
+        if self.state == WorkerState.DEAD:
+            return False
+        self.stats = s
+        self.prefill_hist.append(s.prefill_tps)
+        self.decode_hist.append(s.decode_tps)
+        if s.spec is not None:
+            drafted, accepted = s.spec["draft_tokens"], s.spec["accepted_tokens"]
+            if drafted > self.spec_seen[0]:
+                self.spec_hist.append((accepted - self.spec_seen[1]) / (drafted - self.spec_seen[0]))
+            self.spec_seen = (drafted, accepted)
+        if s.prefix:
+            self.prefix_hist.append((s.prefix["prefix_cache_queries"], s.prefix["prefix_cache_hits"]))
+        return True
+
+    def kernels_switched(self, event: msg.KernelsSwitched) -> None:
+        if self.info is not None:
+            self.info = replace(self.info, kernels=event.kernels, kernels_building=False,
+                                kernels_since=0.0 if event.error else time.time())
 
 
 class WorkerSet:
@@ -122,20 +172,19 @@ class WorkerSet:
         self._paths = dict(paths)
         self.events = self._ctx.Queue() if self.worker_mode == "process" else queue.Queue()
         for i, cfg in enumerate(self.configs):
-            if cfg.remote:
-                from engine.remote.spec import Secret, remote_url
-                from engine.remote.tokens import RemoteTokenCounter
-                counters[i] = RemoteTokenCounter(remote_url(cfg), Secret(cfg.remote_options))
+            counter = kind_of(cfg.device).token_counter
+            if counter:
+                counters[i] = load(counter)(cfg)
             commands, proc = self._spawn(i, cfg)
             self.slots.append(WorkerSlot(i, cfg, commands, proc))
             proc.start()
 
     def _spawn(self, i: int, cfg: WorkerConfig):
         path = self._paths[cfg.model]
-        if cfg.remote:      # forwarding needs no process of its own: a thread of I/O
-            from engine.remote.worker import remote_worker_main
+        kind = kind_of(cfg.device)
+        if kind.io_worker:      # forwarding needs no process of its own: a thread of I/O
             commands = queue.Queue()
-            return commands, threading.Thread(target=remote_worker_main, name=f"tokentop-remote-{i}",
+            return commands, threading.Thread(target=load(kind.io_worker), name=f"tokentop-{kind.name}-{i}",
                                               args=(i, cfg, path, commands, self.events), daemon=True)
         if self.worker_mode == "process":
             commands = self._ctx.Queue()
@@ -148,10 +197,12 @@ class WorkerSet:
                                           daemon=True)
 
     # --- deaths and respawns ------------------------------------------------------------
-    def note_death(self, w: WorkerSlot, now: float) -> str:
-        """Mark `w` dead; schedule its respawn when it may have one. Returns what happens next,
-        for the log line ("" when it stays dead)."""
+    def note_death(self, w: WorkerSlot, now: float, message: str | None = None) -> str:
+        """Mark `w` dead (saying `message`, when given); schedule its respawn when it may have
+        one. Returns what happens next, for the log line ("" when it stays dead)."""
         w.state = WorkerState.DEAD
+        if message is not None:
+            w.message = message
         w.stats = None
         w.cache_keys.clear()      # a new process starts with an empty prefix cache
         if not self._respawnable(w):
@@ -169,7 +220,7 @@ class WorkerSet:
     def _respawnable(self, w: WorkerSlot) -> bool:
         """Only a local worker process that had been serving: one that failed to start would
         fail the same way again, and a thread's failure is the program's."""
-        return (self.worker_mode == "process" and not w.cfg.remote and w.info is not None
+        return (self.worker_mode == "process" and kind_of(w.cfg.device).local and w.info is not None
                 and bool(self._paths))
 
     def respawn_due(self, now: float) -> list[WorkerSlot]:

@@ -16,7 +16,7 @@ import torch
 
 from engine.kv.residency import PageResidency
 from engine.kv.states import CACHED, FREE, SHARED, USED
-from engine.worker.sequence import Sequence
+from engine.kv.paged import PagedSequence
 
 
 class OutOfPages(Exception):
@@ -134,21 +134,21 @@ class BlockManager:
             self._free_regions = deque(range(pool.num_pages // region_pages))
             self._region_of: dict[str, int] = {}
 
-    def pages_needed(self, seq: Sequence, upto_tokens: int) -> int:
+    def pages_needed(self, seq: PagedSequence, upto_tokens: int) -> int:
         have = len(seq.block_table)
         need = -(-upto_tokens // self.page_size)
         if self.mode == "contiguous":
             return 0 if seq.id in self._region_of else self.region_pages
         return max(0, need - have)
 
-    def can_grow(self, seq: Sequence, upto_tokens: int) -> bool:
+    def can_grow(self, seq: PagedSequence, upto_tokens: int) -> bool:
         if self.mode == "contiguous":
             if seq.id in self._region_of:
                 return upto_tokens <= self.region_pages * self.page_size
             return bool(self._free_regions) and upto_tokens <= self.region_pages * self.page_size
         return self.pages_needed(seq, upto_tokens) <= self.pool.num_free
 
-    def grow(self, seq: Sequence, upto_tokens: int) -> None:
+    def grow(self, seq: PagedSequence, upto_tokens: int) -> None:
         """Make seq's block table cover positions [0, upto_tokens). Raises OutOfPages."""
         if self.mode == "contiguous":
             if seq.id not in self._region_of:
@@ -169,7 +169,7 @@ class BlockManager:
         for _ in range(need):
             seq.block_table.append(self.pool.allocate())
 
-    def free(self, seq: Sequence) -> None:
+    def free(self, seq: PagedSequence) -> None:
         for page in reversed(seq.block_table):
             self.pool.release(page)
         seq.block_table = []
@@ -179,7 +179,7 @@ class BlockManager:
             if region is not None:
                 self._free_regions.append(region)
 
-    def truncate(self, seq: Sequence, upto_tokens: int) -> None:
+    def truncate(self, seq: PagedSequence, upto_tokens: int) -> None:
         """Keep the pages holding positions [0, upto_tokens), release whole pages past them.
 
         Speculative decoding rolls rejected draft positions back this way. Slots past
@@ -194,7 +194,7 @@ class BlockManager:
 
     # The draft model of speculative decoding keeps its own block table over the same pool
     # (its K/V live in a second store indexed by the same slots); paged mode only.
-    def grow_draft(self, seq: Sequence, upto_tokens: int) -> bool:
+    def grow_draft(self, seq: PagedSequence, upto_tokens: int) -> bool:
         """Cover draft positions [0, upto_tokens); False (nothing taken) when pages are short."""
         need = max(0, -(-upto_tokens // self.page_size) - len(seq.draft_table))
         if self.mode == "contiguous" or need > self.pool.num_free:
@@ -203,13 +203,13 @@ class BlockManager:
             seq.draft_table.append(self.pool.allocate())
         return True
 
-    def truncate_draft(self, seq: Sequence, upto_tokens: int) -> None:
+    def truncate_draft(self, seq: PagedSequence, upto_tokens: int) -> None:
         keep = -(-upto_tokens // self.page_size)
         while len(seq.draft_table) > keep:
             self.pool.release(seq.draft_table.pop())
         seq.draft_computed = min(seq.draft_computed, upto_tokens)
 
-    def slots(self, seq: Sequence, start: int, end: int, *, draft: bool = False) -> torch.Tensor:
+    def slots(self, seq: PagedSequence, start: int, end: int, *, draft: bool = False) -> torch.Tensor:
         """KV slot of each position in [start, end) of seq (of its draft model's table).
 
         A view of a per-sequence tensor of every slot its pages hold, rebuilt only when the
@@ -226,7 +226,7 @@ class BlockManager:
             raise IndexError(f"positions up to {end} but the table holds {cached[1].numel()} slots")
         return cached[1][start:end]
 
-    def contiguous_start(self, seq: Sequence) -> int | None:
+    def contiguous_start(self, seq: PagedSequence) -> int | None:
         if self.mode != "contiguous":
             return None
         return seq.block_table[0] * self.page_size

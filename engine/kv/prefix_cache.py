@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence as Seq
 
 from engine.kv.pages import PagePool
-from engine.worker.sequence import Sequence
+from engine.kv.paged import PagedSequence
 
 ROOT = bytes(32)          # parent key of a sequence's first page
 DELTA_KEY_BYTES = 8       # key prefix sent to the facade for routing estimates
@@ -87,12 +87,12 @@ class PrefixCache:
         self._blocks: list[tuple[bytes, bytes | None, tuple[int, ...] | None]] = []
 
     # --- keys -------------------------------------------------------------------------
-    def extra_of(self, seq: Sequence) -> bytes:
+    def extra_of(self, seq: PagedSequence) -> bytes:
         if not seq.cache_extra:
             seq.cache_extra = extra_key(self.model_identity, seq.params.cache_salt)
         return seq.cache_extra
 
-    def keys(self, seq: Sequence, n_pages: int) -> list[bytes]:
+    def keys(self, seq: PagedSequence, n_pages: int) -> list[bytes]:
         """The first n_pages keys of seq's chain (extends the memo; tokens only grow)."""
         ps, keys = self.page_size, seq.page_keys
         n_pages = min(n_pages, seq.num_tokens // ps)
@@ -105,7 +105,7 @@ class PrefixCache:
         return keys[:n_pages]
 
     # --- lookup -----------------------------------------------------------------------
-    def match(self, seq: Sequence, max_tokens: int) -> list[int]:
+    def match(self, seq: PagedSequence, max_tokens: int) -> list[int]:
         """Cached pages holding seq's longest prefix of at most max_tokens tokens (not retained)."""
         ps, extra = self.page_size, self.extra_of(seq)
         pages: list[int] = []
@@ -131,7 +131,7 @@ class PrefixCache:
         return page in self._entry
 
     # --- publication ------------------------------------------------------------------
-    def publish(self, seq: Sequence, prompt_only: bool = False) -> list[bytes]:
+    def publish(self, seq: PagedSequence, prompt_only: bool = False) -> list[bytes]:
         """Key every newly completed page of seq's computed tokens; returns the new keys.
 
         prompt_only: publish prompt pages only (deterministic mode: a decode step computes

@@ -12,7 +12,7 @@ import time
 from engine.kv.pages import PagePool
 from engine.kv.prefix_cache import PrefixCache
 from engine.kv.single_flight import FlightCoordinator
-from engine.worker.sequence import Sequence
+from engine.kv.paged import PagedSequence
 
 
 class PrefixReuse:
@@ -36,10 +36,10 @@ class PrefixReuse:
             self.tracer.instant(name, **args)
 
     # --- scheduler hooks ----------------------------------------------------------------
-    def arrive(self, seq: Sequence) -> None:
+    def arrive(self, seq: PagedSequence) -> None:
         self.flights.arrive(seq.id)
 
-    def admit(self, seq: Sequence, computing: dict | None = None) -> bool:
+    def admit(self, seq: PagedSequence, computing: dict | None = None) -> bool:
         """Before admission: restore the cached prefix; False = wait for a leader.
 
         computing: leader id -> (leader, its computed tokens after this step) for the
@@ -81,8 +81,8 @@ class PrefixReuse:
             self._instant("join", {"request": seq.id, "leader": joined_from, "pages": len(joined)})
         return True
 
-    def _join(self, seq: Sequence, have: int, keys: list[bytes], leader_id: str,
-              leader: Sequence, leader_upto: int) -> list[int]:
+    def _join(self, seq: PagedSequence, have: int, keys: list[bytes], leader_id: str,
+              leader: PagedSequence, leader_upto: int) -> list[int]:
         """The leader's pages, from seq's page `have` on, that seq needs next and that the
         leader completes in the step being planned (its chunk ends at leader_upto tokens).
 
@@ -126,20 +126,20 @@ class PrefixReuse:
             if leader is not None:
                 self._follow(seq, leader)
 
-    def _follow(self, seq: Sequence, leader: str) -> None:
+    def _follow(self, seq: PagedSequence, leader: str) -> None:
         if self.flights.wait(seq.id, leader):
             seq.follow_since = time.monotonic()
             self._instant("follow", {"request": seq.id, "leader": leader})
         seq.leader = leader
 
-    def undo(self, seq: Sequence) -> None:
+    def undo(self, seq: PagedSequence) -> None:
         """Admission did not happen after all: give restored pages back (still cached)."""
         for page in reversed(seq.block_table):
             self.pool.release(page)
         seq.block_table = []
         seq.num_computed = seq.num_cached = seq.num_published = 0
 
-    def admitted(self, seq: Sequence) -> None:
+    def admitted(self, seq: PagedSequence) -> None:
         self.cache.count_lookup(seq.num_tokens, seq.num_cached)
         if seq.num_cached:
             self._instant("hit", {"request": seq.id, "tokens": seq.num_cached})
@@ -147,11 +147,11 @@ class PrefixReuse:
         upto = (len(seq.prompt_ids) if self.prompt_only else seq.num_tokens) // self.page_size
         self.flights.lead(seq.id, self.cache.keys(seq, upto)[have:])   # pages it will publish
 
-    def preempted(self, seq: Sequence) -> None:
+    def preempted(self, seq: PagedSequence) -> None:
         self.flights.stop(seq.id)          # its followers pick a new leader or compute alone
         seq.num_published = 0              # its published pages stay cached for the recompute
 
-    def finished(self, seq: Sequence) -> None:
+    def finished(self, seq: PagedSequence) -> None:
         self.flights.terminate(seq.id)
         if seq.leader is not None and seq.follow_since is not None:
             seq.follow_time += time.monotonic() - seq.follow_since

@@ -175,40 +175,11 @@ def attend(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, plan: 
            softcap: float | None = None) -> torch.Tensor:
     """q: [T, H, hd], already rotated and scaled. k/v_store: [slots, KV, hd]. Returns [T, H*hd]."""
     T, H, hd = q.shape
-    KV = k_store.shape[1]
-    G = H // KV
     only = len(plan.singles) + (plan.decode is not None) == 1
     out = None if only and (plan.decode is None or plan.decode.rows is None) else q.new_empty(T, H * hd)
 
     for s in plan.singles:
-        if s.slots is None:
-            k = k_store.narrow(0, s.view_start, s.num_keys)
-            v = v_store.narrow(0, s.view_start, s.num_keys)
-        else:
-            k = k_store.index_select(0, s.slots)
-            v = v_store.index_select(0, s.slots)
-        k, v = k.to(q.dtype), v.to(q.dtype)  # no-op for the default fp32 store
-        qs = q[s.rows]
-        n = qs.shape[0]
-        if n > 1 and softcap is None:
-            # A chunk goes to torch's fused CPU attention, faster than bmm/softmax/bmm from a
-            # few dozen queries on (equal at 16); single queries stay on the bmm path below,
-            # faster for them. 4-D inputs: with 3-D ones torch falls back to its slow math path.
-            o = F.scaled_dot_product_attention(qs.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                               v.transpose(0, 1)[None], attn_mask=s.mask,
-                                               is_causal=s.causal, scale=1.0, enable_gqa=True)
-            o = o[0].transpose(0, 1).reshape(n, H * hd)
-            if out is None:
-                return o
-            out[s.rows] = o
-            continue
-        mask = _chunk_mask(s.num_keys, n, 0, None, q.device) if s.causal else s.mask
-        # [n, KV*G, hd] -> [KV, G*n, hd]: each KV head serves its G query heads in one bmm
-        qg = qs.view(n, KV, G, hd).permute(1, 2, 0, 3).reshape(KV, G * n, hd)
-        scores = torch.bmm(qg, k.permute(1, 2, 0))                      # [KV, G*n, Lk]
-        scores = _finish_scores(scores.view(KV, G, n, -1), mask, softcap)
-        o = torch.bmm(scores.view(KV, G * n, -1), v.transpose(0, 1))   # [KV, G*n, hd]
-        o = o.view(KV, G, n, hd).permute(2, 0, 1, 3).reshape(n, H * hd)
+        o = _attend_single(q, k_store, v_store, s, softcap)
         if out is None:
             return o
         out[s.rows] = o
@@ -233,6 +204,38 @@ def attend(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, plan: 
         else:
             out.index_copy_(0, d.rows, o)
     return out
+
+
+def _attend_single(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, s,
+                   softcap: float | None) -> torch.Tensor:
+    """One sequence's rows (a prefill chunk, or a sequence attending alone): [n, H*hd]."""
+    _, H, hd = q.shape
+    KV = k_store.shape[1]
+    G = H // KV
+    if s.slots is None:
+        k = k_store.narrow(0, s.view_start, s.num_keys)
+        v = v_store.narrow(0, s.view_start, s.num_keys)
+    else:
+        k = k_store.index_select(0, s.slots)
+        v = v_store.index_select(0, s.slots)
+    k, v = k.to(q.dtype), v.to(q.dtype)  # no-op for the default fp32 store
+    qs = q[s.rows]
+    n = qs.shape[0]
+    if n > 1 and softcap is None:
+        # A chunk goes to torch's fused CPU attention, faster than bmm/softmax/bmm from a
+        # few dozen queries on (equal at 16); single queries stay on the bmm path below,
+        # faster for them. 4-D inputs: with 3-D ones torch falls back to its slow math path.
+        o = F.scaled_dot_product_attention(qs.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                           v.transpose(0, 1)[None], attn_mask=s.mask,
+                                           is_causal=s.causal, scale=1.0, enable_gqa=True)
+        return o[0].transpose(0, 1).reshape(n, H * hd)
+    mask = _chunk_mask(s.num_keys, n, 0, None, q.device) if s.causal else s.mask
+    # [n, KV*G, hd] -> [KV, G*n, hd]: each KV head serves its G query heads in one bmm
+    qg = qs.view(n, KV, G, hd).permute(1, 2, 0, 3).reshape(KV, G * n, hd)
+    scores = torch.bmm(qg, k.permute(1, 2, 0))                      # [KV, G*n, Lk]
+    scores = _finish_scores(scores.view(KV, G, n, -1), mask, softcap)
+    o = torch.bmm(scores.view(KV, G * n, -1), v.transpose(0, 1))   # [KV, G*n, hd]
+    return o.view(KV, G, n, hd).permute(2, 0, 1, 3).reshape(n, H * hd)
 
 
 def _decode_bmm(qd: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, d: DecodeGroup,

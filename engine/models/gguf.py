@@ -303,49 +303,15 @@ def _model_config(path: Path, md: dict[str, Any], tensors: dict[str, TensorData]
     n_kv_heads = m.per_model("attention.head_count_kv", n_layers, n_heads)
     if n_heads % n_kv_heads:
         raise m.bad("attention.head_count_kv", n_kv_heads, f"a divisor of the head count ({n_heads})")
-    head_dim = m.integer("attention.key_length", None)
-    if head_dim is None:
-        if hidden % n_heads:
-            raise m.bad("attention.head_count", n_heads, f"a divisor of embedding_length ({hidden}) "
-                                                         f"when attention.key_length is absent")
-        head_dim = hidden // n_heads
-    if head_dim % 2:
-        raise ModelError(f"{path}: heads of {head_dim} dimensions ({arch}.attention.key_length or "
-                         f"embedding_length / head_count) cannot be rotated in pairs; the file is corrupt")
-    rope_dims = m.integer("rope.dimension_count", head_dim)
-    if rope_dims != head_dim:
-        raise m.bad("rope.dimension_count", rope_dims, f"the head size {head_dim} (rotary over part "
-                                                      f"of a head is not supported)")
+    head_dim = _head_dim(m, hidden, n_heads)
     rope_base = m.number("rope.freq_base", 10000.0)
 
-    scaling_type = m.raw("rope.scaling.type", None)
-    if scaling_type is not None and not isinstance(scaling_type, str):
-        raise m.bad("rope.scaling.type", scaling_type, "a name such as 'linear'")
-    rope_scaling = None
-    if scaling_type not in (None, "none"):
-        rope_scaling = {"type": scaling_type, "factor": m.number("rope.scaling.factor", 1.0)}
-        original = m.integer("rope.scaling.original_context_length", None)
-        if original is not None:
-            rope_scaling["original_context_length"] = original
-
+    rope_scaling = _rope_scaling(m)
     if phi3:
         _refuse_longrope(path, tensors)
     # llama.cpp runs phi3 without its window (llama.cpp#13676): so does tokentop, to match it
     sliding_window = None if phi3 else m.integer("attention.sliding_window", None)
-    pattern: tuple[bool, ...] = ()
-    if sliding_window is not None:
-        key = "attention.sliding_window_pattern"
-        raw_pattern = m.raw(key, None)
-        if isinstance(raw_pattern, list):
-            if len(raw_pattern) != n_layers or any(type(p) not in (bool, int) for p in raw_pattern):
-                raise m.bad(key, raw_pattern, f"a period, or one true/false for each of the {n_layers} layers")
-            pattern = tuple(bool(p) for p in raw_pattern)
-        elif raw_pattern is not None or gemma:
-            period = m.integer(key, GEMMA3_SLIDING_PERIOD)
-            pattern = tuple((i + 1) % period != 0 for i in range(n_layers))
-        else:
-            pattern = (True,) * n_layers
-
+    pattern = _sliding_pattern(m, n_layers, gemma) if sliding_window is not None else ()
     embd = tensors.get("token_embd.weight")
     name = md.get("general.name")
     return ModelConfig(
@@ -390,6 +356,52 @@ def _refuse_longrope(path: Path, tensors: dict[str, TensorData]) -> None:
         raise ModelError(f"{path}: this phi3 model uses LongRoPE (tensors rope_factors_long/short, "
                          f"the 128k-context variants), which tokentop does not run; use a 4k-context "
                          f"Phi-3 GGUF (e.g. Phi-3-mini-4k-instruct)")
+
+
+def _head_dim(m: _Metadata, hidden: int, n_heads: int) -> int:
+    """The size of a head, which the rotary embedding turns whole."""
+    head_dim = m.integer("attention.key_length", None)
+    if head_dim is None:
+        if hidden % n_heads:
+            raise m.bad("attention.head_count", n_heads, f"a divisor of embedding_length ({hidden}) "
+                                                         f"when attention.key_length is absent")
+        head_dim = hidden // n_heads
+    if head_dim % 2:
+        raise ModelError(f"{m.path}: heads of {head_dim} dimensions ({m.arch}.attention.key_length or "
+                         f"embedding_length / head_count) cannot be rotated in pairs; the file is corrupt")
+    rope_dims = m.integer("rope.dimension_count", head_dim)
+    if rope_dims != head_dim:
+        raise m.bad("rope.dimension_count", rope_dims, f"the head size {head_dim} (rotary over part "
+                                                      f"of a head is not supported)")
+    return head_dim
+
+
+def _rope_scaling(m: _Metadata) -> dict | None:
+    scaling_type = m.raw("rope.scaling.type", None)
+    if scaling_type is not None and not isinstance(scaling_type, str):
+        raise m.bad("rope.scaling.type", scaling_type, "a name such as 'linear'")
+    if scaling_type in (None, "none"):
+        return None
+    rope_scaling = {"type": scaling_type, "factor": m.number("rope.scaling.factor", 1.0)}
+    original = m.integer("rope.scaling.original_context_length", None)
+    if original is not None:
+        rope_scaling["original_context_length"] = original
+    return rope_scaling
+
+
+def _sliding_pattern(m: _Metadata, n_layers: int, gemma: bool) -> tuple[bool, ...]:
+    """Which layers attend through the sliding window: listed per layer, or every layer but each
+    period-th (Gemma 3's default), or all."""
+    key = "attention.sliding_window_pattern"
+    raw_pattern = m.raw(key, None)
+    if isinstance(raw_pattern, list):
+        if len(raw_pattern) != n_layers or any(type(p) not in (bool, int) for p in raw_pattern):
+            raise m.bad(key, raw_pattern, f"a period, or one true/false for each of the {n_layers} layers")
+        return tuple(bool(p) for p in raw_pattern)
+    if raw_pattern is not None or gemma:
+        period = m.integer(key, GEMMA3_SLIDING_PERIOD)
+        return tuple((i + 1) % period != 0 for i in range(n_layers))
+    return (True,) * n_layers
 
 
 # --- the tensor table against the architecture ---------------------------------------------

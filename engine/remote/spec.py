@@ -19,8 +19,9 @@ from engine.errors import ConfigError
 FIELDS = "name=NAME, api_key=ENV_VAR, read_timeout=SECONDS, ca=PATH"
 
 
-def parse_remote(spec: str, base: WorkerConfig, count: int) -> WorkerConfig:
+def parse_remote(spec: str, base: WorkerConfig, earlier: list[WorkerConfig]) -> WorkerConfig:
     """remote:URL[,field=value...] -> a WorkerConfig whose device is remote:URL."""
+    count = sum(w.remote for w in earlier)
     body = spec[len("remote:"):]
     url, *fields = body.split(",")
     url = url.rstrip("/")

@@ -13,7 +13,7 @@ import time
 
 import httpx
 
-from engine.remote.spec import Secret
+from engine.remote.spec import Secret, remote_url
 
 TOKENIZE_TIMEOUT = 0.5    # s: a prompt-length call to a remote's /tokenize, at submit
 TOKENIZE_BACKOFF = 10.0   # s: after a failed /tokenize, estimates only for this long
@@ -39,6 +39,11 @@ def token_count(body) -> int:
 def reason(exc: BaseException) -> str:
     text = str(exc) or type(exc).__name__
     return text.splitlines()[0]
+
+
+def counter_for(cfg) -> RemoteTokenCounter:
+    """The counter of a remote worker's config (engine/worker_kinds.py's `token_counter`)."""
+    return RemoteTokenCounter(remote_url(cfg), Secret(cfg.remote_options))
 
 
 class RemoteTokenCounter:

@@ -17,26 +17,22 @@ K_MIN, K_MAX = 1, 8
 
 
 class FixedK:
-    def __init__(self, k: int):
+    def __init__(self, k: int = 4):
         self.k = k
 
     def next_k(self, ctx: "StepContext") -> int:
         return self.k
 
     def update(self, proposed: int, accepted: int) -> None:
-        pass
+        if proposed > 0:
+            self._adjust(proposed, accepted)
+
+    def _adjust(self, proposed: int, accepted: int) -> None:
+        """What a round that proposed something changes: nothing, for a fixed k."""
 
 
-class AcceptanceK:
-    def __init__(self):
-        self.k = 4
-
-    def next_k(self, ctx: "StepContext") -> int:
-        return self.k
-
-    def update(self, proposed: int, accepted: int) -> None:
-        if proposed <= 0:
-            return
+class AcceptanceK(FixedK):
+    def _adjust(self, proposed: int, accepted: int) -> None:
         rate = accepted / proposed
         if rate > 0.8:
             self.k = min(K_MAX, self.k + 1)
@@ -44,19 +40,14 @@ class AcceptanceK:
             self.k = max(K_MIN, self.k - 1)
 
 
-class LengthK:
+class LengthK(FixedK):
     ALPHA = 0.2
 
     def __init__(self):
+        super().__init__()
         self.ema: float | None = None
-        self.k = 4
 
-    def next_k(self, ctx: "StepContext") -> int:
-        return self.k
-
-    def update(self, proposed: int, accepted: int) -> None:
-        if proposed <= 0:
-            return
+    def _adjust(self, proposed: int, accepted: int) -> None:
         self.ema = accepted if self.ema is None else (1 - self.ALPHA) * self.ema + self.ALPHA * accepted
         self.k = max(K_MIN, min(K_MAX, round(self.ema) + 1))
 

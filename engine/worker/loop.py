@@ -8,116 +8,73 @@ from __future__ import annotations
 import queue
 import time
 import traceback
-from collections import deque
 from contextlib import nullcontext
 
 import torch
 
 from engine import kernels
 from engine import messages as msg
-from engine.config import DEFAULT_MAX_CONTEXT, WorkerConfig
-from engine.errors import ConfigError, TokentopError, describe_error
-from engine.kv.pages import BlockManager, PagePool
-from engine.kv.prefix_cache import model_identity
-from engine.kv.reuse import PrefixReuse
+from engine.config import WorkerConfig
+from engine.errors import TokentopError, describe_error
 from engine.worker.output import OutputProcessor, SampledToken, spec_dict
 from engine.worker.profile import worker_profile
 from engine.worker.roofline import machine_ceilings, worker_traffic
-from engine.worker.runner import ModelRunner
 from engine.worker.runner_api import Runner
-from engine.worker.scheduler import ScheduledSeq, Scheduler, StepPlan
+from engine.worker.scheduler import ScheduledSeq, StepPlan
 from engine.worker.sequence import Sequence, SeqState
-from engine.worker.sim import SimRunner
-from engine.speculative.controller import SpecController
+from engine.worker.step_counts import StepCounts
+from engine.worker.setup import (KVSize, allocate_kv, build_runner, build_scheduler, size_kv, speed_profile,
+                                 start_kernels, start_prefix_reuse, start_speculation, switch_kernels)
+from engine.worker_kinds import kind_of
 from engine.speculative.verify import Verdict
 from engine.trace import get_tracer
 
 STATS_INTERVAL = 0.2     # seconds between WorkerStats events (5 Hz)
-RATE_WINDOW = 2.0        # seconds of history behind the prefill / decode tok/s shown
 
 
 class Worker:
     def __init__(self, index: int, cfg: WorkerConfig, model_path: str, emit):
-        self.index = index
-        self.cfg = cfg
-        self.emit = emit
-        emit(msg.WorkerLoading(index, f"loading {cfg.model} on {cfg.device}"))
-        # First use: the kernels compile in the background while the worker serves on the torch
-        # fallback, and it switches to them between steps (_switch_kernels_when_built)
-        self.kernels_pending = False
-        if not cfg.simulated and cfg.device == "cpu":
-            if kernels.building():            # another worker of this process started it
-                self.kernels_pending = True
-            elif kernels.build_pending():
-                emit(msg.WorkerLoading(index, "quantized kernels building in the background (first use "
-                                              "only); serving on torch matmuls meanwhile"))
-                kernels.start_background_build()
-                self.kernels_pending = True
-            elif not kernels.is_loaded():
-                kernels.load()
+        self.index, self.cfg, self.emit, self.model_path = index, cfg, emit, model_path
+        kind = kind_of(cfg.device)
+
+        def say(text: str) -> None:
+            emit(msg.WorkerLoading(index, text))
+        say(f"loading {cfg.model} on {cfg.device}")
+        self.kernels_pending = start_kernels(kind, say)
         # while the compiler has the cores, one thread: OpenMP threads that share busy cores
         # wait for each other at every op, and the fallback crawled at a fraction of one thread
         self._threads = torch.get_num_threads()
         if self.kernels_pending:
             torch.set_num_threads(1)
-        self.model_path = model_path
         self._recalibrate = False
-        self.runner: Runner = SimRunner(cfg, model_path) if cfg.simulated else ModelRunner(cfg, model_path)
+        self.runner: Runner = build_runner(kind, cfg, model_path)
         self.tokenizer = self.runner.tokenizer
-        self.max_context = min(cfg.max_context or DEFAULT_MAX_CONTEXT, self.runner.model_context)
-        num_pages = cfg.kv_cache_memory // (self.runner.bytes_per_slot * cfg.page_size)
-        if num_pages < 1:   # also refused at start-up, from the model's header
-            raise ConfigError(f"`kv_cache_memory={cfg.kv_cache_memory}` bytes is less than one KV page; "
-                              "use e.g. `kv_cache_memory=256MiB`")
-        region_pages = -(-self.max_context // cfg.page_size)
-        capped_by_kv = False
-        if cfg.kv_cache == "contiguous":
-            num_pages = max(num_pages, region_pages)
-        elif num_pages * cfg.page_size < self.max_context:
-            # no sequence can outgrow the pool: its size is the real context limit
-            self.max_context, capped_by_kv = num_pages * cfg.page_size, True
+        kv = size_kv(cfg, self.runner)
+        self.max_context = kv.max_context   # the model's, `max_context` or the pool's, the least
         self.output = OutputProcessor(self.tokenizer.eog_ids, self.max_context)
-        self.runner.allocate_kv(num_pages * cfg.page_size)
-        if self.runner.wants_cuda_graphs:
-            emit(msg.WorkerLoading(index, "capturing CUDA graphs"))
-            self.runner.capture_cuda_graphs(cfg.page_size, self.max_context)
-        self.pool = PagePool(num_pages, cfg.page_size)
-        self.blocks = BlockManager(self.pool, cfg.kv_cache, region_pages)
-        self.scheduler = Scheduler(
-            self.blocks, max_active=cfg.max_active, max_batched_tokens=cfg.max_batched_tokens,
-            max_context=self.max_context, policy=cfg.policy,
-            prefill_chunk=64 if cfg.deterministic else 0)
-        # speculative decoding (engine/speculative/): real runners only
-        self.spec = None
-        if not cfg.simulated:
-            self.spec = SpecController(cfg, self.runner, self.blocks)
-            if cfg.speculate != "off" or self.spec.draft is not None:
-                emit(msg.WorkerLoading(index, "measuring verify and draft step costs"))
-                self.spec.calibrate()   # else on the first speculating request
+        allocate_kv(self.runner, cfg, kv, say)
+        self.scheduler = build_scheduler(cfg, kv)
+        self.blocks, self.pool = self.scheduler.blocks, self.scheduler.blocks.pool
+        self.spec = start_speculation(kind, cfg, self.runner, self.blocks, say)
         # the live roofline: not measured while a kernel build holds the cores (then at the switch)
         self.traffic = worker_traffic(self.runner, cfg, self._threads, measure=not self.kernels_pending)
-        self.reuse = None
-        if cfg.prefix_cache == "on" and cfg.kv_cache == "paged":
-            self.reuse = PrefixReuse(
-                self.pool, model_identity(cfg.model, cfg.activation_dtype, cfg.simulated),
-                cfg.single_flight, align=self.scheduler.prefill_chunk, tracer=get_tracer())
-            self.scheduler.enable_reuse(self.reuse)
-        profile = {}
-        if cfg.calibrate or cfg.simulated:
-            emit(msg.WorkerLoading(index, "measuring prefill / decode speed (first use only)"))
-            profile = worker_profile(self.runner, self.blocks, cfg, model_path)
+        self.reuse = start_prefix_reuse(cfg, self.scheduler)
+        profile = speed_profile(kind, cfg, self.runner, self.blocks, model_path, say)
+        self._reset_counters()
+        emit(msg.WorkerReady(index, self._ready_info(kv, profile)))
+
+    def _reset_counters(self) -> None:
         self.seqs: dict[str, Sequence] = {}
-        self.steps = 0
-        self.last_step_tokens = 0
-        self.prefill_total = 0
-        self.decode_total = 0
-        self._history: deque[tuple[float, int, int]] = deque()
+        self.counts = StepCounts()
         self._last_stats = 0.0
         self.stopping = False
-        emit(msg.WorkerReady(index, msg.WorkerInfo(**{
-            **self.runner.info, "pages": num_pages, "page_size": cfg.page_size,
-            "max_context": self.max_context, "context_capped_by_kv": capped_by_kv,
-            "kv_bytes": num_pages * cfg.page_size * self.runner.bytes_per_slot,
+
+    def _ready_info(self, kv: KVSize, profile: dict) -> msg.WorkerInfo:
+        cfg = self.cfg
+        return msg.WorkerInfo(**{
+            **self.runner.info, "pages": kv.pages, "page_size": cfg.page_size,
+            "max_context": self.max_context, "context_capped_by_kv": kv.capped_by_kv,
+            "kv_bytes": kv.pages * cfg.page_size * self.runner.bytes_per_slot,
             "device": cfg.device, "simulated": cfg.simulated, "name": cfg.name or cfg.device,
             "max_active": cfg.max_active, "policy": cfg.policy, "kv_cache": cfg.kv_cache,
             "prefix_cache": "on" if self.reuse else "off", "single_flight": cfg.single_flight,
@@ -127,7 +84,7 @@ class Worker:
             "spec_modes": self.spec.modes if self.spec else ("off",),
             "draft_model": cfg.draft_model if self.spec and self.spec.draft else "",
             "kernels_building": self.kernels_pending,
-        })))
+        })
 
     # --- loop -------------------------------------------------------------------------
     def run(self, commands) -> None:
@@ -147,26 +104,15 @@ class Worker:
         self._maybe_send_stats(force=True)
 
     def _switch_kernels_when_built(self) -> None:
-        """Between two steps: once the background build is done, load it and rebuild the model
-        on it; if either fails, say why and keep serving on the fallback."""
+        """Between two steps: once the background build is done, switch to it."""
         if not (kernels.is_loaded() or kernels.background_build_done()):
             return
         self.kernels_pending = False
         torch.set_num_threads(self._threads)   # the build no longer holds the cores
         if self.traffic is not None and not self.traffic.ceilings:
             self.traffic.ceilings = machine_ceilings(self._threads)
-        ok = kernels.available() if kernels.is_loaded() else kernels.finish_background_build()
-        if not ok:
-            self.emit(msg.KernelsSwitched(self.index, self.runner.info.get("kernels", ""),
-                                          kernels.status()["reason"] or "the build failed"))
-            return
-        try:
-            label = self.runner.switch_to_kernels()
-        except Exception as exc:   # a kernel that fails its self-check: the fallback stays
-            self.emit(msg.KernelsSwitched(self.index, self.runner.info.get("kernels", ""), describe_error(exc)))
-            return
-        self.emit(msg.KernelsSwitched(self.index, label))
-        self._recalibrate = self.cfg.calibrate   # the router's rates were the fallback's
+        if switch_kernels(self.runner, self.index, self.emit):
+            self._recalibrate = self.cfg.calibrate   # the router's rates were the fallback's
 
     def _recalibrate_profile(self) -> None:
         self._recalibrate = False
@@ -223,14 +169,14 @@ class Worker:
     # --- one step ---------------------------------------------------------------------
     def step(self) -> None:
         tracer = get_tracer()
-        with tracer.span("engine step", step=self.steps):
+        with tracer.span("engine step", step=self.counts.steps):
             self._step(tracer)
         if tracer.enabled:
             tracer.counter("kv pages", used=self.pool.num_used, cached=self.pool.num_cached,
                            free=self.pool.num_free - self.pool.num_cached)
             tracer.counter("requests", running=len(self.scheduler.running),
                            waiting=len(self.scheduler.waiting))
-            tracer.counter("tokens in step", tokens=self.last_step_tokens)
+            tracer.counter("tokens in step", tokens=self.counts.last_step_tokens)
 
     def _step(self, tracer) -> None:
         with tracer.span("scheduler decision"):
@@ -262,7 +208,7 @@ class Worker:
             self.spec.record_step(plan, seconds, decode)
         if self.traffic is not None and whole and decode_only:
             self.traffic.add(now, seconds, plan.num_tokens, context)
-        self._account(now, plan.num_tokens - plan.num_decode - plan.num_draft, decode, plan.num_tokens)
+        self.counts.add(now, plan.num_tokens - plan.num_decode - plan.num_draft, decode, plan.num_tokens)
 
         tokens: list[msg.TokenDelta] = []
         ends: list[tuple[Sequence, str, str | None]] = []
@@ -377,30 +323,12 @@ class Worker:
                     f"{self.cfg.page_size} tokens); raise `kv_cache_memory` or lower max_tokens")])
 
     # --- stats ------------------------------------------------------------------------
-    def _account(self, now: float, prefill: int, decode: int, total: int) -> None:
-        self.steps += 1
-        self.last_step_tokens = total
-        self.prefill_total += prefill
-        self.decode_total += decode
-        self._history.append((now, prefill, decode))
-        while self._history and now - self._history[0][0] > RATE_WINDOW:
-            self._history.popleft()
-
-    def _rates(self) -> tuple[float, float]:
-        if not self._history:
-            return 0.0, 0.0
-        now = time.monotonic()
-        span = max(now - self._history[0][0], 0.25)
-        if now - self._history[-1][0] > RATE_WINDOW:
-            return 0.0, 0.0
-        return (sum(h[1] for h in self._history) / span, sum(h[2] for h in self._history) / span)
-
     def _maybe_send_stats(self, force: bool = False) -> None:
         now = time.monotonic()
         if not force and now - self._last_stats < STATS_INTERVAL:
             return
         self._last_stats = now
-        prefill_tps, decode_tps = self._rates()
+        prefill_tps, decode_tps = self.counts.rates()
         seqs = tuple(msg.SeqView(s.id, s.state.value, len(s.prompt_ids), s.num_cached, s.num_computed,
                                  len(s.output_ids), s.params.max_tokens, leader=s.leader, spec=spec_dict(s))
                      for s in self.seqs.values())
@@ -408,8 +336,8 @@ class Worker:
             worker=self.index, running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             pages_total=self.pool.num_pages, pages_used=self.pool.num_used,
             page_states=self.pool.states(), prefill_tps=prefill_tps, decode_tps=decode_tps,
-            steps=self.steps, tokens_in_last_step=self.last_step_tokens, policy=self.scheduler.policy,
-            seqs=seqs, prefill_tokens_total=self.prefill_total, decode_tokens_total=self.decode_total,
+            steps=self.counts.steps, tokens_in_last_step=self.counts.last_step_tokens, policy=self.scheduler.policy,
+            seqs=seqs, prefill_tokens_total=self.counts.prefill_total, decode_tokens_total=self.counts.decode_total,
             preemptions_total=self.scheduler.preemptions,
             recomputed_tokens_total=self.scheduler.recomputed_tokens,
             prefix=self.reuse.stats() if self.reuse is not None else {},

@@ -7,7 +7,7 @@ Sequence: the worker loop owns the scheduler and pages, and frees them when a re
 from __future__ import annotations
 
 import time
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 from engine import messages as msg
 from engine.worker.sequence import Sequence
@@ -24,11 +24,6 @@ class StepOutput(NamedTuple):
     """What a runner's step produced: a token per sampling sequence, or that sequence's error."""
     sampled: dict[str, SampledToken]
     errors: dict[str, str]
-
-
-class Detokenizer(Protocol):
-    def push(self, token_id: int) -> str: ...
-    def flush(self) -> str: ...
 
 
 class OutputProcessor:

@@ -93,7 +93,7 @@ def _run(runner, blocks, seq: Sequence, n: int) -> int:
 
 def worker_profile(runner, blocks, cfg, model_path: str) -> dict:
     """Cached profile for this worker, or a fresh calibration (and cache it)."""
-    if cfg.simulated:
+    if cfg.kind.declared_rates:
         return {"prefill_tps": cfg.sim_prefill_tps, "decode_tps": cfg.sim_decode_tps, "source": "declared"}
     import torch
     # the kernel forms key it too: rates measured on the torch fallback (while the kernels

@@ -1,5 +1,9 @@
 """The interface between a worker loop and what runs its steps: the real model
-(engine/worker/runner.py, ModelRunner) or a simulated device (engine/worker/sim.py, SimRunner)."""
+(engine/worker/runner.py, ModelRunner) or a simulated device (engine/worker/sim.py, SimRunner).
+
+A worker kind names its runner class in engine/worker_kinds.py; the loop builds it as
+`Runner(cfg, model_path)`, sizes the KV pool from `bytes_per_slot` and `model_context`, and
+calls `allocate_kv` once, then `start_sequence` / `execute` / `end_sequence` per request."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol

@@ -102,11 +102,17 @@ class Scheduler:
 
     # --- one step ---------------------------------------------------------------------
     def schedule(self) -> StepPlan:
-        budget = self.max_batched_tokens
         items: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
+        budget = self._continue_running(self.max_batched_tokens, items, preempted)
+        self._admit_waiting(budget, items, preempted)
+        if self.reuse is not None:
+            self.reuse.note_waiting(self.waiting)   # show who waits on which leader
+        return StepPlan(items, preempted)
 
-        # 1. running sequences, oldest first: decodes need 1 token, prefills continue a chunk
+    def _continue_running(self, budget: int, items: list[ScheduledSeq], preempted: list[Sequence]) -> int:
+        """Running sequences, oldest first: decodes need 1 token, prefills continue a chunk; out
+        of pages, the youngest are preempted. Returns the budget left."""
         for seq in sorted(self.running, key=lambda s: s.arrival):
             if seq not in self.running:
                 continue   # preempted earlier in this loop
@@ -134,10 +140,12 @@ class Scheduler:
             self.blocks.grow(seq, seq.num_computed + n + k)
             items.append(ScheduledSeq(seq, n + k, n == seq.num_pending, k))
             budget -= n + k
+        return budget
 
-        # 2. admit waiting sequences while there is room; none in a step that preempted
-        #    (the victim would take back the pages it just gave up). A follower may join the
-        #    step in which its leader completes the pages it waits for (engine/kv/reuse.py).
+    def _admit_waiting(self, budget: int, items: list[ScheduledSeq], preempted: list[Sequence]) -> None:
+        """Admit waiting sequences while there is room; none in a step that preempted (the victim
+        would take back the pages it just gave up). A follower may join the step in which its
+        leader completes the pages it waits for (engine/kv/reuse.py)."""
         computing = {i.seq.id: (i.seq, i.seq.num_computed + i.num_tokens) for i in items} \
             if self.reuse is not None and self.waiting else None
         for seq in self._admission_order():
@@ -162,9 +170,6 @@ class Scheduler:
             budget -= n
             if computing is not None:
                 computing[seq.id] = (seq, seq.num_computed + n)   # later followers may join it
-        if self.reuse is not None:
-            self.reuse.note_waiting(self.waiting)   # show who waits on which leader
-        return StepPlan(items, preempted)
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens of seq to compute this step (0 = none fit the budget)."""

@@ -4,13 +4,18 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from engine.config import SamplingParams
 
 if TYPE_CHECKING:   # for annotations only: sampling imports torch
-    from engine.worker.output import Detokenizer
     from engine.worker.sampling import RequestSampler
+
+
+class Detokenizer(Protocol):
+    """Token ids in, text out, a UTF-8 character never split (engine/models/tokenizer.py's)."""
+    def push(self, token_id: int) -> str: ...
+    def flush(self) -> str: ...
 
 
 class SeqState(str, Enum):
