@@ -306,12 +306,9 @@ def _model_config(path: Path, md: dict[str, Any], tensors: dict[str, TensorData]
     head_dim = _head_dim(m, hidden, n_heads)
     rope_base = m.number("rope.freq_base", 10000.0)
 
-    rope_scaling = _rope_scaling(m)
     if phi3:
         _refuse_longrope(path, tensors)
-    # llama.cpp runs phi3 without its window (llama.cpp#13676): so does tokentop, to match it
-    sliding_window = None if phi3 else m.integer("attention.sliding_window", None)
-    pattern = _sliding_pattern(m, n_layers, gemma) if sliding_window is not None else ()
+    sliding_window, pattern = _sliding(m, n_layers, arch)
     embd = tensors.get("token_embd.weight")
     name = md.get("general.name")
     return ModelConfig(
@@ -327,7 +324,7 @@ def _model_config(path: Path, md: dict[str, Any], tensors: dict[str, TensorData]
         context_length=m.integer("context_length"),
         rope_base=rope_base,
         rope_local_base=GEMMA3_LOCAL_ROPE_BASE if gemma else rope_base,
-        rope_scaling=rope_scaling,
+        rope_scaling=_rope_scaling(m),
         rope_interleaved=arch == "llama",
         norm_eps=m.number("attention.layer_norm_rms_epsilon"),
         # architecture facts, so that a file missing such a tensor fails at load time
@@ -387,6 +384,13 @@ def _rope_scaling(m: _Metadata) -> dict | None:
     if original is not None:
         rope_scaling["original_context_length"] = original
     return rope_scaling
+
+
+def _sliding(m: _Metadata, n_layers: int, arch: str) -> tuple[int | None, tuple[bool, ...]]:
+    """The sliding window and the layers it applies to. llama.cpp runs phi3 without its window
+    (llama.cpp#13676): so does tokentop, to match it."""
+    window = None if arch == "phi3" else m.integer("attention.sliding_window", None)
+    return window, (_sliding_pattern(m, n_layers, arch == "gemma3") if window is not None else ())
 
 
 def _sliding_pattern(m: _Metadata, n_layers: int, gemma: bool) -> tuple[bool, ...]:

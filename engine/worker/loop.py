@@ -23,7 +23,7 @@ from engine.worker.runner_api import Runner
 from engine.worker.scheduler import ScheduledSeq, StepPlan
 from engine.worker.sequence import Sequence, SeqState
 from engine.worker.step_counts import StepCounts
-from engine.worker.setup import (KVSize, allocate_kv, build_runner, build_scheduler, size_kv, speed_profile,
+from engine.worker.setup import (allocate_kv, build_runner, build_scheduler, ready_info, size_kv, speed_profile,
                                  start_kernels, start_prefix_reuse, start_speculation, switch_kernels)
 from engine.worker_kinds import kind_of
 from engine.speculative.verify import Verdict
@@ -61,30 +61,13 @@ class Worker:
         self.reuse = start_prefix_reuse(cfg, self.scheduler)
         profile = speed_profile(kind, cfg, self.runner, self.blocks, model_path, say)
         self._reset_counters()
-        emit(msg.WorkerReady(index, self._ready_info(kv, profile)))
+        emit(msg.WorkerReady(index, ready_info(self, kv, profile)))
 
     def _reset_counters(self) -> None:
         self.seqs: dict[str, Sequence] = {}
         self.counts = StepCounts()
         self._last_stats = 0.0
         self.stopping = False
-
-    def _ready_info(self, kv: KVSize, profile: dict) -> msg.WorkerInfo:
-        cfg = self.cfg
-        return msg.WorkerInfo(**{
-            **self.runner.info, "pages": kv.pages, "page_size": cfg.page_size,
-            "max_context": self.max_context, "context_capped_by_kv": kv.capped_by_kv,
-            "kv_bytes": kv.pages * cfg.page_size * self.runner.bytes_per_slot,
-            "device": cfg.device, "simulated": cfg.simulated, "name": cfg.name or cfg.device,
-            "max_active": cfg.max_active, "policy": cfg.policy, "kv_cache": cfg.kv_cache,
-            "prefix_cache": "on" if self.reuse else "off", "single_flight": cfg.single_flight,
-            "profile_prefill_tps": profile.get("prefill_tps", 0.0),
-            "profile_decode_tps": profile.get("decode_tps", 0.0),
-            "profile_source": profile.get("source", "none"),
-            "spec_modes": self.spec.modes if self.spec else ("off",),
-            "draft_model": cfg.draft_model if self.spec and self.spec.draft else "",
-            "kernels_building": self.kernels_pending,
-        })
 
     # --- loop -------------------------------------------------------------------------
     def run(self, commands) -> None:

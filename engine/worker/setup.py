@@ -125,3 +125,22 @@ def speed_profile(kind: WorkerKind, cfg: WorkerConfig, runner: Runner, blocks: B
         return {}
     say("measuring prefill / decode speed (first use only)")
     return worker_profile(runner, blocks, cfg, model_path)
+
+
+def ready_info(worker, kv: KVSize, profile: dict) -> msg.WorkerInfo:
+    """What the facade learns of a worker once it is ready (`WorkerReady`)."""
+    cfg = worker.cfg
+    return msg.WorkerInfo(**{
+        **worker.runner.info, "pages": kv.pages, "page_size": cfg.page_size,
+        "max_context": worker.max_context, "context_capped_by_kv": kv.capped_by_kv,
+        "kv_bytes": kv.pages * cfg.page_size * worker.runner.bytes_per_slot,
+        "device": cfg.device, "simulated": cfg.simulated, "name": cfg.name or cfg.device,
+        "max_active": cfg.max_active, "policy": cfg.policy, "kv_cache": cfg.kv_cache,
+        "prefix_cache": "on" if worker.reuse else "off", "single_flight": cfg.single_flight,
+        "profile_prefill_tps": profile.get("prefill_tps", 0.0),
+        "profile_decode_tps": profile.get("decode_tps", 0.0),
+        "profile_source": profile.get("source", "none"),
+        "spec_modes": worker.spec.modes if worker.spec else ("off",),
+        "draft_model": cfg.draft_model if worker.spec and worker.spec.draft else "",
+        "kernels_building": worker.kernels_pending,
+    })
