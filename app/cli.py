@@ -169,6 +169,13 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="run each worker in its own process (default for several workers) or a thread")
     g.add_argument("--recalibrate", action="store_true",
                    help="measure each worker's prefill/decode speed again (else cached after first use)")
+    add_spec_flags(g)
+    add_trace_flags(g)
+    g.add_argument("--routing-log", default=None, help="append every routing decision as JSON lines")
+
+
+def add_spec_flags(g) -> None:
+    """Speculative decoding's flags (engine/speculative/)."""
     g.add_argument("--speculate", choices=SPEC_MODES, default=None,
                    help="speculative decoding of requests (default: draft with --draft-model, else off)")
     g.add_argument("--draft-model", default="", metavar="NAME|PATH",
@@ -181,6 +188,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="no bonus token after a fully accepted draft (mini-vllm-rs's setting)")
     g.add_argument("--ngram-min", type=int, default=1, help="prompt lookup: shortest n-gram matched")
     g.add_argument("--ngram-max", type=int, default=4, help="prompt lookup: longest n-gram matched")
+
+
+def add_trace_flags(g) -> None:
+    """The flight recorder's flags (engine/trace.py, engine/facade/recorder.py)."""
     g.add_argument("--trace-dir", default=None,
                    help="write Perfetto (Chrome JSON) traces here (default ./traces); implies --trace-detail full")
     g.add_argument("--trace-detail", choices=DETAILS, default=None,
@@ -194,7 +205,6 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="trace files kept in the trace folder; writing one more deletes the oldest (default 20)")
     g.add_argument("--trace-keep-mib", type=_positive_int, default=512, metavar="MIB",
                    help="... and at most this many MiB of them (default 512)")
-    g.add_argument("--routing-log", default=None, help="append every routing decision as JSON lines")
 
 
 def engine_config_from(args: argparse.Namespace, default_mode: str = "process") -> EngineConfig:

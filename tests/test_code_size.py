@@ -1,11 +1,11 @@
-"""Small pieces: no function in engine/ over 60 lines, no class over 300 (a longer one is doing
+"""Small pieces: no function in app/ or engine/ over 60 lines, no class over 300 (a longer one is doing
 more than one job; split it into named steps or a helper of its own)."""
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-ENGINE = Path(__file__).resolve().parent.parent / "engine"
+ROOT = Path(__file__).resolve().parent.parent
 MAX_FUNCTION_LINES = 60
 MAX_CLASS_LINES = 300
 
@@ -31,9 +31,9 @@ def test_the_check_counts_lines_of_functions_and_classes():
     assert [line.split()[1] for line in oversized(f"class Big:\n{methods}", "c.py")] == ["Big"]
 
 
-def test_no_function_or_class_in_engine_is_oversized():
-    paths = sorted(ENGINE.rglob("*.py"))
-    assert len(paths) > 50
+def test_no_function_or_class_in_app_or_engine_is_oversized():
+    paths = sorted((ROOT / "engine").rglob("*.py")) + sorted((ROOT / "app").rglob("*.py"))
+    assert len(paths) > 90
     offenders = [line for p in paths
-                 for line in oversized(p.read_text(encoding="utf-8"), str(p.relative_to(ENGINE.parent)))]
+                 for line in oversized(p.read_text(encoding="utf-8"), str(p.relative_to(ROOT)))]
     assert not offenders, offenders
