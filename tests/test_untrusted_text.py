@@ -37,7 +37,8 @@ from engine.facade.alerts import Alert
 from engine.facade.devices import parse_devices
 from engine.facade.history import History
 from engine.facade.snapshot import EngineSnapshot, LogLine
-from engine.facade.snapshot_file import SnapshotRecorder, read_recording
+from engine.facade.recording_read import read_recording
+from engine.facade.snapshot_file import SnapshotRecorder
 from engine.facade.timeline import Timeline
 from engine.outside import visible
 from engine.watch.watcher import Watcher
