@@ -795,7 +795,7 @@ def dashboard_log():
     return Path(platformdirs.user_log_dir("tokentop")) / "workers.log"
 
 
-def startup_burst(path: str, max_requests: int):
+def startup_burst(path: str, max_requests: int | None = None):
     """--burst-file: checked now (a bad file is a one-line error before anything loads);
     fired once every worker has started."""
     from pathlib import Path
@@ -803,7 +803,7 @@ def startup_burst(path: str, max_requests: int):
     from app.bursts import load_burst
     from app.screens.burst import DEFAULTS
 
-    items = load_burst(path, max_requests)
+    items = load_burst(path, max_requests) if max_requests else load_burst(path)
     return BurstPlan(path=Path(path), count=len(items), interval_ms=int(DEFAULTS["interval"]),
                      max_tokens=None, temperature=None)
 

@@ -287,3 +287,36 @@ def test_cpu_workers_share_the_cores_or_are_warned_of(tiny_model_path):
                           f"over: give them `threads={max(1, cores // 2)}`"], warned
     finally:
         engine.shutdown()
+
+
+FACADE_WITHOUT_TORCH = '''
+import sys
+from engine.config import EngineConfig, SamplingParams, WorkerConfig
+from engine.facade.devices import parse_devices
+from engine.facade.engine import Engine
+
+if __name__ == "__main__":
+    base = WorkerConfig(model=sys.argv[1], calibrate=False, max_context=1024)
+    engine = Engine(EngineConfig(workers=parse_devices(["sim:gpu0"], base), worker_mode="process"))
+    engine.start()
+    try:
+        handle = engine.submit("hello there, a prompt", params=SamplingParams(max_tokens=4))
+        print(len(list(handle)), "torch" in sys.modules)
+    finally:
+        engine.shutdown()
+'''
+
+
+def test_the_facade_routes_and_serves_without_importing_torch(tiny_model_path, tmp_path):
+    """The facade process (dashboard, serve) never imports torch for its own work: importing it
+    mid-request costs seconds and ~300 MiB, and a request's routing estimate (prefix-cache keys)
+    once did."""
+    import subprocess
+    import sys
+    script = tmp_path / "facade.py"
+    script.write_text(FACADE_WITHOUT_TORCH)
+    model = tiny_model_path("qwen2", context_length=1024)
+    out = subprocess.run([sys.executable, str(script), str(model)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(os.path.dirname(os.path.dirname(__file__)))})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] == "False", "the facade imported torch"

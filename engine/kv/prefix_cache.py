@@ -20,10 +20,11 @@ from __future__ import annotations
 import hashlib
 from array import array
 from dataclasses import dataclass
-from typing import Callable, Sequence as Seq
+from typing import TYPE_CHECKING, Callable, Sequence as Seq
 
-from engine.kv.pages import PagePool
-from engine.kv.paged import PagedSequence
+if TYPE_CHECKING:   # the facade hashes page keys with this module: it must not import torch
+    from engine.kv.pages import PagePool
+    from engine.kv.paged import PagedSequence
 
 ROOT = bytes(32)          # parent key of a sequence's first page
 DELTA_KEY_BYTES = 8       # key prefix sent to the facade for routing estimates
