@@ -8,6 +8,7 @@ down, else 0.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 
@@ -142,8 +143,25 @@ class WatchApp(App):
         self._stop.set()
 
 
+EXIT_WITH_PARENT_ENV = "TOKENTOP_EXIT_WITH_PARENT"   # `tokentop web` sets it to its pid for each tab
+
+
+def exit_with_parent(parent: int) -> None:
+    """Exit once process `parent`, which started this one, is gone. A tab's watch under
+    `tokentop web` talks to the page's server over pipes; if that server is killed, the tab must
+    not run on with no one to draw for (it would spin at a core's worth of CPU, deaf to SIGTERM)."""
+    def watch_parent() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch_parent, name="tokentop-parent", daemon=True).start()
+
+
 def run_watch(urls: list[str], interval: float, once: bool, as_json: bool, api_key: str | None = None,
               timeout: float = TIMEOUT) -> int:
+    if os.environ.get(EXIT_WITH_PARENT_ENV, "").isdigit():
+        exit_with_parent(int(os.environ[EXIT_WITH_PARENT_ENV]))
     watcher = Watcher(urls, api_key=api_key, timeout=timeout)
     try:
         if once:

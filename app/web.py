@@ -21,6 +21,7 @@ import shlex
 import sys
 from urllib.parse import urlsplit
 
+from app.watch import EXIT_WITH_PARENT_ENV
 from engine.errors import ConfigError
 from engine.serve.app import host_name, is_loopback
 
@@ -30,9 +31,10 @@ MAX_TABS = 8
 
 
 def watch_command(urls: list[str], interval: float) -> str:
-    """The shell command textual-serve runs for one tab (it starts it with a shell)."""
+    """The shell command textual-serve runs for one tab (it starts it with a shell): exec, so the
+    tab's watch is the server's own child and exits when the server goes (EXIT_WITH_PARENT_ENV)."""
     argv = [sys.executable, "-m", "app.cli", "watch", *urls, "--interval", f"{interval:g}"]
-    return " ".join(shlex.quote(a) for a in argv)
+    return f"{EXIT_WITH_PARENT_ENV}={os.getpid()} exec " + " ".join(shlex.quote(a) for a in argv)
 
 
 def public_url(host: str, port: int) -> str:

@@ -6,6 +6,7 @@ where either program is missing (.ci/run installs both when it can)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import socket
 import subprocess
@@ -143,3 +144,37 @@ async def _screenshot_once(page, word: str, timeout: float) -> bytes:
 
 def test_docs_keep_one_screenshot():
     assert (Path(ROOT) / "docs" / "web.png").stat().st_size > 10_000
+
+
+ORPHAN = """
+import os, subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", "import time; from app.watch import exit_with_parent; "
+                          f"exit_with_parent({os.getpid()}); time.sleep(60)"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+print(child.pid, flush=True)
+os._exit(0)      # the parent goes without stopping its child, as a killed tokentop web does
+"""
+
+
+def test_a_tabs_watch_exits_when_the_page_server_is_gone():
+    """A tab's watch outlived a killed `tokentop web`, spinning at a core's worth of CPU and deaf
+    to SIGTERM; with the parent gone it now exits within a couple of seconds."""
+    out = subprocess.run([sys.executable, "-c", ORPHAN], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    pid = int(out.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid):
+        assert time.monotonic() < deadline, "the orphaned watch is still running"
+        time.sleep(0.2)
+
+
+def _state(pid: int) -> str:
+    try:
+        return next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("State"))
+    except (OSError, StopIteration):
+        return "zombie"
+
+
+def test_tabs_run_watch_as_the_servers_own_child():
+    from app.web import watch_command
+    command = watch_command(["http://127.0.0.1:8000"], 1.0)
+    assert command.startswith(f"TOKENTOP_EXIT_WITH_PARENT={os.getpid()} exec ") and " watch http://127.0.0.1:8000 " in command
