@@ -7,7 +7,6 @@ may reach a rendered segment or stdout / stderr: they are shown in caret notatio
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
 import io
@@ -15,7 +14,6 @@ import json
 import re
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -32,6 +30,7 @@ from app.screens.burst import BurstDialog
 from app.screens.compare import CompareResult
 from app.watch import WatchApp, as_text
 from app.widgets.fmt import outside_markup
+from tests.test_watch import _fixture_server
 from engine.config import EngineConfig, WorkerConfig
 from engine.facade.alerts import Alert
 from engine.facade.devices import parse_devices
@@ -245,31 +244,9 @@ def hostile_metrics(kind: str) -> str:
             f'# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{{model_name="m{HOSTILE}"}} 2\n')
 
 
-@contextlib.contextmanager
 def hostile_server(routes: dict[str, tuple[int, str]]):
     """127.0.0.1 HTTP server answering GET path -> (status, body); 404 elsewhere."""
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):
-            status, body = routes.get(self.path, (404, "not found"))
-            data = body.encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json" if body.startswith("{") else "text/plain")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args):
-            pass
-
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{srv.server_address[1]}"
-    finally:
-        srv.shutdown()
-        srv.server_close()
+    return _fixture_server({path: (lambda answer=answer: answer) for path, answer in routes.items()})
 
 
 def tokentop_routes() -> dict[str, tuple[int, str]]:

@@ -110,21 +110,24 @@ def _slot(i: int, busy: bool, decoded: int) -> dict:
 
 @contextlib.contextmanager
 def _fixture_server(pages: dict):
-    """127.0.0.1 HTTP server answering GET path -> pages[path]() (str: text, else JSON); else 404."""
+    """127.0.0.1 HTTP server answering GET path -> pages[path]() (str: text, else JSON; or a
+    (status, body) pair); else 404."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):
+            status, body = 404, "Not Found"
             if self.path in pages:
-                body = pages[self.path]()
-                body = (body if isinstance(body, str) else json.dumps(body)).encode()
-                self.send_response(200)
-            else:
-                body = b"Not Found"
-                self.send_response(404)
-            self.send_header("Content-Length", str(len(body)))
+                status, body = 200, pages[self.path]()
+                if isinstance(body, tuple):
+                    status, body = body
+            text = body if isinstance(body, str) else json.dumps(body)
+            data = text.encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json" if text.startswith("{") else "text/plain")
+            self.send_header("Content-Length", str(len(data)))
             self.end_headers()
-            self.wfile.write(body)
+            self.wfile.write(data)
 
         def log_message(self, *args):
             pass
