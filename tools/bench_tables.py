@@ -32,8 +32,9 @@ report backs. The hand-written text lives here, the figures come from the report
 # The VMs name every CPU "AMD EPYC", so the class comes from family/model, or, in reports that do
 # not record it, from the ISA: among these CPUs AVX-512 with AVX-VNNI is Zen 5 only, AVX-512
 # without it Zen 4, AVX2 alone Zen 3.
-FAMILY_CLASS = {"25/1": "Zen 3", "25/17": "Zen 4", "26/2": "Zen 5"}
-CLASS_ORDER = ("Zen 3", "Zen 4", "Zen 5", "CPU not recorded")
+FAMILY_CLASS = {"25/1": "Zen 3", "25/17": "Zen 4", "26/2": "Zen 5",
+                "6/143": "Sapphire Rapids", "6/207": "Emerald Rapids"}
+CLASS_ORDER = ("Zen 3", "Zen 4", "Zen 5", "Sapphire Rapids", "Emerald Rapids", "CPU not recorded")
 
 
 def class_order(cls: str) -> int:
@@ -41,10 +42,10 @@ def class_order(cls: str) -> int:
 
 
 def cpu_class(machine: dict) -> str:
-    if machine.get("cpu_model") and not machine["cpu_model"].startswith("AMD"):
-        return machine["cpu_model"]
     if machine.get("cpu_family_model") in FAMILY_CLASS:
         return FAMILY_CLASS[machine["cpu_family_model"]]
+    if machine.get("cpu_model") and not machine["cpu_model"].startswith("AMD"):
+        return machine["cpu_model"]
     isa = set(machine.get("isa") or ())
     if not isa:
         return "CPU not recorded"

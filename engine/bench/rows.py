@@ -39,8 +39,10 @@ def model_traffic(worker) -> tuple[int, int, int]:
 
 
 def ceilings(threads: int) -> dict:
+    """The machine's ceilings measured in this run (and cached for the workers): a ceiling
+    cached by a worker that started on a busy machine would make every share too high."""
     from engine.worker.roofline import machine_ceilings
-    return machine_ceilings(threads)
+    return machine_ceilings(threads, remeasure=True)
 
 
 def decode_roofline(worker, steps_per_s: float, context_tokens: int, live: dict | None = None) -> dict:
