@@ -161,7 +161,12 @@ def repeated_burst(engine, max_tokens: int) -> dict:
             "suffix_acceptance": [p["acceptance"] for p in suffix],
             "second_pass_suffix_vs_off": suffix[1]["tok_s"] / off[1]["tok_s"],
             "first_pass_suffix_vs_off": suffix[0]["tok_s"] / off[0]["tok_s"],
-            "same_tokens": all(p["tokens"] == off[0]["tokens"] for p in off[1:] + suffix)}
+            # greedy, but four requests at once: a pass's rows per step (and so which kernels
+            # run, with their own rounding) differ with speculation and with prefix hits, so a
+            # near-tie may go the other way outside --deterministic
+            "same_tokens_as_first_off_pass": {"off second": off[1]["tokens"] == off[0]["tokens"],
+                                              "suffix first": suffix[0]["tokens"] == off[0]["tokens"],
+                                              "suffix second": suffix[1]["tokens"] == off[0]["tokens"]}}
 
 
 def _warm_up(engine, mode: str) -> None:
