@@ -1019,12 +1019,12 @@ the shared document every request needs its 800 tokens computed once first: `aft
 gain at most ~35% on `incremental`.""",
     "spec": """\
 What bounds them: on Emerald Rapids an 8-row step of the 1.5B costs 3.2× a one-row step (rows,
-below), so a verify of k + 1 rows costs two to three target steps. Drafts of the 0.5B accepted
-95-97% of the time then lose at a fixed k of 4-8 (0.94-0.97×), and `adaptive:cost` stays level
-with the target alone (1.03×, about 3 drafts a round); mentored decoding, the same drafts judged
-within a total-variation budget, gains 1.18-1.22×. N-gram proposals cost no draft step: 1.79×
-on the 1.5B and 3.36× on the 0.5B for the refactor, which copies most of its output. On the
-sampled creative prompt `adaptive:cost` drafts little (1.7 tokens a round, 1.00×).""",
+below), so a verify of k + 1 rows costs two to three target steps. The 0.5B's drafts, accepted
+95-97% of the time on the refactor, gain 1.07-1.28× at a fixed k of 4-8 and lose on the sampled
+creative prompt (0.53-0.67×); `adaptive:cost` stays near the target alone on both (0.98×,
+1.02×), drafting about 4 a round where a fixed 8 pays. Mentored decoding, the same drafts judged
+within a total-variation budget, gains 1.22-1.41×. N-gram proposals cost no draft step: 1.84× on
+the 1.5B and 3.11× on the 0.5B for the refactor, which copies most of its output.""",
     "seeds": """\
 What bounds them: theirs ran on an M2 (GPU; its CPU for routing), ours on 2 Zen 4 cores, so the
 changes compare, not the rates. Single flight: every first token waits for the leader's prefill
