@@ -64,7 +64,7 @@ def act_group(qtype: T, m: int, isa: str | None = None, small_m: int = -1, big_m
     K-quant weights in the direct kernels (AVX2, AVX-512), else 32. A wrong answer fails check's
     W x̂ bound."""
     isa = isa or kernels.isa_name()
-    panel_rows = big_m if big_m >= 0 else 0 if small_m == 0 else max(PANEL_MIN_ROWS, small_m + 1)
+    panel_rows = big_m if big_m >= 0 else 0 if small_m == 0 else max(panel_min_rows(isa) - 1, small_m) + 1
     panels = isa in ("avx512", "avx2") and 0 < panel_rows <= m
     direct = not panels and m <= (kernels.direct_rows(isa) if small_m < 0 else small_m)
     return 256 if isa != "scalar" and direct and qtype in K_TYPES else 32
@@ -197,7 +197,10 @@ def test_rows_and_threads_do_not_change_any_bit(isa, qtype):
 
 # The panel kernel (batches, prefill), forced for every row count with big_m=1: AVX-512 and
 # AVX2 run it, the portable path keeps its tiles (the same checks then cover that fallback).
-PANEL_MIN_ROWS = 5      # qmatmul_op.cpp: the default switches to the panels at this many rows
+def panel_min_rows(isa: str | None = None) -> int:
+    """The row count from which the op's default takes the panels (where the ISA has them):
+    one more than the direct kernels take (4 on AVX2, 1 on AVX-512 with packed K-quants)."""
+    return kernels.direct_rows(isa) + 1
 
 
 @pytest.mark.skipif("avx512" not in runnable_isas(), reason="needs a CPU that runs both panel builds")
@@ -310,13 +313,15 @@ def test_panel_kernel_stacked_types_threads_and_rows(isa):
 def test_deterministic_mode_stays_batch_invariant_for_prefill_sized_calls(isa):
     """small_m=0 keeps one kernel (the tiles) for every row count, panels or not: a prompt's
     rows have the same bits in a 70-row call as one by one. The default takes the panels
-    from PANEL_MIN_ROWS rows where the ISA has them."""
+    above direct_rows() where the ISA has them."""
     td = random_td(T.Q4_K, 33, 512, 31)
-    x = torch.randn(PANEL_MIN_ROWS + 6, 512, generator=torch.Generator().manual_seed(32))
+    first = panel_min_rows(isa)
+    x = torch.randn(first + 6, 512, generator=torch.Generator().manual_seed(32))
     batch = run([td], x, isa, small_m=0)
     assert torch.equal(batch, torch.cat([run([td], x[i:i + 1], isa, small_m=0) for i in range(len(x))]))
     assert torch.equal(run([td], x, isa), run([td], x, isa, big_m=1))
-    assert torch.equal(run([td], x[:PANEL_MIN_ROWS - 1], isa), run([td], x[:PANEL_MIN_ROWS - 1], isa, big_m=0))
+    if first > 1:
+        assert torch.equal(run([td], x[:first - 1], isa), run([td], x[:first - 1], isa, big_m=0))
 
 
 def test_large_prefill_outputs_reuse_a_buffer_only_once_released():
@@ -480,3 +485,57 @@ def test_gguf_rows_dot_is_the_exact_dot_with_dequantized_rows(qtype):
     assert torch.equal(alone, got[1:2])
     with pytest.raises(RuntimeError, match="out of range"):
         torch.ops.tokentop.gguf_rows_dot(h[:1].contiguous(), w, int(qtype), torch.tensor([[300]]))
+
+
+@pytest.mark.skipif("avx512" not in runnable_isas(), reason="the packed K-quant panels are AVX-512's")
+@pytest.mark.parametrize("qtype", K_TYPES, ids=lambda t: t.name)
+def test_packed_k_quant_panels_give_the_gguf_panels_bits(qtype, monkeypatch):
+    """AVX-512 packs each K-quant matrix once (16-row tiles, codes at their GGUF width) and its
+    panels read that copy: the same integer sums and float steps as panels built from the
+    blocks at every call, so the same bits. N = 77 (a last tile of 13 rows and an empty one),
+    stacked behind a matrix of 19 rows (a start inside a tile falls back to the GGUF build),
+    1-64 rows, 1 and 2 threads."""
+    k = 768
+    td = random_td(qtype, rows=77, cols=k, seed=81 + int(qtype))
+    head = random_td(T.Q8_0, rows=19, cols=k, seed=82)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for m in (1, 2, 5, 8, 13, 64):
+                x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+                x[:, 9] *= 30
+                for parts in ([td], [head, td]):
+                    monkeypatch.setenv("TOKENTOP_PACKED", "0")
+                    built = run(parts, x, "avx512", big_m=1)
+                    monkeypatch.setenv("TOKENTOP_PACKED", "1")
+                    assert torch.equal(run(parts, x, "avx512", big_m=1), built), (t, m, len(parts))
+    finally:
+        torch.set_num_threads(threads)
+    check(run([td], x, "avx512", big_m=1), td, x)
+
+
+@pytest.mark.skipif("avx512" not in runnable_isas(), reason="the packed K-quant panels are AVX-512's")
+def test_packed_copies_follow_their_matrices():
+    """A packed copy lives as long as its matrix's storage: a new storage over the same bytes
+    (a new matrix at a freed one's address) gets its own copy, never the old one's (the cache
+    holds storages weakly), and the freed storage's copy is let go."""
+    k, rows = 512, 64
+    size = rows // 16 * k // 256 * 2432                 # Q4_K: 2432 bytes per tile and super-block
+    x = torch.randn(8, k, generator=torch.Generator().manual_seed(91))
+    first, second = random_td(T.Q4_K, rows, k, seed=92), random_td(T.Q4_K, rows, k, seed=93)
+    buf = first.raw.copy().reshape(-1)
+    w = torch.from_numpy(buf)
+    y_first = kernels.qmatmul(x, [w], [int(T.Q4_K)], [rows], None, "avx512", -1, 1)
+    held = kernels.packed_bytes()
+    assert held >= size
+    del w
+    buf[:] = second.raw.reshape(-1)                     # the same address, a new storage
+    w = torch.from_numpy(buf)
+    y = kernels.qmatmul(x, [w], [int(T.Q4_K)], [rows], None, "avx512", -1, 1)
+    check(y, second, x)
+    assert not torch.equal(y, y_first)
+    assert kernels.packed_bytes() <= held               # the first storage's copy went
+    alias = torch.from_numpy(buf)                       # two live storages over one buffer
+    assert torch.equal(kernels.qmatmul(x, [alias], [int(T.Q4_K)], [rows], None, "avx512", -1, 1), y)
+    assert torch.equal(kernels.qmatmul(x, [w], [int(T.Q4_K)], [rows], None, "avx512", -1, 1), y)

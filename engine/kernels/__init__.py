@@ -34,12 +34,12 @@ second bound, larger where a 256-group holds an outlier (up to 8x a 32-group's);
 quantizes the same way for these types.
 
 Three kinds of kernel, by the call's row count (which file serves which call size and ISA: the
-table atop qkernels.cpp): calls of up to direct_rows() rows (decode, small batches; 4 on AVX-512
-and AVX2) take the direct kernels, which go from GGUF block to register with no unpacked copy,
-each weight vector dotted against every row of the call; calls of 5 rows or more
-(PANEL_MIN_ROWS: batches, prefill) take the panel kernel (AVX-512 and AVX2, the same bits):
-32 (AVX2: 16) output rows built from the blocks over all of K, every activation row run
-through them with the accumulators in registers, code offsets subtracted inside the integer
+table atop qkernels.cpp): calls of up to direct_rows() rows (decode, small batches; 4 on AVX2,
+1 on AVX-512) take the direct kernels, which go from GGUF block to register with no unpacked copy,
+each weight vector dotted against every row of the call; larger calls (batches,
+speculative verifies, prefill) take the panel kernel (AVX-512 and AVX2, the same bits):
+32 (AVX2: 16) output rows built from the blocks over all of K (on AVX-512 the K-quants read a
+copy packed in that form once, packed_bytes()), every activation row run through them with the accumulators in registers, code offsets subtracted inside the integer
 dots, scales applied per 32 (per 16 for Q6_K: at most K/16 fp32 additions, within the bound
 above). The row kernels (portable, AVX2) and the AVX-512 tiles unpack weight rows first: the
 portable path's kernel for every call and, since the kernels' fp32 sums differ in the last
@@ -353,6 +353,12 @@ def lane_rows() -> int:
     return int(torch.ops.tokentop.lane_rows())
 
 
+def packed_bytes() -> int:
+    """Bytes held by the packed copies of K-quant matrices (AVX-512 panels; qmatmul_op.cpp):
+    memory the engine takes beside the mmap'd model file."""
+    return int(torch.ops.tokentop.packed_bytes()) if load() else 0
+
+
 def status() -> dict:
     """For `tokentop models` and the start-up log."""
     ok = load()
@@ -372,6 +378,6 @@ def qmatmul(x: torch.Tensor, weights: list[torch.Tensor], types: list[int], rows
     small_m: calls of at most this many rows use the direct (decode) kernels; -1 the op's
     default (direct_rows()), 0 never (one kernel for every row count: batch-invariant).
     big_m: calls of at least this many rows use the panel (prefill) kernel where the ISA has
-    it; -1 the op's default (PANEL_MIN_ROWS, none with small_m=0), 0 never."""
+    it; -1 the op's default (above direct_rows(), none with small_m=0), 0 never."""
     level = -1 if isa is None else _isa_level(isa)
     return torch.ops.tokentop.qmatmul(x, weights, types, rows, bias, level, small_m, big_m)

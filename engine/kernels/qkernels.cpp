@@ -3,10 +3,12 @@
 // picked at run time (best_isa, capped by TOKENTOP_KERNEL_ISA).
 //
 // Which file serves a call of M activation rows (qmatmul_op.cpp picks; its defaults):
-//                       M <= 4 (direct_max_rows)   M >= 5 (PANEL_MIN_ROWS)   deterministic mode
+//                       M <= direct_max_rows       more rows                 deterministic mode
 //   portable (scalar)   quant_generic.inc          quant_generic.inc         quant_generic.inc
 //   AVX2 + FMA + F16C   quant_avx2_direct.inc      quant_avx2_panels.inc     quant_avx2_rows.inc
 //   AVX-512 + VNNI      quant_avx512_direct.inc    quant_avx512_panels.inc   quant_avx512_tiles.inc
+//                                                  (K-quants: _packed.inc)
+// direct_max_rows is 4, except 1 on AVX-512 with the packed K-quant panels (TOKENTOP_PACKED).
 // Deterministic mode (small_m = 0) takes the last column at every M, so that a row's bits do not
 // depend on its batch; a forced small_m / big_m moves the thresholds (tests, benchmarks). On AVX2
 // where the CPU has AVX-VNNI (unless TOKENTOP_AVX_VNNI=0), the direct kernels and panels run from
@@ -16,10 +18,12 @@
 // ISA's namespace.
 #include "qkernels.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -101,6 +105,7 @@ namespace isa_avx512 {
 #include "quant_avx512_tiles.inc"
 #include "quant_avx512_direct.inc"
 #include "quant_avx512_panels.inc"
+#include "quant_avx512_packed.inc"
 #undef TT_LEVEL
 }  // namespace isa_avx512
 #pragma GCC pop_options
@@ -190,10 +195,18 @@ bool has_direct(int isa) { return TT_X86 && isa >= ISA_AVX2; }
 
 int64_t direct_max_rows(int isa) {
     if (!has_direct(isa)) return 0;
-    // on all linear layers of a step the direct kernels beat the panels (qmatmul_op.cpp's
-    // PANEL_MIN_ROWS) up to 4 rows, on AVX-512 and AVX2 alike (docs/kernels.md, 'Panels built
-    // straight from the GGUF blocks', 'AVX2 panel kernel')
-    return 4;
+    // on all linear layers of a step the direct kernels beat the panels (qmatmul_op.cpp) up to
+    // 4 rows on AVX2; on AVX-512 the panels over packed K-quants (and the GGUF panels of the
+    // other types) are level with them at 2 rows and ahead from 3 (docs/kernels.md, 'Repacked
+    // K-quant panels'), so only one-row calls keep them
+    return isa == ISA_AVX512 && use_packed() ? 1 : 4;
+}
+
+// the packed K-quant panels: on unless TOKENTOP_PACKED=0 (read per call, so that A/B runs and
+// tests can compare both)
+bool use_packed() {
+    const char* s = std::getenv("TOKENTOP_PACKED");
+    return !(s && std::strcmp(s, "0") == 0);
 }
 
 bool is_k_quant(int type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
@@ -283,6 +296,36 @@ void matmul_panels(int isa, int type, const uint8_t* w, int64_t K, int64_t n0, i
 #endif
     (void)isa; (void)type; (void)w; (void)K; (void)n0; (void)n1; (void)a; (void)d32; (void)as32; (void)is16;
     (void)M; (void)y; (void)ldy;
+}
+
+bool has_packed(int isa, int type) { return TT_X86 && isa == ISA_AVX512 && is_k_quant(type) && use_packed(); }
+
+int64_t packed_bytes(int type, int64_t rows, int64_t K) {
+#if TT_X86
+    return (rows + 15) / 16 * (K / 256) * isa_avx512::packed_sb_bytes(type);
+#else
+    (void)type; (void)rows; (void)K;
+    return 0;
+#endif
+}
+
+void pack_tiles(int type, const uint8_t* w, int64_t rows, int64_t K, int64_t t0, int64_t t1, uint8_t* out) {
+#if TT_X86
+    isa_avx512::pack_tiles(type, w, rows, K, t0, t1, out);
+#else
+    (void)type; (void)w; (void)rows; (void)K; (void)t0; (void)t1; (void)out;
+#endif
+}
+
+void matmul_packed(int type, const uint8_t* packed, int64_t rows, int64_t K, int64_t n0, int64_t n1,
+                   const int8_t* a, const float* d32, const float* as32, const int32_t* is16, int64_t M,
+                   float* y, int64_t ldy) {
+#if TT_X86
+    isa_avx512::matmul_packed(type, packed, rows, K, n0, n1, a, d32, as32, is16, M, y, ldy);
+#else
+    (void)type; (void)packed; (void)rows; (void)K; (void)n0; (void)n1; (void)a; (void)d32; (void)as32;
+    (void)is16; (void)M; (void)y; (void)ldy;
+#endif
 }
 
 }  // namespace tt

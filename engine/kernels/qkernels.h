@@ -30,7 +30,7 @@ void matmul_rows(int isa, int type, const uint8_t* w, int64_t K, int64_t n0, int
 bool has_direct(int isa);
 
 // Calls of at most this many rows take the direct kernels by default on `isa` (their measured
-// break-even against the panels, tools/kernel_bench.py); 0 where it has none.
+// break-even against the panels, tools/kernel_bench.py; qkernels.cpp); 0 where it has none.
 int64_t direct_max_rows(int isa);
 
 // The same product as matmul_rows, block to register with no unpacked copy: for a few rows M
@@ -61,7 +61,7 @@ void quantize_direct(int isa, const float* x, int64_t ldx, int64_t M, int64_t K,
 void matmul_direct(int isa, int type, const uint8_t* w, int64_t K, int64_t n0, int64_t n1, const DirectActs& act,
                    int64_t M, float* y, int64_t ldy);
 
-// Batches and prefill (5 activation rows or more): whether `isa` has the panel kernel (AVX-512,
+// Batches and prefill (more activation rows than direct_max_rows): whether `isa` has the panel kernel (AVX-512,
 // AVX2), and the kernel. It unpacks a panel of output rows over all of K once and runs every
 // activation row through it with the accumulators in registers (quant_avx512_panels.inc,
 // quant_avx2_panels.inc: the same bits). Not bitwise equal to matmul_rows (code offsets are
@@ -81,6 +81,18 @@ void quantize_panel_rows(int isa, const float* x, int64_t ldx, int64_t M, int64_
 // sum of activation row m's g-th group of grp, from is16); returns init's data.
 const int32_t* panel_starts(int32_t offset, int64_t grp, const int32_t* is16, int64_t M, int64_t K);
 void matmul_panels(int isa, int type, const uint8_t* w, int64_t K, int64_t n0, int64_t n1,
+                   const int8_t* a, const float* d32, const float* as32, const int32_t* is16, int64_t M,
+                   float* y, int64_t ldy);
+
+// K-quant matrices (Q4_K, Q5_K, Q6_K) repacked for the AVX-512 panels (quant_avx512_packed.inc):
+// whether `isa` has them for `type`, the packed size of a matrix, the packing of its 16-row tiles
+// [t0, t1) into `out` (packed_bytes long), and matmul_panels over the packed form (the same bits;
+// n0 a multiple of 16).
+bool has_packed(int isa, int type);     // false with TOKENTOP_PACKED=0
+bool use_packed();
+int64_t packed_bytes(int type, int64_t rows, int64_t K);
+void pack_tiles(int type, const uint8_t* w, int64_t rows, int64_t K, int64_t t0, int64_t t1, uint8_t* out);
+void matmul_packed(int type, const uint8_t* packed, int64_t rows, int64_t K, int64_t n0, int64_t n1,
                    const int8_t* a, const float* d32, const float* as32, const int32_t* is16, int64_t M,
                    float* y, int64_t ldy);
 

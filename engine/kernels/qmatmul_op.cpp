@@ -9,9 +9,12 @@
 #include <c10/core/InferenceMode.h>
 
 #include <algorithm>
-#include <mutex>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
+#include <mutex>
+#include <map>
+#include <utility>
 #include <vector>
 
 #include "ops.h"
@@ -70,19 +73,71 @@ at::Tensor pooled_output(int64_t M, int64_t N, const at::TensorOptions& opts) {
     return t.view({M, N});
 }
 
-// Calls with at least this many rows take the panel kernel where the ISA has it (AVX-512,
-// AVX2); fewer rows take the direct kernels (tt::direct_max_rows, 4 on both): on all linear
-// layers of a step the panels win from 5 rows (tools/kernel_bench.py; docs/kernels.md,
-// 'Panels built straight from the GGUF blocks', 'AVX2 panel kernel'). The tiles are slower than
-// both at every row count and serve only deterministic mode (and the portable path). The files
-// behind each choice: the table atop qkernels.cpp.
-constexpr int64_t PANEL_MIN_ROWS = 5;
+// Packed copies of the K-quant matrices for the AVX-512 panels (tt::pack_tiles; the same bits
+// as building the panels from the GGUF blocks at every call, at a fraction of the cost). A
+// matrix is packed on its first panel call (the model's load-time self-check makes that call for
+// every layer) and the copy lives as long as the matrix: the cache holds a weak reference to the
+// matrix's storage, so a freed model's copies go at the next packing, and a new matrix at a
+// reused address cannot match a stale entry (the storage object outlives its weak references).
+// The matrices must not change in place (the engine's are the read-only mapped file).
+// TOKENTOP_PACKED=0 turns them off (tt::use_packed).
+struct PackedCopy {
+    c10::weak_intrusive_ptr<c10::StorageImpl> owner;
+    int64_t type, rows, K;
+    std::unique_ptr<uint8_t, decltype(&std::free)> bytes{nullptr, &std::free};
+};
+
+std::mutex packed_mu;
+// by (the matrix's first byte, its storage): two storages over the same bytes (e.g. two tensors
+// made from one numpy array) have two copies, so a live copy is never replaced under a caller
+std::map<std::pair<const void*, const c10::StorageImpl*>, PackedCopy> packed_cache;
+int64_t packed_total = 0;     // bytes held (packed_bytes op)
+
+const uint8_t* packed_matrix(const at::Tensor& w, int64_t type, int64_t rows, int64_t K) {
+    std::lock_guard<std::mutex> lock(packed_mu);
+    const auto key = std::make_pair(static_cast<const void*>(w.data_ptr()),
+                                    static_cast<const c10::StorageImpl*>(w.storage().unsafeGetStorageImpl()));
+    auto it = packed_cache.find(key);
+    if (it != packed_cache.end() && !it->second.owner.expired() && it->second.type == type &&
+        it->second.rows == rows && it->second.K == K)
+        return it->second.bytes.get();
+    for (auto e = packed_cache.begin(); e != packed_cache.end();) {     // the freed matrices' copies
+        if (e->second.owner.expired()) {
+            packed_total -= tt::packed_bytes(int(e->second.type), e->second.rows, e->second.K);
+            e = packed_cache.erase(e);
+        } else {
+            ++e;
+        }
+    }
+    // a live entry of another shape at the same bytes (a reinterpreted view): replaced below
+    if ((it = packed_cache.find(key)) != packed_cache.end()) {
+        packed_total -= tt::packed_bytes(int(it->second.type), it->second.rows, it->second.K);
+        packed_cache.erase(it);
+    }
+    const int64_t n = tt::packed_bytes(int(type), rows, K);
+    PackedCopy copy{w.storage().getWeakStorageImpl(), type, rows, K};
+    copy.bytes.reset(static_cast<uint8_t*>(std::aligned_alloc(64, size_t((n + 63) / 64 * 64))));
+    TORCH_CHECK(copy.bytes, "qmatmul: out of memory packing a ", rows, "x", K, " matrix (", n, " bytes)");
+    const uint8_t* src = w.data_ptr<uint8_t>();
+    uint8_t* dst = copy.bytes.get();
+    at::parallel_for(0, (rows + 15) / 16, 4, [&](int64_t t0, int64_t t1) {
+        tt::pack_tiles(int(type), src, rows, K, t0, t1, dst);
+    });
+    packed_total += n;
+    return packed_cache.emplace(key, std::move(copy)).first->second.bytes.get();
+}
+
+// Calls of more rows than tt::direct_max_rows take the panel kernel where the ISA has it (AVX-512,
+// AVX2): from 5 rows on AVX2, from 2 on AVX-512 with the packed K-quants (tools/kernel_bench.py;
+// docs/kernels.md, 'Panels built straight from the GGUF blocks', 'Repacked K-quant panels').
+// The tiles are slower than both at every row count and serve only deterministic mode (and the
+// portable path). The files behind each choice: the table atop qkernels.cpp.
 
 // small_m: -1 the default, tt::direct_max_rows (calls of more rows amortize the panels' or
 // tiles' unpacking over several activation rows); 0 never use the direct kernels (deterministic
 // mode: then one kernel serves every row count, so a row's bits do not depend on its batch);
 // k > 0: the direct kernels for calls of at most k rows (tests).
-// big_m: -1 the panel kernel from PANEL_MIN_ROWS rows (or above a forced small_m), except with
+// big_m: -1 the panel kernel above direct_max_rows (or above a forced small_m), except with
 // small_m=0 (deterministic mode keeps the tiles for every row count); 0 never; k > 0: from k
 // rows (tests, benchmarks).
 at::Tensor qmatmul(const at::Tensor& x_in, at::TensorList weights, at::IntArrayRef types,
@@ -115,7 +170,7 @@ at::Tensor qmatmul(const at::Tensor& x_in, at::TensorList weights, at::IntArrayR
     }
     const int64_t N = offset.back();
     // a forced small_m (k > 0) keeps the direct kernels up to k rows, panels or not
-    const int64_t panel_rows = big_m >= 0 ? big_m : small_m == 0 ? 0 : std::max(PANEL_MIN_ROWS, small_m + 1);
+    const int64_t panel_rows = big_m >= 0 ? big_m : small_m == 0 ? 0 : std::max(tt::direct_max_rows(use), small_m) + 1;
     const bool panels = panel_rows > 0 && M >= panel_rows && tt::has_panels(use);
     at::Tensor y = panels && size_t(M) * size_t(N) * sizeof(float) >= POOL_MIN_BYTES
                        ? pooled_output(M, N, x.options()) : at::empty({M, N}, x.options());
@@ -142,6 +197,9 @@ at::Tensor qmatmul(const at::Tensor& x_in, at::TensorList weights, at::IntArrayR
                                     as32 + m0 * (K / 32), is16 + m0 * (K / 16));
         });
         float* yp = y.data_ptr<float>();
+        std::vector<const uint8_t*> packed(weights.size(), nullptr);
+        for (size_t i = 0; i < weights.size(); ++i)
+                if (tt::has_packed(use, int(types[i]))) packed[i] = packed_matrix(weights[i], types[i], rows[i], K);
         // threads take whole panels of output rows (of the stacked matrices)
         const int64_t P = tt::panel_rows(use);
         at::parallel_for(0, (N + P - 1) / P, 1, [&](int64_t pb, int64_t pe) {
@@ -149,6 +207,11 @@ at::Tensor qmatmul(const at::Tensor& x_in, at::TensorList weights, at::IntArrayR
             for (size_t i = 0; i < weights.size(); ++i) {
                 const int64_t lo = std::max(b, offset[i]), hi = std::min(e, offset[i + 1]);
                 if (lo >= hi) continue;
+                if (packed[i] && (lo - offset[i]) % 16 == 0) {
+                    tt::matmul_packed(int(types[i]), packed[i], rows[i], K, lo - offset[i], hi - offset[i], a, d32,
+                                      as32, is16, M, yp + offset[i], N);
+                    continue;
+                }
                 tt::matmul_panels(use, int(types[i]), weights[i].data_ptr<uint8_t>(), K, lo - offset[i],
                                   hi - offset[i], a, d32, as32, is16, M, yp + offset[i], N);
             }
@@ -216,11 +279,7 @@ int64_t direct_rows_op(int64_t isa) { return tt::direct_max_rows(isa < 0 ? env_i
 // the fewest rows for which the default ISA's calls take the kernel of batches and prefill
 // (the panels on AVX-512 and AVX2, the portable row kernel elsewhere): what the load-time
 // self-check runs it with
-int64_t batch_rows_op() {
-    const int use = env_isa();
-    const int64_t after_direct = tt::direct_max_rows(use) + 1;
-    return tt::has_panels(use) ? std::min(PANEL_MIN_ROWS, after_direct) : after_direct;
-}
+int64_t batch_rows_op() { return tt::direct_max_rows(env_isa()) + 1; }
 
 // the fewest rows (up to 8) for which the default ISA's Q8_0 calls take the row-lane kernel
 // (0: none): the self-check runs that form too
@@ -228,6 +287,12 @@ int64_t lane_rows_op() { return tt::lane_min_rows(env_isa()); }
 
 // whether the AVX2 panels take AVX-VNNI's vpdpbusd (the CPU has it, TOKENTOP_AVX_VNNI is not 0)
 bool avx_vnni_op() { return tt::use_avx_vnni(); }
+
+// bytes held by the packed K-quant copies (freed matrices' included until the next packing)
+int64_t packed_bytes_op() {
+    std::lock_guard<std::mutex> lock(packed_mu);
+    return packed_total;
+}
 
 }  // namespace
 
@@ -249,6 +314,7 @@ TORCH_LIBRARY(tokentop, m) {
     m.def("batch_rows() -> int", &batch_rows_op);
     m.def("lane_rows() -> int", &lane_rows_op);
     m.def("avx_vnni() -> bool", &avx_vnni_op);
+    m.def("packed_bytes() -> int", &packed_bytes_op);
 }
 
 TORCH_LIBRARY_IMPL(tokentop, CPU, m) { m.impl("qmatmul", &qmatmul); }
