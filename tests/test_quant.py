@@ -294,3 +294,27 @@ def test_real_model_builds_every_linear(real_model_path):
     # the chosen row is the reference's best up to the measured error (random input: near-ties)
     assert ref[0, y.argmax()] >= ref.max() - 2 * (y - ref).abs().max()
     assert ((y - ref).norm() / ref.norm()) < 0.01
+
+
+@pytest.mark.skipif(not kernels.available() or kernels.isa_name() != "avx512",
+                    reason="the packed K-quant copies are AVX-512's")
+def test_pack_for_batches_packs_at_load_what_batches_read():
+    """pack_for_batches makes the packed copies of the K-quant layers that many-row calls take
+    (so the first prefill does not pay for them), not of the others (deterministic mode's tiles
+    read the GGUF blocks), and the layers compute what they computed before."""
+    layers = torch.nn.ModuleList([
+        make_linear(make_td(T.Q4_K, rows=64, cols=512, seed=1), bias=None, policy=FP32),
+        make_linear(make_td(T.Q8_0, rows=64, cols=512, seed=2), bias=None, policy=FP32),
+        make_linear(make_td(T.Q6_K, rows=48, cols=512, seed=3), bias=None,
+                    policy=LinearPolicy(activation_dtype=torch.float32, deterministic=True))])
+    x = torch.randn(6, 512, generator=torch.Generator().manual_seed(4))
+    keep = make_linear(make_td(T.Q5_K, rows=16, cols=256, seed=5), bias=None, policy=FP32)
+    quant.pack_for_batches(keep)          # packing lets go of the copies of matrices freed before
+    before = kernels.packed_bytes()
+    held = quant.pack_for_batches(layers)
+    assert held - before == 64 // 16 * 512 // 256 * 2432     # the Q4_K layer's copy only
+    assert kernels.packed_bytes() == held                     # a later call packs nothing more
+    with torch.inference_mode():
+        ys = [layer(x) for layer in layers]
+    assert kernels.packed_bytes() == held
+    assert all(torch.isfinite(y).all() for y in ys)

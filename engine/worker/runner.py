@@ -14,7 +14,7 @@ from engine.models.batch import KV_TORCH_DTYPES, ForwardBatch, KVStore, SeqSlice
 from engine.models.catalog import resolve_model
 from engine.models.decoder import Decoder
 from engine.models.gguf import load_gguf
-from engine.models.quant import LinearPolicy, QuantLinear
+from engine.models.quant import LinearPolicy, QuantLinear, pack_for_batches
 from engine.models.selfcheck import check_linears
 from engine.models.tokenizer import IncrementalDetokenizer, Tokenizer
 from engine.worker.cuda_graphs import DecodeGraphs, TorchCudaGraphs
@@ -83,11 +83,13 @@ class ModelRunner(Runner):
             self.model = Decoder.from_gguf(gf, self.policy)
         with get_tracer().span("selfcheck", model=cfg.model):
             check_linears(self.model)   # refuses a layout this CPU computes wrongly
+            pack_for_batches(self.model)
         self.draft = None   # speculative decoding's draft model, on this worker (engine/speculative/draft.py)
         if cfg.draft_model:
             with get_tracer().span("load draft", model=cfg.draft_model):
                 self.draft = DraftModel(cfg, str(resolve_model(cfg.draft_model)), self.policy,
                                         self.tokenizer, gf.config.vocab_size)
+                pack_for_batches(self.draft.model)
         self.model_context = gf.config.context_length
         self.kv_dtype = KV_TORCH_DTYPES[resolve_kv_dtype(cfg.device, cfg.kv_dtype)]
         self.bytes_per_slot = KVStore.bytes_per_slot(
@@ -125,6 +127,7 @@ class ModelRunner(Runner):
         with get_tracer().span("switch to kernels", model=self.cfg.model):
             model = Decoder.from_gguf(load_gguf(self.model_path), self.policy)
             check_linears(model)
+            pack_for_batches(model)
         self.model = model
         self.info["kernels"] = _kernel_label(model)
         return self.info["kernels"]
