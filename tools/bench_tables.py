@@ -914,7 +914,7 @@ where one is kept; no report backs them. The benchmarks and their reports:
 ## kernels: why each form
 
 Each form of the kernels and fused ops, what it was measured against, on which CPU (Zen 3 =
-cpuid 25/1, Zen 5 = 26/2; "AVX2 on Zen 5": the AVX2 build forced by `TOKENTOP_KERNEL_ISA=avx2`),
+cpuid 25/1, Zen 5 = 26/2, Emerald Rapids = 6/207; "AVX2 on Zen 5": the AVX2 build forced by `TOKENTOP_KERNEL_ISA=avx2`),
 and the tool that measures it; no report backs them.
 
 * **One call per decode step, one weight row at a time.** All layers of a decode step in one C++
@@ -924,8 +924,16 @@ and the tool that measures it; no report backs them.
   (0.5B). Zen 5; `tools/kernel_ab.py MODEL A,B 1,4 4`.
 * **Panels built straight from the GGUF blocks.** Tiles of 16 rows' bytes at one block offset,
   transposed by 32-bit words, against unpacking each row and a 16×16 transpose: the 0.5B's linear
-  layers at 8 rows 22.5 → 15.0 ms. The panels then win from 5 rows, the direct kernels up to 4, on
-  AVX-512 and AVX2. Zen 5; `tools/kernel_bench.py MODEL 2`.
+  layers at 8 rows 22.5 → 15.0 ms. The panels then win from 5 rows, the direct kernels up to 4
+  (AVX2; on AVX-512 see the next entry). Zen 5; `tools/kernel_bench.py MODEL 2`.
+* **K-quants packed for the panels.** On AVX-512, Q4_K / Q5_K / Q6_K matrices are packed once at
+  load in the panels' tile order, codes kept at their GGUF width (Q4_K 0.59 bytes a weight against
+  0.56), against building the tiles from the blocks at every call, which for the K-quants costs
+  more than reading them: the 1.5B's linear layers at 8 rows 141-169 → 95-105 ms, at 1 row
+  119-123 → 50-62 ms, level with the direct kernels (45-63 ms), so the panels take every call of 2
+  rows or more there. The same bits. A panel's two tiles take turns in each step, so up to 8
+  activation rows share one read of the weights. Emerald Rapids; `TOKENTOP_PACKED=1` / `0`
+  `tools/kernel_bench.py MODEL 2`, alternated twice.
 * **AVX2 panel kernel.** 8-row tiles, the float step shared by a tile's rows, against 16-row
   unpacked tiles: the 0.5B's linear layers at 8 rows 78.2 → 28.9 ms; against the direct kernels
   22.8 against 30.2 ms at 5 rows. AVX2 on Zen 5; `tools/kernel_ab.py MODEL A,B 8,64 3`.

@@ -197,8 +197,8 @@ int64_t direct_max_rows(int isa) {
     if (!has_direct(isa)) return 0;
     // on all linear layers of a step the direct kernels beat the panels (qmatmul_op.cpp) up to
     // 4 rows on AVX2; on AVX-512 the panels over packed K-quants (and the GGUF panels of the
-    // other types) are level with them at 2 rows and ahead from 3 (docs/kernels.md, 'Repacked
-    // K-quant panels'), so only one-row calls keep them
+    // other types) are level with them at 2 rows and ahead from 3 (docs/kernels.md, 'K-quants
+    // packed for the panels'), so only one-row calls keep them
     return isa == ISA_AVX512 && use_packed() ? 1 : 4;
 }
 
