@@ -802,9 +802,10 @@ TEXT = {
 
 The figures come from the reports in `docs/bench/`, each written by the command shown with it;
 what chose the kernels' forms and the defaults (no report backs it): [kernels.md](kernels.md).
-The CPUs are 2-core shared AMD EPYC VMs (torch 2.13.0+cpu, 2 threads): Zen 3 (cpuid family 25
+The CPUs are 2-core shared VMs (torch 2.13.0+cpu, 2 threads): AMD EPYC Zen 3 (cpuid family 25
 model 1, AVX2 only), Zen 4 (25/17, AVX-512 without AVX-VNNI), Zen 5 (26/2, AVX-512 with
-AVX-VNNI), no AMX; each benchmark keeps its latest report per class.
+AVX-VNNI), and Intel Emerald Rapids (6/207, AVX-512 with AVX-VNNI and AMX, which the kernels do
+not use); each benchmark keeps its latest report per class.
 
 Comparisons run their sides interleaved (fresh processes) and quote the median of the pairs'
 ratios: memory bandwidth swings up to 1.5× over minutes, absolute rates ±10–20%.
