@@ -928,13 +928,15 @@ and the tool that measures it; no report backs them.
   layers at 8 rows 22.5 → 15.0 ms. The panels then win from 5 rows, the direct kernels up to 4
   (AVX2; on AVX-512 see the next entry). Zen 5; `tools/kernel_bench.py MODEL 2`.
 * **K-quants packed for the panels.** On AVX-512, Q4_K / Q5_K / Q6_K matrices are packed once at
-  load in the panels' tile order, codes kept at their GGUF width (Q4_K 0.59 bytes a weight against
-  0.56), against building the tiles from the blocks at every call, which for the K-quants costs
-  more than reading them: the 1.5B's linear layers at 8 rows 141-169 → 95-105 ms, at 1 row
-  119-123 → 50-62 ms, level with the direct kernels (45-63 ms), so the panels take every call of 2
-  rows or more there. The same bits. A panel's two tiles take turns in each step, so up to 8
-  activation rows share one read of the weights. Emerald Rapids; `TOKENTOP_PACKED=1` / `0`
-  `tools/kernel_bench.py MODEL 2`, alternated twice.
+  load in the panels' tile order, codes at their GGUF width (Q4_K 0.59 bytes a weight against
+  0.56), and calls of 2-32 rows read them there; building the tiles from the blocks at every call
+  cost more than reading them. A panel's two tiles take turns in each step, so 8 activation rows
+  share one read of the weights. The same bits. The 1.5B's linear layers with the packed copies
+  against without (direct kernels up to 4 rows, built panels above): 0.98× at 2 rows, 0.66-0.73×
+  at 4, 0.55-0.62× at 8, 0.76-0.82× at 16, 0.90-1.02× at 32; the 0.5B (mostly Q5_0 / Q8_0) 0.79×
+  at 4, 0.87× at 8. At 64 and 500 rows, unpacking the copy for the built panels' loop was 1.13×
+  slower than building from the blocks, so prefill builds as before. Emerald Rapids;
+  `tools/kernel_bench.py MODEL 2 --packed-ab`, the two alternated in one process.
 * **AVX2 panel kernel.** 8-row tiles, the float step shared by a tile's rows, against 16-row
   unpacked tiles: the 0.5B's linear layers at 8 rows 78.2 → 28.9 ms; against the direct kernels
   22.8 against 30.2 ms at 5 rows. AVX2 on Zen 5; `tools/kernel_ab.py MODEL A,B 8,64 3`.

@@ -21,6 +21,7 @@ kernels (small_m=16), the unpacked tiles (small_m=0) and the panels (big_m=1; AV
 elsewhere the op's other kernels); prints the median time of the set, the GGUF bytes it reads
 and the rate, then per GGUF type at M = 1. --prefill instead times many-row calls: the tiles
 against the panels per row count and, at 512 rows, per layer shape, in GMAC/s.
+--packed-ab times the default kernels with and without the packed K-quant copies (AVX-512).
 Run on an otherwise idle machine:
   python tools/kernel_bench.py qwen2.5-coder-0.5b 2
 tools/kernel_ab.py times the same set (time_set) across two checkouts.
@@ -62,12 +63,38 @@ def prefill(layers: list[QuantLinear]) -> None:
               f"  panels {macs(sub, 512) / res[1] / 1e6:6.1f} GMAC/s", flush=True)
 
 
+def packed_ab(layers: list[QuantLinear], rounds: int = 3) -> None:
+    """The op's default kernels with the packed K-quant copies (TOKENTOP_PACKED=1) against
+    without (0), alternated in this process (the op reads the variable per call), so a drift of
+    the machine lands on both: the median of the pairs' ratios per row count."""
+    import os
+
+    from engine.models.quant import pack_for_batches
+
+    for m in layers:
+        pack_for_batches(m)
+    sizes = (1, 2, 4, 8, 16, 32, 64)
+    res = {(p, n): [] for p in "10" for n in sizes}
+    for _ in range(rounds):
+        for n in sizes:
+            for p in "10":
+                os.environ["TOKENTOP_PACKED"] = p
+                res[(p, n)].append(time_set(layers, n, -1, reps=3, big_m=-1))
+    os.environ.pop("TOKENTOP_PACKED")
+    for n in sizes:
+        ratios = [a / b for a, b in zip(res[("1", n)], res[("0", n)])]
+        print(f"M={n:2d}  packed {median(res[('1', n)]):7.2f} ms  built {median(res[('0', n)]):7.2f} ms  "
+              f"packed/built {median(ratios):.3f}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, epilog=USAGE,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", nargs="?", default="qwen2.5-coder-0.5b", help="catalog name or .gguf path")
     ap.add_argument("threads", nargs="?", type=int, default=2, help="torch threads (default 2)")
     ap.add_argument("--prefill", action="store_true", help="many-row calls: tiles against panels")
+    ap.add_argument("--packed-ab", action="store_true",
+                    help="the default kernels with the packed K-quant copies against without (AVX-512)")
     args = ap.parse_args()
     model_name = args.model
     torch.set_num_threads(args.threads)
@@ -82,6 +109,8 @@ def main() -> None:
           f"threads {torch.get_num_threads()}, bytes by type {dict(by_type)}")
     if args.prefill:
         return prefill([m for m in layers if m.op != "lm-head"])
+    if args.packed_ab:
+        return packed_ab(layers)
 
     print(f"plain read of 1 GiB: {read_bandwidth():.1f} GB/s; default direct rows: {kernels.direct_rows()}")
     for m_rows in (1, 2, 3, 4, 5, 6, 7, 8, 12, 16):

@@ -7,7 +7,7 @@
 //   portable (scalar)   quant_generic.inc          quant_generic.inc         quant_generic.inc
 //   AVX2 + FMA + F16C   quant_avx2_direct.inc      quant_avx2_panels.inc     quant_avx2_rows.inc
 //   AVX-512 + VNNI      quant_avx512_direct.inc    quant_avx512_panels.inc   quant_avx512_tiles.inc
-//                                                  (K-quants: _packed.inc)
+//                                                  (K-quants to 32 rows: _packed.inc)
 // direct_max_rows is 4, except 1 on AVX-512 with the packed K-quant panels (TOKENTOP_PACKED).
 // Deterministic mode (small_m = 0) takes the last column at every M, so that a row's bits do not
 // depend on its batch; a forced small_m / big_m moves the thresholds (tests, benchmarks). On AVX2
@@ -299,6 +299,14 @@ void matmul_panels(int isa, int type, const uint8_t* w, int64_t K, int64_t n0, i
 }
 
 bool has_packed(int isa, int type) { return TT_X86 && isa == ISA_AVX512 && is_k_quant(type) && use_packed(); }
+
+int64_t packed_max_rows() {
+#if TT_X86
+    return isa_avx512::PACKED_MAX_ROWS;
+#else
+    return 0;
+#endif
+}
 
 int64_t packed_bytes(int type, int64_t rows, int64_t K) {
 #if TT_X86

@@ -90,6 +90,7 @@ void matmul_panels(int isa, int type, const uint8_t* w, int64_t K, int64_t n0, i
 // n0 a multiple of 16).
 bool has_packed(int isa, int type);     // false with TOKENTOP_PACKED=0
 bool use_packed();
+int64_t packed_max_rows();              // calls of more rows build their panels from the blocks
 int64_t packed_bytes(int type, int64_t rows, int64_t K);
 void pack_tiles(int type, const uint8_t* w, int64_t rows, int64_t K, int64_t t0, int64_t t1, uint8_t* out);
 void matmul_packed(int type, const uint8_t* packed, int64_t rows, int64_t K, int64_t n0, int64_t n1,

@@ -198,8 +198,8 @@ at::Tensor qmatmul(const at::Tensor& x_in, at::TensorList weights, at::IntArrayR
         });
         float* yp = y.data_ptr<float>();
         std::vector<const uint8_t*> packed(weights.size(), nullptr);
-        for (size_t i = 0; i < weights.size(); ++i)
-                if (tt::has_packed(use, int(types[i]))) packed[i] = packed_matrix(weights[i], types[i], rows[i], K);
+        for (size_t i = 0; i < weights.size() && M <= tt::packed_max_rows(); ++i)
+            if (tt::has_packed(use, int(types[i]))) packed[i] = packed_matrix(weights[i], types[i], rows[i], K);
         // threads take whole panels of output rows (of the stacked matrices)
         const int64_t P = tt::panel_rows(use);
         at::parallel_for(0, (N + P - 1) / P, 1, [&](int64_t pb, int64_t pe) {
