@@ -992,21 +992,25 @@ today's.""",
 
 BOUNDS = {
     "rows": """\
-What bounds them: one row reads the weights at 80-85% of the plain read measured in the run. From
-5 rows the panel kernels build 16-row tiles from the GGUF blocks at every step, and for the
-K-quants (nearly all of the 1.5B, the 0.5B's down projections) that build costs more than the
-read: on Emerald Rapids the 1.5B's linear layers take 138 ms as panels at one row against 76 ms
-direct (`tools/kernel_bench.py`), so its 8-row step is 3.2× one row where the 0.5B's, mostly
-Q5_0 and Q8_0, is 2.0×. Tiles kept in memory in that order would take the build out of the step;
-the one-row path would keep reading the GGUF layout.""",
+What bounds them: one row reads the weights at 63% (0.5B) and 72% (1.5B) of the plain read
+measured in the run. On
+AVX-512 the K-quants (nearly all of the 1.5B, the 0.5B's down projections) are packed at load in
+the panels' tile order, so calls of 2-32 rows read them with no per-call build (docs/kernels.md,
+'K-quants packed for the panels'): the 1.5B's 8-row step, 3.2× one row when the tiles were built
+at every call, is 1.6-1.7× (runs 1.59-1.72×), its 4-row step 1.2×. Many rows are then bound by
+the integer dots: the step's multiply-adds at 8 rows run at about the machine's float32 matmul
+rate (compute share ~1.0). The 0.5B, mostly Q5_0 and Q8_0 built at every call (their build is
+cheap), takes 1.6-1.8× at 8 rows.""",
     "single": """\
 What bounds them: decode reads every weight once a step (0.5B ~0.39 GB, 1.5B ~1.0 GB), bound by
 memory: on Zen 5 the 0.5B step reads 32 GB/s against a 41-45 GB/s plain 2-thread read, the
 framework around the kernels within the timings' spread (`framework_overhead_ms_per_step`). On
 Zen 3 the Q5_0 direct kernel is bound by its bit work (10 GB/s; Q8_0 and Q4_K 17). On Emerald
-Rapids the 0.5B's decode reads 13.2 GB/s against a 20.0 GB/s read measured in the run (66%), the
-1.5B's 14.7 against 19.3 (76%); the workers' live roofline read 13.4 and 15.4 GB/s for the same
-decodes. Prefill is compute-bound (the panels).""",
+Rapids the 0.5B's decode reads 13.6 GB/s against a 22.2 GB/s read measured in the run (61%), the
+1.5B's 17.5 against 23.1 (76%); the workers' live roofline read 12.9 and 17.7 GB/s for the same
+decodes. Prefill is compute-bound (the panels). The 1.5B's memory on Emerald Rapids includes the
+packed K-quant copies (about 1.0 GB; `TOKENTOP_PACKED=0` goes without them and their speed-up of
+2-32-row steps).""",
     "batching": """\
 What bounds them: one stream is bound by memory, eight rows by the integer dot and the tile build
 (`python tools/kernel_bench.py`): the 8-row forward takes ~1.8× the 1-row one on Zen 5, ~2.1× on

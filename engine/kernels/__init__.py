@@ -318,9 +318,13 @@ def describe() -> str:
     if not load():
         return f"quantized kernels: unavailable ({_state['reason']}); dense torch matmuls"
     larger = "unpacked panels" if isa_name() in ("avx512", "avx2") else "unpacked tiles"
-    return (f"quantized kernels: GGUF-native, {isa_name()} (best on this CPU: "
-            f"{isa_name(best_isa())}); every call size runs on the GGUF bytes (direct "
-            f"block-to-register kernels up to {direct_rows()} rows, {larger} above)")
+    n = direct_rows()
+    what = (f"every call size runs on the GGUF bytes (direct block-to-register kernels up to {n} "
+            f"row{'s' if n != 1 else ''}, {larger} above)")
+    if isa_name() == "avx512" and n == 1:      # the packed K-quant copies are on
+        what = ("direct block-to-register kernels for one row, panels above; K-quants at 2-32 rows "
+                "from a copy packed at load (TOKENTOP_PACKED=0: none)")
+    return f"quantized kernels: GGUF-native, {isa_name()} (best on this CPU: {isa_name(best_isa())}); {what}"
 
 
 def best_isa() -> int:
