@@ -993,9 +993,211 @@ today's.""",
 BOUNDS = {
     "rows": """\
 What bounds them: one row reads the weights at 63% (0.5B) and 72% (1.5B) of the plain read
-measured in the run. On
-AVX-512 the K-quants (nearly all of the 1.5B, the 0.5B's down projections) are packed at load in
-the panels' tile order, so calls of 2-32 rows read them with no per-call build (docs/kernels.md,
+measured in the run. On AVX-512 the K-quants (nearly all of the 1.5B, the 0.5B's down
+projections) are packed at load in the panels' tile order, so calls of 2-32 rows read them with
+no per-call build (docs/kernels.md,
+'K-quants packed for the panels'): the 1.5B's 8-row step, 3.2× one row when the tiles were built
+at every call, is 1.6-1.7× (runs 1.59-1.72×), its 4-row step 1.2×. Many rows are then bound by
+the integer dots: the step's multiply-adds at 8 rows run at about the machine's float32 matmul
+rate (compute share ~1.0). The 0.5B, mostly Q5_0 and Q8_0 built at every call (their build is
+cheap), takes 1.6-1.8× at 8 rows.""",
+    "single": """\
+What bounds them: decode reads every weight once a step (0.5B ~0.39 GB, 1.5B ~1.0 GB), bound by
+memory: on Zen 5 the 0.5B step reads 32 GB/s against a 41-45 GB/s plain 2-thread read, the
+framework around the kernels within the timings' spread (`framework_overhead_ms_per_step`). On
+Zen 3 the Q5_0 direct kernel is bound by its bit work (10 GB/s; Q8_0 and Q4_K 17). On Emerald
+Rapids the 0.5B's decode reads 13.6 GB/s against a 22.2 GB/s read measured in the run (61%), the
+1.5B's 17.5 against 23.1 (76%); the workers' live roofline read 12.9 and 17.7 GB/s for the same
+decodes. Prefill is compute-bound (the panels). The 1.5B's memory on Emerald Rapids includes the
+packed K-quant copies (about 1.0 GB; `TOKENTOP_PACKED=0` goes without them and their speed-up of
+2-32-row steps).""",
+    "batching": """\
+What bounds them: one stream is bound by memory, eight rows by the integer dot and the tile build
+(`python tools/kernel_bench.py`): the 8-row forward takes ~1.8× the 1-row one on Zen 5, ~2.1× on
+Zen 4 (512-bit operations in two halves). On Zen 3 the 8-row linear layers take 2.5-2.7× the 1-row
+time (the `maddubs` dot at half of `vpmaddubsw`'s rate). Paging costs nothing measurable:
+the model step reads paged and contiguous K/V at the same speed.""",
+    "llama_server": """\
+What bounds them: a tokentop step runs every active row through each linear layer in one call, so
+the weights are read once a step for all streams and N = 8 is bound by the 8-row kernels;
+llama-server's aggregate grows far less with N. At N = 1 the gap is single's decode ratio, less
+the HTTP path.""",
+    "routing": """\
+What bounds them: this report's CPU worker (an earlier engine) decodes ~30× slower than the
+simulated GPU, so `cost` gives it work only when the GPU's queue is long: completion within a few
+per cent of `forced-fastest`. A real CPU and GPU: the GPU section.""",
+    "prefix": """\
+What bounds them: no request has its first token before one full prefill of its prompt (the
+leader's 512 + 20 tokens), and a follower also computes the tokens past the last full shared page,
+so for identical prompts at N = 8 the best mean is about −80%, which `after-prefill` reaches. On
+the shared document every request needs its 800 tokens computed once first: `after-prefill` can
+gain at most ~35% on `incremental`.""",
+    "spec": """\
+What bounds them: on Emerald Rapids the K-quants packed for the panels make an 8-row step of the
+1.5B cost 1.6-1.7× a one-row step (rows, below; 3.2× when its tiles were built at every call), so a
+verify of k + 1 rows costs less than two target steps. The 0.5B's drafts, accepted 95-97% of the
+time on the refactor, then gain 1.49-1.58× at a fixed k of 4-8, and `adaptive:cost` 1.65×; on the
+sampled creative prompt a fixed k loses (0.49-0.77×) where `adaptive:cost` holds 1.04×. N-gram
+proposals cost no draft step: 3.19× on the 1.5B and 3.60× on the 0.5B for the refactor, which
+copies most of its output. Suffix decoding's first pass of the repeated burst (0.80×) pays for
+proposals its young tree cannot back; the second finds the first's outputs (1.90×).""",
+    "seeds": """\
+The burst files that reproduce mini-vllm-rs's experiments (sample_prompts/README.md), each run by
+`tokentop compare` under two settings (a fresh engine per side, the 0.5B on one CPU worker unless
+said), bundled with the commands by `tools/bench_tables.py --bundle`; ours one run a row, theirs as published.""",
+    "seeds_single_flight": """\
+Single flight: N identical 529-token greedy requests at once, 128 tokens; mean TTFT, followers
+released when the leader completes against after its prefill.""",
+    "seeds_routing": """\
+Routing: the CPU worker and `sim:gpu0` (mini-vllm-rs's Metal rates), both warmed with the 512-token
+note (`--warm`), 520-token prompts 50 ms apart, 128 tokens, ≤ 4 active per worker; every request
+to the GPU (`worker=1`) against `router-policy=cost`; completion of the burst, aggregate tok/s.""",
+    "seeds_spec": """\
+Speculation, the 1.5B as target: decode tok/s = (output − 1) / (e2e − TTFT), median over the
+burst's requests, each mode against an off side of its own run; `spec_code_edit` greedy (as
+theirs), `spec_creative` three requests at once sampled at 0.7 (theirs: greedy, one request).""",
+    "serve": """\
+8 concurrent streams of 64 tokens (0.5B) through one engine, measured by the client: in process
+(`engine.submit`, async iteration) against `tokentop serve`'s HTTP API (streamed over loopback),
+runs alternating.""",
+    "dashboard": """\
+The same 8-request burst (64 tokens) headless and with the dashboard open (200×60, headless
+Textual; timeline and charts shown since chart ms), runs alternating; one frame (snapshot to
+screen) with 200 requests live on a simulated worker, median ms, table / timeline; goal ≤ 25 ms
+(bold: over); one history chart redrawn (4 series × 900 points, 100×30), median ms.""",
+    "trace": """\
+A 4-request burst with no recording, the light ring (default) and full detail (per-layer scopes),
+rounds A B C C B A from each of the six orders; ratios to off: the rounds' median (lowest–highest).
+Goals: light ≤ 1%, full ≤ 10% off.""",
+    "router": """\
+One routing decision as `Engine.submit` makes it under the facade's lock: each worker's load (a
+running account), the reusable prefix per worker (the prompt's pages against its published keys),
+`Router.choose`; N simulated workers, never started, 1,000 requests queued; median and p99 µs of
+each part. Goal: ≤ 1 ms at 256 workers.""",
+    "record": """\
+A `--record` file's growth: a 16-request burst on two simulated workers, 5 frames a second for a
+minute; bytes per frame and per minute, as written (gzip) and uncompressed. Goal: ≤ 1 MB a minute.""",
+    "soak": """\
+N minutes of mixed load (HTTP streams and whole answers, some left early; bursts in process, some
+aborted) over two local worker processes and a remote `tokentop serve`, simulated; a local worker
+SIGKILLed at a third, the remote restarted at two thirds. Once idle: requests by outcome, lost and
+doubled (both ledgers), the most RSS grew after warm-up, KV pages held, seconds from each
+disruption to serving again. Goals: RSS within 5%, nothing held, lost or doubled, both back.""",
+    "rows": """\
+A decode step's time by its rows (N requests decoding together), against one row. A step reads
+the weights once whatever its rows: one row is bound by that read (its share of the read
+bandwidth measured in the same run), many rows by the arithmetic and the unpacking of the
+weight blocks (the share of a float32 matmul peak measured in the same run).""",
+    "first_start": """\
+A first start: the seconds to each stage the report records (model assembled, worker ready, first
+token, kernels switched in for the torch matmuls), every number under its own name.""",
+    "fuzz": """\
+The suite's seeded fuzzers. `tests/test_gguf_fuzz.py` (Hypothesis) corrupts the headers of tiny
+random models and of the real 0.5B: each loads or is refused in one line naming the file, within
+10 s and 1 GiB; a tiny model that loads runs a step. Per run: outcomes, the 3 commonest refusals
+(particulars blanked, the remedy left off: "re-download or re-assemble the model file" and the
+like).""",
+    "openapi_fuzz": """\
+`tests/test_openapi_fuzz.py` (schemathesis, every operation of the served schema): seed 37, 30
+examples each (the default), 887 requests; seed 1, 300 examples, 1,697 requests; 0 failures, no
+5xx, 0 KV pages in use after each request.""",
+    "gpu": """\
+`tools/gpu_check.py` on a lent GPU machine (docs/gpu_check.md): fidelity per activation dtype,
+bench single and batching, the decode step's launch profile, the kernel choice and routing over
+its CPU and GPU; the 1.5B (a file too large to travel whole) ran only fidelity and bench single.""",
+    "kernels_intro": """\
+# Kernels and defaults
+
+<!-- Generated by `python tools/bench_tables.py`: edit the tool, not this page. -->
+
+The measurements that chose the kernels' forms and the defaults, each with the tool that took it
+where one is kept; no report backs them. The benchmarks and their reports:
+[benchmarks.md](benchmarks.md).""",
+    "kernels": """\
+## kernels: why each form
+
+Each form of the kernels and fused ops, what it was measured against, on which CPU (Zen 3 =
+cpuid 25/1, Zen 5 = 26/2, Emerald Rapids = 6/207; "AVX2 on Zen 5": the AVX2 build forced by `TOKENTOP_KERNEL_ISA=avx2`),
+and the tool that measures it; no report backs them.
+
+* **One call per decode step, one weight row at a time.** All layers of a decode step in one C++
+  call against ten op calls a layer from Python: the forward 1.05-1.07× faster. Direct kernels
+  reading one output row at a time against four side by side: the 1.5B's linear layers at 1 row
+  26.4 → 22.0 ms. The top-32 logit refinement in C++, not numpy: 0.60 → 0.39 ms a step at 8 rows
+  (0.5B). Zen 5; `tools/kernel_ab.py MODEL A,B 1,4 4`.
+* **Panels built straight from the GGUF blocks.** Tiles of 16 rows' bytes at one block offset,
+  transposed by 32-bit words, against unpacking each row and a 16×16 transpose: the 0.5B's linear
+  layers at 8 rows 22.5 → 15.0 ms. The panels then win from 5 rows, the direct kernels up to 4
+  (AVX2; on AVX-512 see the next entry). Zen 5; `tools/kernel_bench.py MODEL 2`.
+* **K-quants packed for the panels.** On AVX-512, Q4_K / Q5_K / Q6_K matrices are packed once at
+  load in the panels' tile order, codes at their GGUF width (Q4_K 0.59 bytes a weight against
+  0.56), and calls of 2-32 rows read them there; building the tiles from the blocks at every call
+  cost more than reading them. A panel's two tiles take turns in each step, so 8 activation rows
+  share one read of the weights. The same bits. The 1.5B's linear layers with the packed copies
+  against without (direct kernels up to 4 rows, built panels above): 0.98× at 2 rows, 0.66-0.73×
+  at 4, 0.55-0.62× at 8, 0.76-0.82× at 16, 0.90-1.02× at 32; the 0.5B (mostly Q5_0 / Q8_0) 0.79×
+  at 4, 0.87× at 8. At 64 and 500 rows, unpacking the copy for the built panels' loop was 1.13×
+  slower than building from the blocks, so prefill builds as before. Emerald Rapids;
+  `tools/kernel_bench.py MODEL 2 --packed-ab`, the two alternated in one process.
+* **AVX2 panel kernel.** 8-row tiles, the float step shared by a tile's rows, against 16-row
+  unpacked tiles: the 0.5B's linear layers at 8 rows 78.2 → 28.9 ms; against the direct kernels
+  22.8 against 30.2 ms at 5 rows. AVX2 on Zen 5; `tools/kernel_ab.py MODEL A,B 8,64 3`.
+* **Prefill: the AVX-512 panel kernel.** 32-row panels, 6 activation rows a block in registers,
+  against the 16-row tiles: 556-647 against 200-364 GMAC/s at 512 rows; 3 tiles × 4 rows: no
+  faster. Outputs ≥ 32 MiB come from a pool: as fresh mappings, the 1.5B's gate|up spent 13 of 34
+  ms a call in page faults. Zen 5; `tools/kernel_bench.py MODEL 2 --prefill`.
+* **Prefetch of the next panel, spread thin.** A few of its lines per row block and build step,
+  against all over the first row block: the 0.5B's lm_head at 8 rows 0.87×, 0.87× again with a
+  share in the build; the whole panel at once 1.2-1.5× slower, none 1.5-2.2×, into L2 1.06-1.15×.
+  Zen 5; `tools/kernel_ab.py MODEL A,B 8 6 --op lm-head`.
+* **Two tiles per broadcast with AVX-VNNI.** `vpdpbusd` issues 1.57 a cycle when two share a
+  broadcast operand, 1.31 when not (`tools/dpbusd_rate.cpp`): two tiles at once took the 0.5B's
+  linear layers at 8 rows 23.95 → 20.64 ms, the 1.5B's 67.9 → 56.0; the `maddubs` build 27.0 →
+  31.1, so it keeps one. AVX2 on Zen 5; `tools/kernel_ab.py MODEL A,B 8,64 4`.
+* **Per-thread activation buffers.** The op's activation buffers are the calling thread's, never
+  cleared, against zeroed vectors each call: an 8-row call on 32 output rows 7.85 → 7.35 µs
+  (K = 896). Zen 5.
+* **Q8_0 row lanes.** Without AVX-VNNI, Q8_0 at 7-8 rows puts activation row m in lane m and
+  broadcasts each weight row's codes from its blocks, no tile build: the 0.5B's lm_head 1.12×
+  faster at 8 rows, 1.05× at 7. Zen 3 (forced on Zen 5: 0.80×); `tools/kernel_ab.py MODEL A,B 7,8 8
+  --op lm-head`.
+* **8-float vectors on AVX2.** GCC lowers a 16-float vector's compares, selects and int conversions
+  there through memory: a 151936-logit exp-sum 0.58 ms in 16 lanes against 0.135 in 2 × 8
+  (`tools/fused_vector_width.cpp`), greedy_pick 2.44 → 0.67 ms at 8 rows, the silu 17 → 5.8 µs
+  (Zen 3); the decode attention's 16-float blocks ran 5× slower than plain loops (AVX2 on Zen 5).
+* **Framework overhead: fused per-layer ops.** Four fused C++ ops a layer against ~40 small torch
+  ops: the 0.5B's overhead 4.78 → 1.65 ms a step (`tokentop bench single`'s
+  `framework_overhead_ms_per_step`); `torch.compile` of a layer: 15.9 ms a call against 0.31. Zen 5.""",
+    "defaults": """\
+## Measurements behind defaults
+
+Figures that decided a default, measured by scripts not kept: no report backs them.
+
+* **KV dtype.** `--kv-dtype auto` is fp32 on every device. Teacher-forced over the fidelity
+  prompts, fp16 K/V moves Gemma 3 270M off the reference at a step that is not a near-tie (top-2
+  gap 0.263 > 0.25), bf16 its logits by up to 2.3; on the Qwen models fp16 changes no argmax
+  (`tests/test_fidelity.py`). Neither is faster at ≤ 2,000 positions, and the CPU store is resident
+  only where written; `--kv-dtype fp16` doubles the positions that fit. 16-bit rows are read by
+  exact branch-free conversions that vectorize: through c10's, the 1.5B decoded over fp16 K/V at
+  0.49× fp32's speed at 500 positions, 0.21× at 2,000 (now 0.98×, 0.88×; Zen 5).
+* **2 MiB pages for the weights** (`engine/models/huge_pages.py`): the 1.5B decode step 1.022×
+  faster (median of 12 alternations against the same file cached in 4 KiB pages, Zen 5).
+* **One OpenMP team per core.** A decoder loaded on one thread and stepped on another, or two CPU
+  workers on the same cores, give libgomp more threads than CPUs: the 1.5B step 27.5 against 19.0
+  ms; two 0.5B workers on 2 cores 92-95 tok/s together against 248-295 with the cores split (Zen 5).
+  So one thread drives a worker and CPU workers split the cores.""",
+    "reports": """\
+CPU class: from cpuid family/model where recorded, else the ISA. A CPU report that records no
+kernel build (its `machine.quantized_kernels`) ran an earlier engine: its absolute rates are not
+today's.""",
+}
+
+BOUNDS = {
+    "rows": """\
+What bounds them: one row reads the weights at 63% (0.5B) and 72% (1.5B) of the plain read
+measured in the run. On AVX-512 the K-quants (nearly all of the 1.5B, the 0.5B's down
+projections) are packed at load in the panels' tile order, so calls of 2-32 rows read them with
+no per-call build (docs/kernels.md,
 'K-quants packed for the panels'): the 1.5B's 8-row step, 3.2× one row when the tiles were built
 at every call, is 1.6-1.7× (runs 1.59-1.72×), its 4-row step 1.2×. Many rows are then bound by
 the integer dots: the step's multiply-adds at 8 rows run at about the machine's float32 matmul
