@@ -9,6 +9,7 @@
 #include <c10/core/InferenceMode.h>
 
 #include <algorithm>
+#include <iterator>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -75,8 +76,8 @@ at::Tensor pooled_output(int64_t M, int64_t N, const at::TensorOptions& opts) {
 
 // Packed copies of the K-quant matrices for the AVX-512 panels (tt::pack_tiles; the same bits
 // as building the panels from the GGUF blocks at every call, at a fraction of the cost). A
-// matrix is packed on its first panel call (the model's load-time self-check makes that call for
-// every layer) and the copy lives as long as the matrix: the cache holds a weak reference to the
+// matrix is packed on its first call of 2-32 rows (engine/models/quant.py's pack_for_batches
+// makes that call for every layer at load) and the copy lives as long as the matrix: the cache holds a weak reference to the
 // matrix's storage, so a freed model's copies go at the next packing, and a new matrix at a
 // reused address cannot match a stale entry (the storage object outlives its weak references).
 // The matrices must not change in place (the engine's are the read-only mapped file).
@@ -91,7 +92,6 @@ std::mutex packed_mu;
 // by (the matrix's first byte, its storage): two storages over the same bytes (e.g. two tensors
 // made from one numpy array) have two copies, so a live copy is never replaced under a caller
 std::map<std::pair<const void*, const c10::StorageImpl*>, PackedCopy> packed_cache;
-int64_t packed_total = 0;     // bytes held (packed_bytes op)
 
 const uint8_t* packed_matrix(const at::Tensor& w, int64_t type, int64_t rows, int64_t K) {
     std::lock_guard<std::mutex> lock(packed_mu);
@@ -102,18 +102,10 @@ const uint8_t* packed_matrix(const at::Tensor& w, int64_t type, int64_t rows, in
         it->second.rows == rows && it->second.K == K)
         return it->second.bytes.get();
     for (auto e = packed_cache.begin(); e != packed_cache.end();) {     // the freed matrices' copies
-        if (e->second.owner.expired()) {
-            packed_total -= tt::packed_bytes(int(e->second.type), e->second.rows, e->second.K);
-            e = packed_cache.erase(e);
-        } else {
-            ++e;
-        }
+        e = e->second.owner.expired() ? packed_cache.erase(e) : std::next(e);
     }
     // a live entry of another shape at the same bytes (a reinterpreted view): replaced below
-    if ((it = packed_cache.find(key)) != packed_cache.end()) {
-        packed_total -= tt::packed_bytes(int(it->second.type), it->second.rows, it->second.K);
-        packed_cache.erase(it);
-    }
+    packed_cache.erase(key);
     const int64_t n = tt::packed_bytes(int(type), rows, K);
     PackedCopy copy{w.storage().getWeakStorageImpl(), type, rows, K};
     copy.bytes.reset(static_cast<uint8_t*>(std::aligned_alloc(64, size_t((n + 63) / 64 * 64))));
@@ -123,7 +115,6 @@ const uint8_t* packed_matrix(const at::Tensor& w, int64_t type, int64_t rows, in
     at::parallel_for(0, (rows + 15) / 16, 4, [&](int64_t t0, int64_t t1) {
         tt::pack_tiles(int(type), src, rows, K, t0, t1, dst);
     });
-    packed_total += n;
     return packed_cache.emplace(key, std::move(copy)).first->second.bytes.get();
 }
 
@@ -132,7 +123,7 @@ const uint8_t* packed_matrix(const at::Tensor& w, int64_t type, int64_t rows, in
 // docs/kernels.md, 'Panels built straight from the GGUF blocks', 'K-quants packed for the panels').
 // The tiles are slower than both at every row count and serve only deterministic mode (and the
 // portable path). The files behind each choice: the table atop qkernels.cpp.
-
+//
 // small_m: -1 the default, tt::direct_max_rows (calls of more rows amortize the panels' or
 // tiles' unpacking over several activation rows); 0 never use the direct kernels (deterministic
 // mode: then one kernel serves every row count, so a row's bits do not depend on its batch);
@@ -291,7 +282,9 @@ bool avx_vnni_op() { return tt::use_avx_vnni(); }
 // bytes held by the packed K-quant copies (freed matrices' included until the next packing)
 int64_t packed_bytes_op() {
     std::lock_guard<std::mutex> lock(packed_mu);
-    return packed_total;
+    int64_t total = 0;
+    for (const auto& [key, copy] : packed_cache) total += tt::packed_bytes(int(copy.type), copy.rows, copy.K);
+    return total;
 }
 
 }  // namespace

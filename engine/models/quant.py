@@ -356,8 +356,8 @@ def pack_for_batches(model: torch.nn.Module) -> int:
     matrix's first such call) now, at load: else the first prefill or batch pays for the whole
     model (about 0.6 s for the 1.5B on 2 cores). Returns the bytes the copies hold."""
     for layer in model.modules():
-        if isinstance(layer, QuantLinear) and "gguf-tiles" in layer.kernel_forms():
-            rows = layer.kernel_forms()["gguf-tiles"]
+        rows = layer.kernel_forms().get("gguf-tiles") if isinstance(layer, QuantLinear) else None
+        if rows:
             g = layer.gguf
             torch.ops.tokentop.qmatmul(torch.zeros(rows, layer.in_features), g.tensors, g.types, g.rows,
                                        None, -1, layer.small_m)
