@@ -487,14 +487,14 @@ def test_gguf_rows_dot_is_the_exact_dot_with_dequantized_rows(qtype):
         torch.ops.tokentop.gguf_rows_dot(h[:1].contiguous(), w, int(qtype), torch.tensor([[300]]))
 
 
-@pytest.mark.skipif("avx512" not in runnable_isas(), reason="the packed K-quant panels are AVX-512's")
-@pytest.mark.parametrize("qtype", K_TYPES, ids=lambda t: t.name)
-def test_packed_k_quant_panels_give_the_gguf_panels_bits(qtype, monkeypatch):
-    """AVX-512 packs each K-quant matrix once (16-row tiles, codes at their GGUF width) and its
-    panels read that copy: the same integer sums and float steps as panels built from the
-    blocks at every call, so the same bits. N = 77 (a last tile of 13 rows and an empty one),
-    stacked behind a matrix of 19 rows (a start inside a tile falls back to the GGUF build),
-    1-64 rows, 1 and 2 threads."""
+@pytest.mark.skipif("avx512" not in runnable_isas(), reason="the packed panels are AVX-512's")
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_packed_panels_give_the_gguf_panels_bits(qtype, monkeypatch):
+    """AVX-512 packs each matrix once (16-row tiles, codes at their GGUF width) and its panels
+    read that copy: the same integer sums and float steps as panels built from the blocks at
+    every call, so the same bits. N = 77 (a last tile of 13 rows and an empty one), stacked
+    behind a matrix of 19 rows (a start inside a tile falls back to the GGUF build), 1-64 rows,
+    1 and 2 threads."""
     k = 768
     td = random_td(qtype, rows=77, cols=k, seed=81 + int(qtype))
     head = random_td(T.Q8_0, rows=19, cols=k, seed=82)
@@ -513,6 +513,25 @@ def test_packed_k_quant_panels_give_the_gguf_panels_bits(qtype, monkeypatch):
     finally:
         torch.set_num_threads(threads)
     check(run([td], x, "avx512", big_m=1), td, x)
+
+
+@pytest.mark.skipif("avx512" not in runnable_isas(), reason="the packed panels are AVX-512's")
+def test_one_row_q5_0_calls_read_the_packed_copy(monkeypatch):
+    """On AVX-512 a one-row call of Q5_0 matrices alone takes the panels over their packed copy
+    by default (Q5_0's direct kernel is compute-bound): the panels' bits, which differ from the
+    direct kernel's here. TOKENTOP_PACKED=0 gives the direct kernel back, and a call that stacks
+    Q5_0 with another type keeps it."""
+    k = 768
+    td = random_td(T.Q5_0, rows=77, cols=k, seed=95)
+    other = random_td(T.Q8_0, rows=32, cols=k, seed=96)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(97))
+    panels, direct = run([td], x, "avx512", big_m=1), run([td], x, "avx512", small_m=16)
+    assert not torch.equal(panels, direct)
+    assert torch.equal(run([td], x, "avx512"), panels)
+    check(run([td], x, "avx512"), td, x)
+    assert torch.equal(run([td, other], x, "avx512"), run([td, other], x, "avx512", small_m=16))
+    monkeypatch.setenv("TOKENTOP_PACKED", "0")
+    assert torch.equal(run([td], x, "avx512"), direct)
 
 
 @pytest.mark.skipif("avx512" not in runnable_isas(), reason="the packed K-quant panels are AVX-512's")

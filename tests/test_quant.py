@@ -297,11 +297,11 @@ def test_real_model_builds_every_linear(real_model_path):
 
 
 @pytest.mark.skipif(not kernels.available() or kernels.isa_name() != "avx512",
-                    reason="the packed K-quant copies are AVX-512's")
+                    reason="the packed copies are AVX-512's")
 def test_pack_for_batches_packs_at_load_what_batches_read():
-    """pack_for_batches makes the packed copies of the K-quant layers that many-row calls take
-    (so the first prefill does not pay for them), not of the others (deterministic mode's tiles
-    read the GGUF blocks), and the layers compute what they computed before."""
+    """pack_for_batches makes the packed copies of the layers that many-row calls take (so the
+    first prefill does not pay for them), not of deterministic mode's (its tiles read the GGUF
+    blocks), and the layers compute what they computed before."""
     layers = torch.nn.ModuleList([
         make_linear(make_td(T.Q4_K, rows=64, cols=512, seed=1), bias=None, policy=FP32),
         make_linear(make_td(T.Q8_0, rows=64, cols=512, seed=2), bias=None, policy=FP32),
@@ -312,7 +312,9 @@ def test_pack_for_batches_packs_at_load_what_batches_read():
     quant.pack_for_batches(keep)          # packing lets go of the copies of matrices freed before
     before = kernels.packed_bytes()
     held = quant.pack_for_batches(layers)
-    assert held - before == 64 // 16 * 512 // 256 * 2432     # the Q4_K layer's copy only
+    # the Q4_K layer's copy (2432 bytes per tile and super-block) and the Q8_0 one's (544 per
+    # tile and block), not the deterministic Q6_K layer's
+    assert held - before == 64 // 16 * 512 // 256 * 2432 + 64 // 16 * 512 // 32 * 544
     assert kernels.packed_bytes() == held                     # a later call packs nothing more
     with torch.inference_mode():
         ys = [layer(x) for layer in layers]

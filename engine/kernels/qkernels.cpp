@@ -298,7 +298,12 @@ void matmul_panels(int isa, int type, const uint8_t* w, int64_t K, int64_t n0, i
     (void)M; (void)y; (void)ldy;
 }
 
-bool has_packed(int isa, int type) { return TT_X86 && isa == ISA_AVX512 && is_k_quant(type) && use_packed(); }
+bool has_packed(int isa, int type) {
+    return TT_X86 && isa == ISA_AVX512 && block_weights(type) > 0 && use_packed();
+}
+
+// Q5_0's one-row calls read the packed copy too (its direct kernel is compute-bound)
+bool packed_one_row(int isa, int type) { return type == Q5_0 && has_packed(isa, type); }
 
 int64_t packed_max_rows() {
 #if TT_X86
@@ -310,7 +315,7 @@ int64_t packed_max_rows() {
 
 int64_t packed_bytes(int type, int64_t rows, int64_t K) {
 #if TT_X86
-    return (rows + 15) / 16 * (K / 256) * isa_avx512::packed_sb_bytes(type);
+    return (rows + 15) / 16 * isa_avx512::packed_tile_bytes(type, K);
 #else
     (void)type; (void)rows; (void)K;
     return 0;

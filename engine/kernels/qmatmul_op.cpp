@@ -74,9 +74,9 @@ at::Tensor pooled_output(int64_t M, int64_t N, const at::TensorOptions& opts) {
     return t.view({M, N});
 }
 
-// Packed copies of the K-quant matrices for the AVX-512 panels (tt::pack_tiles; the same bits
+// Packed copies of the K-quant and Q5_0 matrices for the AVX-512 panels (tt::pack_tiles; the same bits
 // as building the panels from the GGUF blocks at every call, at a fraction of the cost). A
-// matrix is packed on its first call of 2-32 rows (engine/models/quant.py's pack_for_batches
+// matrix is packed on its first call of 2-32 rows (Q5_0: 1-32) (engine/models/quant.py's pack_for_batches
 // makes that call for every layer at load) and the copy lives as long as the matrix: the cache holds a weak reference to the
 // matrix's storage, so a freed model's copies go at the next packing, and a new matrix at a
 // reused address cannot match a stale entry (the storage object outlives its weak references).
@@ -120,7 +120,9 @@ const uint8_t* packed_matrix(const at::Tensor& w, int64_t type, int64_t rows, in
 
 // Calls of more rows than tt::direct_max_rows take the panel kernel where the ISA has it (AVX-512,
 // AVX2): from 5 rows on AVX2, from 2 on AVX-512 with the packed K-quants (tools/kernel_bench.py;
-// docs/kernels.md, 'Panels built straight from the GGUF blocks', 'K-quants packed for the panels').
+// docs/kernels.md, 'Panels built straight from the GGUF blocks', 'K-quants packed for the panels'),
+// and on AVX-512 one-row calls of Q5_0 matrices alone too, over their packed copies
+// ('Q5_0 packed for one row').
 // The tiles are slower than both at every row count and serve only deterministic mode (and the
 // portable path). The files behind each choice: the table atop qkernels.cpp.
 //
@@ -162,7 +164,10 @@ at::Tensor qmatmul(const at::Tensor& x_in, at::TensorList weights, at::IntArrayR
     const int64_t N = offset.back();
     // a forced small_m (k > 0) keeps the direct kernels up to k rows, panels or not
     const int64_t panel_rows = big_m >= 0 ? big_m : small_m == 0 ? 0 : std::max(tt::direct_max_rows(use), small_m) + 1;
-    const bool panels = panel_rows > 0 && M >= panel_rows && tt::has_panels(use);
+    // by default a one-row call whose matrices are all Q5_0 reads their packed copies
+    bool one_row_packed = M == 1 && small_m < 0 && big_m < 0;
+    for (int64_t t : types) one_row_packed = one_row_packed && tt::packed_one_row(use, int(t));
+    const bool panels = (one_row_packed || (panel_rows > 0 && M >= panel_rows)) && tt::has_panels(use);
     at::Tensor y = panels && size_t(M) * size_t(N) * sizeof(float) >= POOL_MIN_BYTES
                        ? pooled_output(M, N, x.options()) : at::empty({M, N}, x.options());
     if (M == 0 || N == 0) return y.to(x_in.scalar_type());
