@@ -937,6 +937,14 @@ and the tool that measures it; no report backs them.
   at 4, 0.87× at 8. At 64 and 500 rows, unpacking the copy for the built panels' loop was 1.13×
   slower than building from the blocks, so prefill builds as before. Emerald Rapids;
   `tools/kernel_bench.py MODEL 2 --packed-ab`, the two alternated in one process.
+* **Q4_0, Q5_0 and Q8_0 packed too.** The 32-weight block types in the same tile order, fp16
+  scales as in the file (the GGUF size), read by calls of 2-32 rows, with the built panels' bits.
+  Q5_0's direct kernel is bound by its bit work rather than by memory, so a one-row call of Q5_0
+  matrices alone reads the packed copy too. The 0.5B's linear layers with the copies against
+  without: 0.96× at 1 row, 0.81× at 2, 0.70× at 4, 0.71× at 8, 0.79× at 16. An AMX form of the packed dots (TDPBSUD on
+  the code vectors stored as B tiles, the sums back through memory into the same float steps)
+  measured 1.2-2× slower at 2-16 rows, the stores and tile loads costing more than the vpdpbusd
+  they replace. Emerald Rapids; `tools/kernel_bench.py MODEL 2 --packed-ab`.
 * **AVX2 panel kernel.** 8-row tiles, the float step shared by a tile's rows, against 16-row
   unpacked tiles: the 0.5B's linear layers at 8 rows 78.2 → 28.9 ms; against the direct kernels
   22.8 against 30.2 ms at 5 rows. AVX2 on Zen 5; `tools/kernel_ab.py MODEL A,B 8,64 3`.
@@ -992,15 +1000,14 @@ today's.""",
 
 BOUNDS = {
     "rows": """\
-What bounds them: one row reads the weights at 63% (0.5B) and 72% (1.5B) of the plain read
-measured in the run. On AVX-512 the K-quants (nearly all of the 1.5B, the 0.5B's down
-projections) are packed at load in the panels' tile order, so calls of 2-32 rows read them with
-no per-call build (docs/kernels.md,
-'K-quants packed for the panels'): the 1.5B's 8-row step, 3.2× one row when the tiles were built
-at every call, is 1.6-1.7× (runs 1.59-1.72×), its 4-row step 1.2×. Many rows are then bound by
-the integer dots: the step's multiply-adds at 8 rows run at about the machine's float32 matmul
-rate (compute share ~1.0). The 0.5B, mostly Q5_0 and Q8_0 built at every call (their build is
-cheap), takes 1.6-1.8× at 8 rows.""",
+What bounds them: one row reads the weights at 63% (0.5B) and 98% (1.5B) of the plain read
+measured in the run (that read itself swings by a quarter on this shared machine). On AVX-512
+every matrix type is packed at load in the panels' tile order (docs/kernels.md, 'K-quants packed
+for the panels', 'Q4_0, Q5_0 and Q8_0 packed too'), so calls of 2-32 rows read the weights with
+no per-call build: the 1.5B's 8-row step, 3.2× one row when its tiles were built at every call,
+is 1.49× here (runs 1.42-1.77×), its 4-row step 1.27×; the 0.5B's, mostly Q5_0 and Q8_0, 1.52×
+(runs 1.47-1.68×; 1.8× with those two types built at every call). Many rows are then bound by
+the integer dots: the 1.5B's 8-row multiply-adds run at about the machine's float32 matmul rate.""",
     "single": """\
 What bounds them: decode reads every weight once a step (0.5B ~0.39 GB, 1.5B ~1.0 GB), bound by
 memory: on Zen 5 the 0.5B step reads 32 GB/s against a 41-45 GB/s plain 2-thread read, the
@@ -1034,7 +1041,7 @@ the shared document every request needs its 800 tokens computed once first: `aft
 gain at most ~35% on `incremental`.""",
     "spec": """\
 What bounds them: on Emerald Rapids the K-quants packed for the panels make an 8-row step of the
-1.5B cost 1.6-1.7× a one-row step (rows, below; 3.2× when its tiles were built at every call), so a
+1.5B cost 1.5-1.7× a one-row step (rows, below; 3.2× when its tiles were built at every call), so a
 verify of k + 1 rows costs less than two target steps. The 0.5B's drafts, accepted 95-97% of the
 time on the refactor, then gain 1.49-1.58× at a fixed k of 4-8, and `adaptive:cost` 1.65×; on the
 sampled creative prompt a fixed k loses (0.49-0.77×) where `adaptive:cost` holds 1.04×. N-gram

@@ -322,8 +322,8 @@ def describe() -> str:
     what = (f"every call size runs on the GGUF bytes (direct block-to-register kernels up to {n} "
             f"row{'s' if n != 1 else ''}, {larger} above)")
     if isa_name() == "avx512" and n == 1:      # the packed K-quant copies are on
-        what = ("direct block-to-register kernels for one row, panels above; K-quants at 2-32 rows "
-                "from a copy packed at load (TOKENTOP_PACKED=0: none)")
+        what = ("direct block-to-register kernels for one row, panels above; 2-32 rows (Q5_0: 1-32) "
+                "from copies packed at load (TOKENTOP_PACKED=0: none)")
     return f"quantized kernels: GGUF-native, {isa_name()} (best on this CPU: {isa_name(best_isa())}); {what}"
 
 

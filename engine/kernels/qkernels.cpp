@@ -7,8 +7,9 @@
 //   portable (scalar)   quant_generic.inc          quant_generic.inc         quant_generic.inc
 //   AVX2 + FMA + F16C   quant_avx2_direct.inc      quant_avx2_panels.inc     quant_avx2_rows.inc
 //   AVX-512 + VNNI      quant_avx512_direct.inc    quant_avx512_panels.inc   quant_avx512_tiles.inc
-//                                                  (K-quants to 32 rows: _packed.inc)
-// direct_max_rows is 4, except 1 on AVX-512 with the packed K-quant panels (TOKENTOP_PACKED).
+//                                                  (to 32 rows: _packed.inc)
+// direct_max_rows is 4, except 1 on AVX-512 with the packed panels (TOKENTOP_PACKED), where
+// one-row calls of Q5_0 matrices alone read the packed copies too.
 // Deterministic mode (small_m = 0) takes the last column at every M, so that a row's bits do not
 // depend on its batch; a forced small_m / big_m moves the thresholds (tests, benchmarks). On AVX2
 // where the CPU has AVX-VNNI (unless TOKENTOP_AVX_VNNI=0), the direct kernels and panels run from
