@@ -33,6 +33,12 @@ def test_bench_single_roofline_is_step_bytes_times_steps_per_second(tiny_model_p
     assert got["read_gb_s"] == round(got["step_bytes"] * 100 / 1e9, 2)
     assert got["read_share"] == round(got["step_bytes"] * 100 / 1e9 / 50.0, 3)
     assert got["live"] == {"read_gbs": 1.0}
+    # the live figure against the run it was read after, not against the median over runs
+    live_read = got["step_bytes"] * 110 / 1e9
+    run = decode_roofline(worker, 100.0, 80, live={"read_gbs": live_read}, live_steps_per_s=110.0)
+    assert run["live_vs_run"]["run_read_gb_s"] == round(got["step_bytes"] * 110 / 1e9, 2)
+    assert run["live_vs_run"]["ratio"] == 1.0
+    assert "live_vs_run" not in got
 
 
 def test_bench_rows_command_on_a_simulated_worker(tiny_model_path, tmp_path, capsys):

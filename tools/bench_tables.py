@@ -1013,11 +1013,12 @@ What bounds them: decode reads every weight once a step (0.5B ~0.39 GB, 1.5B ~1.
 memory: on Zen 5 the 0.5B step reads 32 GB/s against a 41-45 GB/s plain 2-thread read, the
 framework around the kernels within the timings' spread (`framework_overhead_ms_per_step`). On
 Zen 3 the Q5_0 direct kernel is bound by its bit work (10 GB/s; Q8_0 and Q4_K 17). On Emerald
-Rapids the 0.5B's decode reads 13.6 GB/s against a 22.2 GB/s read measured in the run (61%), the
-1.5B's 17.5 against 23.1 (76%); the workers' live roofline read 12.9 and 17.7 GB/s for the same
-decodes. Prefill is compute-bound (the panels). The 1.5B's memory on Emerald Rapids includes the
-packed K-quant copies (about 1.0 GB; `TOKENTOP_PACKED=0` goes without them and their speed-up of
-2-32-row steps).""",
+Rapids the 0.5B's decode reads 17.2 GB/s against a 21.8 GB/s read measured in the run (79%), the
+1.5B's 20.1 against 22.0 (91%; 75% in another run of the command, the plain read swinging by a quarter);
+the workers' live roofline reads within 1.2% of the run it follows (`live_vs_run`). Prefill is
+compute-bound (the panels). The memory on Emerald Rapids includes the packed copies of the
+weights (0.4 GB for the 0.5B, 1.0 GB for the 1.5B; `TOKENTOP_PACKED=0` goes without them and their
+speed-up of 2-32-row steps).""",
     "batching": """\
 What bounds them: one stream is bound by memory, eight rows by the integer dot and the tile build
 (`python tools/kernel_bench.py`): the 8-row forward takes ~1.8× the 1-row one on Zen 5, ~2.1× on

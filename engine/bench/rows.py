@@ -45,9 +45,12 @@ def ceilings(threads: int) -> dict:
     return machine_ceilings(threads, remeasure=True)
 
 
-def decode_roofline(worker, steps_per_s: float, context_tokens: int, live: dict | None = None) -> dict:
+def decode_roofline(worker, steps_per_s: float, context_tokens: int, live: dict | None = None,
+                    live_steps_per_s: float | None = None) -> dict:
     """A one-stream decode's read GB/s (bytes per step × steps per second) and its share of
-    the measured read bandwidth; `live` is the worker's own figure for the same load."""
+    the measured read bandwidth; `live` is the worker's own figure, read after the decode that
+    ran at live_steps_per_s: compared with that run's read (live_vs_run), since the median over
+    runs can sit a tenth away from any one run on a shared machine."""
     if worker.simulated:
         return {"note": "not shown: a simulated worker's step is a timed wait"}
     try:
@@ -58,10 +61,14 @@ def decode_roofline(worker, steps_per_s: float, context_tokens: int, live: dict 
         return {"note": f"not measured: {describe_error(exc)}"}
     step = weight_bytes + kv_per_token * context_tokens
     read = step * steps_per_s / 1e9
-    return {"weight_bytes": weight_bytes, "kv_bytes_per_token": kv_per_token,
-            "mean_context_tokens": context_tokens, "step_bytes": step, "read_gb_s": round(read, 2),
-            "read_bandwidth_gb_s": ceil["read_gbs"], "read_share": round(read / ceil["read_gbs"], 3),
-            "ceilings_source": ceil["source"], "live": live}
+    out = {"weight_bytes": weight_bytes, "kv_bytes_per_token": kv_per_token,
+           "mean_context_tokens": context_tokens, "step_bytes": step, "read_gb_s": round(read, 2),
+           "read_bandwidth_gb_s": ceil["read_gbs"], "read_share": round(read / ceil["read_gbs"], 3),
+           "ceilings_source": ceil["source"], "live": live}
+    if live and live.get("read_gbs") and live_steps_per_s:
+        run_read = step * live_steps_per_s / 1e9
+        out["live_vs_run"] = {"run_read_gb_s": round(run_read, 2), "ratio": round(live["read_gbs"] / run_read, 3)}
+    return out
 
 
 def _step_seconds(engine, n: int, out_tokens: int, salt: str) -> float:

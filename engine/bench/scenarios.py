@@ -244,7 +244,7 @@ def bench_single(args) -> dict:
         row["prefill_tok_s_median"] = median(res["prefill_tok_s"])
         row["decode_tok_s_median"] = median(res["decode_tok_s"])
         row["roofline"] = decode_roofline(worker, row["decode_tok_s_median"], 16 + out_tokens // 2,
-                                          row.pop("live_roofline", None))
+                                          row.pop("live_roofline", None), res["decode_tok_s"][-1])
         if args.llama_cpp:
             row["llama_cpp"] = _compare_with_llama_cpp(row, res, refs, reads)
         rows.append(row)
