@@ -1000,14 +1000,16 @@ today's.""",
 
 BOUNDS = {
     "rows": """\
-What bounds them: one row reads the weights at 63% (0.5B) and 98% (1.5B) of the plain read
-measured in the run (that read itself swings by a quarter on this shared machine). On AVX-512
+What bounds them: one row reads the weights at 67% (0.5B) and 74% (1.5B) of the plain read
+measured in the run (a read that itself swings by a quarter on this shared machine). On AVX-512
 every matrix type is packed at load in the panels' tile order (docs/kernels.md, 'K-quants packed
 for the panels', 'Q4_0, Q5_0 and Q8_0 packed too'), so calls of 2-32 rows read the weights with
 no per-call build: the 1.5B's 8-row step, 3.2× one row when its tiles were built at every call,
-is 1.49× here (runs 1.42-1.77×), its 4-row step 1.27×; the 0.5B's, mostly Q5_0 and Q8_0, 1.52×
-(runs 1.47-1.68×; 1.8× with those two types built at every call). Many rows are then bound by
-the integer dots: the 1.5B's 8-row multiply-adds run at about the machine's float32 matmul rate.""",
+is 1.62× (runs 1.53-1.95×; 1.42-1.77× in an earlier report), its 4-row step 1.25×; the 0.5B's,
+mostly Q5_0 and Q8_0, 1.53× (runs 1.47-1.55×; 1.8× with those two types built at every call).
+Many rows are then bound by the integer dots and how well they overlap the weights' stream: the
+1.5B's 8-row step runs 248 GFLOP/s of int8 multiply-adds, 1.4× the float32 matmul rate measured
+in the run.""",
     "single": """\
 What bounds them: decode reads every weight once a step (0.5B ~0.39 GB, 1.5B ~1.0 GB), bound by
 memory: on Zen 5 the 0.5B step reads 32 GB/s against a 41-45 GB/s plain 2-thread read, the
@@ -1042,7 +1044,7 @@ the shared document every request needs its 800 tokens computed once first: `aft
 gain at most ~35% on `incremental`.""",
     "spec": """\
 What bounds them: on Emerald Rapids the K-quants packed for the panels make an 8-row step of the
-1.5B cost 1.5-1.7× a one-row step (rows, below; 3.2× when its tiles were built at every call), so a
+1.5B cost 1.5-1.8× a one-row step (rows, below; 3.2× when its tiles were built at every call), so a
 verify of k + 1 rows costs less than two target steps. The 0.5B's drafts, accepted 95-97% of the
 time on the refactor, then gain 1.49-1.58× at a fixed k of 4-8, and `adaptive:cost` 1.65×; on the
 sampled creative prompt a fixed k loses (0.49-0.77×) where `adaptive:cost` holds 1.04×. N-gram
