@@ -1000,16 +1000,15 @@ today's.""",
 
 BOUNDS = {
     "rows": """\
-What bounds them: one row reads the weights at 67% (0.5B) and 74% (1.5B) of the plain read
+What bounds them: one row reads the weights at 63% (0.5B) and 61% (1.5B) of the plain read
 measured in the run (a read that itself swings by a quarter on this shared machine). On AVX-512
 every matrix type is packed at load in the panels' tile order (docs/kernels.md, 'K-quants packed
 for the panels', 'Q4_0, Q5_0 and Q8_0 packed too'), so calls of 2-32 rows read the weights with
 no per-call build: the 1.5B's 8-row step, 3.2× one row when its tiles were built at every call,
-is 1.62× (runs 1.53-1.95×; 1.42-1.77× in an earlier report), its 4-row step 1.25×; the 0.5B's,
-mostly Q5_0 and Q8_0, 1.53× (runs 1.47-1.55×; 1.8× with those two types built at every call).
-Many rows are then bound by the integer dots and how well they overlap the weights' stream: the
-1.5B's 8-row step runs 248 GFLOP/s of int8 multiply-adds, 1.4× the float32 matmul rate measured
-in the run.""",
+is 1.54× (runs 1.32-1.73×), its 4-row step 1.17×; the 0.5B's, mostly Q5_0 and Q8_0, 1.31× (runs
+1.09-1.66×; 1.8× with those two types built at every call). Many rows are then bound by the
+integer dots and how well they overlap the weights' stream: the 1.5B's 8-row step runs 246
+GFLOP/s of int8 multiply-adds, 0.86× the float32 matmul rate measured in the run.""",
     "single": """\
 What bounds them: decode reads every weight once a step (0.5B ~0.39 GB, 1.5B ~1.0 GB), bound by
 memory: on Zen 5 the 0.5B step reads 32 GB/s against a 41-45 GB/s plain 2-thread read, the
