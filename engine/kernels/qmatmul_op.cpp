@@ -74,7 +74,7 @@ at::Tensor pooled_output(int64_t M, int64_t N, const at::TensorOptions& opts) {
     return t.view({M, N});
 }
 
-// Packed copies of the K-quant and Q5_0 matrices for the AVX-512 panels (tt::pack_tiles; the same bits
+// Packed copies of the matrices (every GGUF type the op reads) for the AVX-512 panels (tt::pack_tiles; the same bits
 // as building the panels from the GGUF blocks at every call, at a fraction of the cost). A
 // matrix is packed on its first call of 2-32 rows (Q5_0: 1-32) (engine/models/quant.py's pack_for_batches
 // makes that call for every layer at load) and the copy lives as long as the matrix: the cache holds a weak reference to the
@@ -284,7 +284,7 @@ int64_t lane_rows_op() { return tt::lane_min_rows(env_isa()); }
 // whether the AVX2 panels take AVX-VNNI's vpdpbusd (the CPU has it, TOKENTOP_AVX_VNNI is not 0)
 bool avx_vnni_op() { return tt::use_avx_vnni(); }
 
-// bytes held by the packed K-quant copies (freed matrices' included until the next packing)
+// bytes held by the packed copies (freed matrices' included until the next packing)
 int64_t packed_bytes_op() {
     std::lock_guard<std::mutex> lock(packed_mu);
     int64_t total = 0;

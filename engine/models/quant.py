@@ -352,7 +352,7 @@ class QuantLinear(torch.nn.Module):
 
 
 def pack_for_batches(model: torch.nn.Module) -> int:
-    """Make the packed copies that many-row calls read (AVX-512's K-quant panels, made on a
+    """Make the packed copies that many-row calls read (AVX-512's panels, made on a
     matrix's first such call) now, at load: else the first prefill or batch pays for the whole
     model (about 0.6 s for the 1.5B on 2 cores). Returns the bytes the copies hold."""
     for layer in model.modules():
