@@ -24,6 +24,7 @@ SIM = "sim:r:prefill=20000,decode=400"
 SHARED, PAGE = 64, 16
 GROUP = 4
 OWN = (8, 24)          # the two groups of a round differ in length: a server's count says which it got
+KILL_TOKENS = 160      # the answers of the burst during which a server is killed
 
 
 def prompt(group: int, request: int, own: int = 8) -> list[int]:
@@ -146,13 +147,16 @@ def test_vllm_router_over_two_tokentop_servers(real_model_path):
         inputs = router.metrics()
         assert total(inputs, "vllm_router_kv_routing_inputs_total", result="render") >= len(texts + chats)
         assert total(inputs, "vllm_router_kv_routing_inputs_total", result="render_unavailable") == 0
-        # 2. kill one server mid-burst: the router retries its requests on the other
+        # 2. kill one server mid-burst: the router retries its requests on the other. Long
+        #    answers (at least 0.4 s each at the simulated 400 tokens a second), so the kill lands
+        #    while a's requests run: with 32 tokens a lone request could finish between the
+        #    poll that saw it running and the kill, and nothing was retried
         port_a = port_of(a)
         prompts = [p for rnd in range(5, 7) for p in round_prompts(rnd)]
         retried_before = total(router.metrics(), "vllm_router_retries_total")
 
         async def burst_and_kill():
-            task = asyncio.ensure_future(_burst(router.url, prompts, 32))
+            task = asyncio.ensure_future(_burst(router.url, prompts, KILL_TOKENS))
             await asyncio.to_thread(wait_for, lambda: total(samples(a.url + "/metrics"),
                                                             "vllm:num_requests_running") > 0, 20, "work on a")
             os.killpg(a.proc.pid, signal.SIGKILL)
@@ -160,7 +164,7 @@ def test_vllm_router_over_two_tokentop_servers(real_model_path):
 
         outs = asyncio.run(burst_and_kill())
         a.proc.wait(10)
-        check_outputs(outs, prompts, 32)
+        check_outputs(outs, prompts, KILL_TOKENS)
         assert total(router.metrics(), "vllm_router_retries_total") > retried_before
         # 3. restarted on its port: healthy again, and the groups it held route to it again
         a = servers["a"] = tokentop(SIM, port=port_a)
