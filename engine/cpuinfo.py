@@ -56,3 +56,20 @@ def cpu_summary() -> str:
 
 def has_flag(flag: str) -> bool:
     return flag in cpu_info()["isa"]
+
+
+def last_level_cache_bytes(sysfs: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
+    """Bytes of the largest cache CPU 0 reports (sysfs `index*/size`, e.g. '307200K'); 0 where
+    sysfs does not say. A VM may report a large host's cache: an Emerald Rapids guest reads
+    300 MiB here."""
+    import glob
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    largest = 0
+    for path in glob.glob(f"{sysfs}/index*/size"):
+        try:
+            with open(path) as f:
+                text = f.read(32).strip()
+            largest = max(largest, int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
+        except (OSError, ValueError):
+            continue
+    return largest

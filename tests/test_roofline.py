@@ -25,6 +25,24 @@ def test_ceilings_are_measured_once_per_cpu_and_thread_count(tmp_path, monkeypat
     assert machine_ceilings(2, remeasure=True)["source"] == "measured"
 
 
+def test_the_read_test_reads_past_the_last_level_cache(tmp_path):
+    """A 256 MiB buffer fits the 300 MiB L3 an Emerald Rapids guest reports: the read test then
+    timed the cache, not memory. Its buffer is twice the largest cache sysfs names."""
+    from engine.cpuinfo import last_level_cache_bytes
+    for index, size in (("index0", "48K"), ("index2", "2048K"), ("index3", "307200K")):
+        (tmp_path / index).mkdir()
+        (tmp_path / index / "size").write_text(size + "\n")
+    (tmp_path / "index1").mkdir()
+    (tmp_path / "index1" / "size").write_text("garbage\n")     # unreadable entries are skipped
+    llc = last_level_cache_bytes(str(tmp_path))
+    assert llc == 300 << 20
+    assert roofline.read_test_bytes(llc) == 600 << 20
+    assert roofline.read_test_bytes(8 << 20) == 256 << 20     # at least 256 MiB
+    assert roofline.read_test_bytes(4 << 30) == 2 << 30       # at most 2 GiB
+    assert last_level_cache_bytes(str(tmp_path / "missing")) == 0
+    assert roofline.read_test_bytes(0) == 256 << 20
+
+
 def test_the_measurements_are_short_and_plausible():
     assert 0.1 < roofline.measure_read_gbs(1 << 24, 2) < 10_000
     assert 0.1 < roofline.measure_matmul_gflops(128, 2) < 1_000_000

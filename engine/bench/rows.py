@@ -46,11 +46,13 @@ def ceilings(threads: int) -> dict:
 
 
 def decode_roofline(worker, steps_per_s: float, context_tokens: int, live: dict | None = None,
-                    live_steps_per_s: float | None = None) -> dict:
+                    live_steps_per_s: float | None = None,
+                    runs: list[tuple[float, float]] | None = None) -> dict:
     """A one-stream decode's read GB/s (bytes per step × steps per second) and its share of
     the measured read bandwidth; `live` is the worker's own figure, read after the decode that
     ran at live_steps_per_s: compared with that run's read (live_vs_run), since the median over
-    runs can sit a tenth away from any one run on a shared machine."""
+    runs can sit a tenth away from any one run on a shared machine. `runs`: (steps per second,
+    the read ceiling measured around that run) per run, for each run's own share (paired)."""
     if worker.simulated:
         return {"note": "not shown: a simulated worker's step is a timed wait"}
     try:
@@ -68,6 +70,11 @@ def decode_roofline(worker, steps_per_s: float, context_tokens: int, live: dict 
     if live and live.get("read_gbs") and live_steps_per_s:
         run_read = step * live_steps_per_s / 1e9
         out["live_vs_run"] = {"run_read_gb_s": round(run_read, 2), "ratio": round(live["read_gbs"] / run_read, 3)}
+    if runs:
+        shares = [step * sps / 1e9 / ceiling for sps, ceiling in runs if ceiling > 0]
+        out["paired"] = {"read_share_runs": [round(x, 3) for x in shares],
+                         "read_share": round(median(shares), 3) if shares else None,
+                         "note": "each run's read against the ceiling measured just before and after it"}
     return out
 
 
@@ -148,6 +155,6 @@ def bench_rows(args) -> dict:
             from engine.errors import describe_error
             results.append({"model": model, "error": describe_error(exc)})
     return {"prompt_tokens": PROMPT_TOKENS, "output_tokens": out_tokens, "runs": runs, "sizes": sizes,
-            "ceilings_note": "read bandwidth: a float32 sum of 256 MiB; matmul peak: torch float32 "
+            "ceilings_note": "read bandwidth: a float32 sum of twice the last-level cache (at least 256 MiB); matmul peak: torch float32 "
                              "1024x1024 matmuls (the integer dot kernels can exceed it)",
             "results": results}

@@ -15,10 +15,11 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from engine.cpuinfo import cpu_info
+from engine.cpuinfo import cpu_info, last_level_cache_bytes
 from engine.worker.profile import load_profiles, save_profile
 
-READ_BYTES = 1 << 28     # larger than any CPU's last-level cache
+READ_MIN_BYTES = 1 << 28   # the read test's buffer: at least this, and twice the last-level cache
+READ_MAX_BYTES = 1 << 31
 READ_REPS = 10         # the fastest of ten: other tenants only ever slow a read down
 MATMUL_N = 1024
 MATMUL_REPS = 3
@@ -30,9 +31,18 @@ def ceilings_key(threads: int) -> str:
     return f"roofline|{info['model']}|{info['family']}|threads={threads}"
 
 
-def measure_read_gbs(nbytes: int = READ_BYTES, reps: int = READ_REPS) -> float:
-    """GB/s of the fastest of `reps` float32 sums of an nbytes buffer, on torch's threads."""
+def read_test_bytes(llc_bytes: int | None = None) -> int:
+    """The read test's buffer: twice the last-level cache, so that a pass reads memory and not
+    the cache (a 256 MiB buffer fits a 300 MiB L3), between 256 MiB and 2 GiB."""
+    llc = last_level_cache_bytes() if llc_bytes is None else llc_bytes
+    return min(READ_MAX_BYTES, max(READ_MIN_BYTES, 2 * llc))
+
+
+def measure_read_gbs(nbytes: int | None = None, reps: int = READ_REPS) -> float:
+    """GB/s of the fastest of `reps` float32 sums of an nbytes buffer (default
+    read_test_bytes()), on torch's threads."""
     import torch
+    nbytes = nbytes or read_test_bytes()
     buf = torch.ones(nbytes // 4)
     buf.sum()   # the first pass faults the pages in
     best = float("inf")
