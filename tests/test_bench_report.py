@@ -107,7 +107,8 @@ def _fake_single(monkeypatch, decode):
     monkeypatch.setattr(scenarios, "base_worker", lambda args, **k: scenarios.WorkerConfig(model=k["model"]))
     monkeypatch.setattr(scenarios, "_tokentop_single", tokentop)
     monkeypatch.setattr(scenarios, "_llama_cpp", llama)
-    monkeypatch.setattr(scenarios, "read_bandwidth", lambda *a: 40.0)
+    reads = iter(range(20, 40))
+    monkeypatch.setattr(scenarios, "read_ceiling_gbs", lambda threads: float(next(reads)))
     return calls
 
 
@@ -117,7 +118,7 @@ def test_single_without_llama_cpp_reports_tokentop_only(monkeypatch):
     from engine.bench import scenarios
     calls = _fake_single(monkeypatch, [80.0, 90.0, 85.0])
     row = scenarios.bench_single(_single_args())["results"][0]
-    assert calls == [("tokentop", 3)]
+    assert calls == [("tokentop", 1)] * 3      # a fresh process per run, the ceiling read around each
     assert row["decode_tok_s_median"] == 85.0 and row["prefill_tok_s_median"] == 900.0
     assert not {"llama_cpp", "prefill_ratio", "decode_ratio", "rss_ratio", "goals"} & set(row)
 
@@ -131,6 +132,9 @@ def test_single_with_llama_cpp_measures_the_ratios_in_the_same_run(monkeypatch):
     assert row["decode_ratio_rounds"] == [2.0, 2.25, 1.5] and row["decode_ratio"] == 2.0
     assert row["prefill_ratio"] == 3.0 and row["rss_ratio"] == 1.2
     assert "goals" not in row
+    # the ceiling just before and just after each tokentop run
+    assert row["memory_read_gb_s"]["tokentop"] == [20.0, 22.0, 24.0]
+    assert row["memory_read_gb_s"]["tokentop_after"] == [21.0, 23.0, 25.0]
 
 
 def test_read_bandwidth_reads_with_the_threads_asked_and_puts_them_back():

@@ -38,7 +38,13 @@ def test_bench_single_roofline_is_step_bytes_times_steps_per_second(tiny_model_p
     run = decode_roofline(worker, 100.0, 80, live={"read_gbs": live_read}, live_steps_per_s=110.0)
     assert run["live_vs_run"]["run_read_gb_s"] == round(got["step_bytes"] * 110 / 1e9, 2)
     assert run["live_vs_run"]["ratio"] == 1.0
-    assert "live_vs_run" not in got
+    assert "live_vs_run" not in got and "paired" not in got
+    # each run's read against the ceiling measured around it, not against one ceiling for all
+    per_run = decode_roofline(worker, 100.0, 80, runs=[(100.0, 20.0), (50.0, 10.0), (100.0, 40.0)])
+    share = got["step_bytes"] * 100 / 1e9 / 20.0
+    assert per_run["paired"]["read_share_runs"] == [round(share, 3), round(share, 3), round(share / 2, 3)]
+    assert per_run["paired"]["read_share"] == round(share, 3)
+    assert per_run["read_share"] == got["read_share"]       # the one-ceiling figure stays beside it
 
 
 def test_bench_rows_command_on_a_simulated_worker(tiny_model_path, tmp_path, capsys):

@@ -155,6 +155,15 @@ def single_rows(r: Report) -> dict[str, dict]:
     return {row["model"]: row for row in r["results"]}
 
 
+def read_share(roofline: dict) -> str:
+    """The decode's read against the machine's read ceiling: the median of the runs' own shares
+    (each against the ceiling measured around it) where the report has them."""
+    paired = (roofline.get("paired") or {}).get("read_share")
+    if paired is not None:
+        return f"{100 * paired:.0f}% (runs {', '.join(f'{100 * v:.0f}' for v in roofline['paired']['read_share_runs'])})"
+    return f"{100 * roofline['read_share']:.0f}%" if roofline.get("read_share") is not None else "—"
+
+
 def sec_single() -> str:
     found = reports("single-*.json")
     rows = []
@@ -166,9 +175,10 @@ def sec_single() -> str:
                          f"**{x(row.get('prefill_ratio'))}**",
                          f(row["decode_tok_s_median"]), f(ref.get("decode_tok_s_median")),
                          f"**{x(row.get('decode_ratio'))}**",
-                         f(row["peak_rss_mb"], 0), f(ref.get("peak_rss_mb"), 0), x(row.get("rss_ratio"))])
+                         f(row["peak_rss_mb"], 0), f(ref.get("peak_rss_mb"), 0), x(row.get("rss_ratio")),
+                         read_share(row.get("roofline") or {})])
     body = table(["CPU", "model", "prefill tok/s", "llama.cpp", "ratio", "decode tok/s", "llama.cpp", "ratio",
-                  "peak RSS MB", "llama.cpp", "ratio"], rows)
+                  "peak RSS MB", "llama.cpp", "ratio", "decode read share"], rows)
     return section("single: one stream against llama.cpp", TEXT["single"], found, body, BOUNDS["single"])
 
 

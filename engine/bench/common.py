@@ -115,6 +115,18 @@ def read_bandwidth(nbytes: int = 1 << 30, reps: int = 5, threads: int | None = N
     return nbytes / median(times) / 1e9
 
 
+def read_ceiling_gbs(threads: int, reps: int = 5) -> float:
+    """The roofline's read ceiling (engine/worker/roofline.py: the fastest of `reps` sums of
+    twice the last-level cache) on `threads` threads, measured now."""
+    from engine.worker.roofline import measure_read_gbs
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return measure_read_gbs(reps=reps)
+    finally:
+        torch.set_num_threads(before)
+
+
 def peak_rss_mb() -> float:
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

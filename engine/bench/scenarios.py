@@ -16,7 +16,7 @@ import time
 from dataclasses import replace
 
 from engine.bench import common
-from engine.bench.common import (base_worker, decode_burst_tok_s, peak_rss_mb, prompt_of, read_bandwidth,
+from engine.bench.common import (base_worker, decode_burst_tok_s, peak_rss_mb, prompt_of, read_ceiling_gbs,
                                  rss_now_mb, start_engine, stop_engine, timed_burst)
 from engine.bench.rows import decode_roofline
 from engine.config import EngineConfig, SamplingParams, WorkerConfig
@@ -203,8 +203,9 @@ def _compare_with_llama_cpp(row: dict, res: dict, refs: list[dict], reads: dict)
     row["decode_ratio"] = round(paired_ratio(res["decode_tok_s"], ref["decode_tok_s"]), 3)
     row["decode_ratio_rounds"] = [round(a / b, 3) for a, b in zip(res["decode_tok_s"], ref["decode_tok_s"])]
     row["memory_read_gb_s"] = {**reads, "note": (
-        "a plain 2-thread read just before each side's round: memory bandwidth can swing over "
-        "minutes on a shared machine, and a memory-bound decode swings with it")}
+        "the read ceiling just before and just after each tokentop round (llama.cpp's round "
+        "follows the second): memory bandwidth can swing over minutes on a shared machine, and "
+        "a memory-bound decode swings with it")}
     row["ratio_of_medians"] = {"prefill": round(row["prefill_tok_s_median"] / ref["prefill_tok_s_median"], 3),
                                "decode": round(row["decode_tok_s_median"] / ref["decode_tok_s_median"], 3)}
     return ref
@@ -212,26 +213,27 @@ def _compare_with_llama_cpp(row: dict, res: dict, refs: list[dict], reads: dict)
 
 def bench_single(args) -> dict:
     """tokentop and llama.cpp alternate, one run each per round (ABAB...), each in a fresh
-    process; the ratios are the medians of the rounds' ratios."""
+    process; the ratios are the medians of the rounds' ratios. The read ceiling is measured
+    just before and just after each of tokentop's runs, so each run's read share has its own
+    ceiling (the bandwidth of a shared machine swings over minutes)."""
     runs = 1 if args.quick else args.runs
     out_tokens = 32 if args.quick else 128
     rows = []
     for model in [m.strip() for m in args.models.split(",") if m.strip()]:
         worker = base_worker(args, model=model)
-        reads = {"tokentop": [], "llama_cpp": []}   # GB/s just before each side's round
-        if not args.llama_cpp:
-            res = _tokentop_single(worker, runs, out_tokens, overhead=True)
-            refs = []
-        else:
-            ours, refs = [], []
-            for r in range(runs):
-                reads["tokentop"].append(round(read_bandwidth(1 << 28, 3, worker.threads), 1))
-                ours.append(_tokentop_single(worker, 1, out_tokens, overhead=r == runs - 1))
-                reads["llama_cpp"].append(round(read_bandwidth(1 << 28, 3, worker.threads), 1))
+        # GB/s just before and just after each tokentop run; llama.cpp's runs follow the
+        # "after" reading
+        reads = {"tokentop": [], "tokentop_after": []}
+        ours, refs = [], []
+        for r in range(runs):
+            reads["tokentop"].append(round(read_ceiling_gbs(worker.threads), 1))
+            ours.append(_tokentop_single(worker, 1, out_tokens, overhead=r == runs - 1))
+            reads["tokentop_after"].append(round(read_ceiling_gbs(worker.threads), 1))
+            if args.llama_cpp and "error" not in ours[-1]:
                 refs.append(_llama_cpp(args.llama_cpp, model, worker.threads, 1, out_tokens))
-                if "error" in ours[-1] or "error" in refs[-1]:
-                    break
-            res = ours[-1] if "error" in ours[-1] else merge_rounds(ours)
+            if "error" in ours[-1] or (refs and "error" in refs[-1]):
+                break
+        res = ours[-1] if "error" in ours[-1] else merge_rounds(ours)
         row = {"model": model, "device": worker.device, "threads": worker.threads,
                "activation_dtype": worker.activation_dtype,
                "kv_dtype": resolve_kv_dtype(worker.device, worker.kv_dtype),
@@ -243,9 +245,11 @@ def bench_single(args) -> dict:
             continue
         row["prefill_tok_s_median"] = median(res["prefill_tok_s"])
         row["decode_tok_s_median"] = median(res["decode_tok_s"])
+        around = [(a + b) / 2 for a, b in zip(reads["tokentop"], reads["tokentop_after"])]
         row["roofline"] = decode_roofline(worker, row["decode_tok_s_median"], 16 + out_tokens // 2,
-                                          row.pop("live_roofline", None), res["decode_tok_s"][-1])
-        if args.llama_cpp:
+                                          row.pop("live_roofline", None), res["decode_tok_s"][-1],
+                                          runs=list(zip(res["decode_tok_s"], around)))
+        if args.llama_cpp and refs:
             row["llama_cpp"] = _compare_with_llama_cpp(row, res, refs, reads)
         rows.append(row)
     return {"prompt_tokens": 500, "output_tokens": out_tokens, "runs": runs, "results": rows}
