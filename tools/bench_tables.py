@@ -1028,9 +1028,11 @@ What bounds them: decode reads every weight once a step (0.5B ~0.39 GB, 1.5B ~1.
 memory: on Zen 5 the 0.5B step reads 32 GB/s against a 41-45 GB/s plain 2-thread read, the
 framework around the kernels within the timings' spread (`framework_overhead_ms_per_step`). On
 Zen 3 the Q5_0 direct kernel is bound by its bit work (10 GB/s; Q8_0 and Q4_K 17). On Emerald
-Rapids the 0.5B's decode reads 17.2 GB/s against a 21.8 GB/s read measured in the run (79%), the
-1.5B's 20.1 against 22.0 (91%; 75% in another run of the command, the plain read swinging by a quarter);
-the workers' live roofline reads within 1.2% of the run it follows (`live_vs_run`). Prefill is
+Rapids each run's read is set against the read ceiling measured just before and just after it
+(`roofline.paired`; the ceiling itself moved between 20 and 27 GB/s within the run): the 0.5B
+reads 75% of it (runs 61-77%), the 1.5B 87% (runs 73-96%), the framework around the kernels
+again within the spread; the workers' live roofline reads within 1% of the run it follows
+(`live_vs_run`). Prefill is
 compute-bound (the panels). The memory on Emerald Rapids includes the packed copies of the
 weights (0.4 GB for the 0.5B, 1.0 GB for the 1.5B; `TOKENTOP_PACKED=0` goes without them and their
 speed-up of 2-32-row steps).""",
