@@ -11,9 +11,10 @@ import pytest
 from tools import bench_tables as bt
 
 FILES = sorted(p for p in bt.BENCH.rglob("*") if p.is_file())
-NAME = re.compile(r"(?P<bench>[a-z0-9.-]+?)-(?P<cls>zen[345]|spr|emr|cpu-unknown|h200)\.json")
+NAME = re.compile(r"(?P<bench>[a-z0-9.-]+?)-(?P<cls>(?:zen[345]|spr|emr|cpu-unknown|h200)(?:-avx2)?)\.json")
 CLASS_OF_SUFFIX = {"zen3": "Zen 3", "zen4": "Zen 4", "zen5": "Zen 5", "spr": "Sapphire Rapids",
-                   "emr": "Emerald Rapids", "cpu-unknown": "CPU not recorded"}
+                   "emr": "Emerald Rapids", "cpu-unknown": "CPU not recorded",
+                   "emr-avx2": "Emerald Rapids, AVX2 kernels"}
 
 
 @pytest.mark.parametrize("path", [bt.PAGE, bt.KERNELS_PAGE], ids=lambda p: p.name)
@@ -67,6 +68,11 @@ def test_one_report_per_benchmark_and_cpu_class_named_after_both():
     # Intel's generic model name: the family tells the class
     ({"cpu_model": "Intel(R) Xeon(R) Processor", "cpu_family_model": "6/207", "isa": ["avx512f", "amx_tile"]},
      "Emerald Rapids"),
+    # the AVX2 kernels forced on an AVX-512 CPU are reported apart from its own kernels
+    ({"cpu_model": "Intel(R) Xeon(R) Processor", "cpu_family_model": "6/207", "isa": ["avx512f", "amx_tile"],
+      "quantized_kernels": "avx2 (dots: avx-vnni)"}, "Emerald Rapids, AVX2 kernels"),
+    ({"cpu_model": "AMD EPYC", "cpu_family_model": "25/1", "isa": ["avx2", "fma"], "quantized_kernels": "avx2"},
+     "Zen 3"),
 ])
 def test_cpu_class(machine, cls):
     assert bt.cpu_class(machine) == cls

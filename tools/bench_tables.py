@@ -42,6 +42,14 @@ def class_order(cls: str) -> int:
 
 
 def cpu_class(machine: dict) -> str:
+    cls = _cpu(machine)
+    # the AVX2 kernels on an AVX-512 CPU (TOKENTOP_KERNEL_ISA=avx2): their own class
+    if str(machine.get("quantized_kernels") or "").startswith("avx2") and "avx512f" in (machine.get("isa") or ()):
+        return f"{cls}, AVX2 kernels"
+    return cls
+
+
+def _cpu(machine: dict) -> str:
     if machine.get("cpu_family_model") in FAMILY_CLASS:
         return FAMILY_CLASS[machine["cpu_family_model"]]
     if machine.get("cpu_model") and not machine["cpu_model"].startswith("AMD"):
@@ -1022,7 +1030,10 @@ no per-call build: the 1.5B's 8-row step, 3.2× one row when its tiles were buil
 is 1.54× (runs 1.32-1.73×), its 4-row step 1.17×; the 0.5B's, mostly Q5_0 and Q8_0, 1.31× (runs
 1.09-1.66×; 1.8× with those two types built at every call). Many rows are then bound by the
 integer dots and how well they overlap the weights' stream: the 1.5B's 8-row step runs 246
-GFLOP/s of int8 multiply-adds, 0.86× the float32 matmul rate measured in the run.""",
+GFLOP/s of int8 multiply-adds, 0.86× the float32 matmul rate measured in the run. With the packed
+kernels' float steps taken out, the 1.5B's linear layers at 8 rows ran 1.13× faster; with the
+integer dots taken out too, 1.44× faster, within 1.1× of one row (`tools/kernel_ab.py` against
+kernels altered for the measurement, whose outputs are wrong): the dots are most of what 8 rows add.""",
     "single": """\
 What bounds them: decode reads every weight once a step (0.5B ~0.39 GB, 1.5B ~1.0 GB), bound by
 memory: on Zen 5 the 0.5B step reads 32 GB/s against a 41-45 GB/s plain 2-thread read, the
@@ -1058,14 +1069,17 @@ so for identical prompts at N = 8 the best mean is about −80%, which `after-pr
 the shared document every request needs its 800 tokens computed once first: `after-prefill` can
 gain at most ~35% on `incremental`.""",
     "spec": """\
-What bounds them: on Emerald Rapids the K-quants packed for the panels make an 8-row step of the
-1.5B cost 1.5-1.8× a one-row step (rows, below; 3.2× when its tiles were built at every call), so a
-verify of k + 1 rows costs less than two target steps. The 0.5B's drafts, accepted 95-97% of the
-time on the refactor, then gain 1.49-1.58× at a fixed k of 4-8, and `adaptive:cost` 1.65×; on the
-sampled creative prompt a fixed k loses (0.49-0.77×) where `adaptive:cost` holds 1.04×. N-gram
-proposals cost no draft step: 3.19× on the 1.5B and 3.60× on the 0.5B for the refactor, which
-copies most of its output. Suffix decoding's first firing of the repeated burst (0.80×) pays for
-proposals its young tree cannot back; the second finds the first's outputs (1.90×).""",
+What bounds them: on Emerald Rapids every matrix is packed for the panels, so an 8-row step of the
+1.5B costs about 1.5× a one-row step (rows, below) and a verify of k + 1 rows less than two target
+steps. The 0.5B's drafts, accepted 94-97% of the time on the refactor, then gain 1.36-1.65× at a
+fixed k of 4-8 and `adaptive:cost` 1.63×; on the sampled creative prompt a fixed k loses
+(0.64-0.81×) and `adaptive:cost` drafts in 29 rounds of a 256-token request, 0.91×. Each mode
+runs after the target-only baseline, not interleaved with it, so a figure near 1 here is within
+the machine's drift: another run of the command read 1.04× for that row, and n-gram's creative
+rows (acceptance 0.12-0.20) read 1.01× and 1.18×. N-gram proposals cost no draft step: 3.52× on the 1.5B and
+3.95× on the 0.5B for the refactor, which copies most of its output. Suffix decoding's first
+firing of the repeated burst (0.75×) pays for proposals its young tree cannot back; the second
+finds the first's outputs (1.87×).""",
     "seeds": """\
 What bounds them: theirs ran on an M2 (GPU; its CPU for routing), ours on 2 Zen 4 cores, so the
 changes compare, not the rates. Single flight: every first token waits for the leader's prefill
