@@ -22,16 +22,24 @@ def test_cpuinfo_names_family_and_model_that_a_vm_s_model_name_hides():
 
 
 def test_command_line_hides_the_llama_cpp_python_path():
-    assert command_line(["bench", "single", "--llama-cpp", "/home/me/ref/bin/python", "--runs", "3"]) == \
+    assert command_line(["bench", "single", "--llama-cpp", "/home/me/ref/bin/python", "--runs", "3"], {}) == \
         "tokentop bench single --llama-cpp PATH/TO/python --runs 3"
-    assert command_line(["bench", "single", "--llama-cpp=/x/python"]) == \
+    assert command_line(["bench", "single", "--llama-cpp=/x/python"], {}) == \
         "tokentop bench single --llama-cpp=PATH/TO/python"
 
 
+def test_command_line_names_the_kernel_settings_it_ran_with():
+    """A report of the AVX2 kernels forced on an AVX-512 CPU says so in its command."""
+    env = {"TOKENTOP_KERNEL_ISA": "avx2", "HOME": "/root", "TOKENTOP_PACKED": ""}
+    assert command_line(["bench", "rows", "--runs", "3"], env) == \
+        "TOKENTOP_KERNEL_ISA=avx2 tokentop bench rows --runs 3"
+    assert command_line(["bench", "rows"], {}) == "tokentop bench rows"
+
+
 def test_command_line_hides_the_llama_server_path():
-    assert command_line(["bench", "batching", "--llama-server", "/opt/llama/bin/llama-server", "--runs", "3"]) == \
+    assert command_line(["bench", "batching", "--llama-server", "/opt/llama/bin/llama-server", "--runs", "3"], {}) == \
         "tokentop bench batching --llama-server PATH/TO/llama-server --runs 3"
-    assert command_line(["bench", "batching", "--llama-server=/x/llama-server", "--llama-cpp=/y/python"]) == \
+    assert command_line(["bench", "batching", "--llama-server=/x/llama-server", "--llama-cpp=/y/python"], {}) == \
         "tokentop bench batching --llama-server=PATH/TO/llama-server --llama-cpp=PATH/TO/python"
 
 

@@ -1033,7 +1033,10 @@ integer dots and how well they overlap the weights' stream: the 1.5B's 8-row ste
 GFLOP/s of int8 multiply-adds, 0.86× the float32 matmul rate measured in the run. With the packed
 kernels' float steps taken out, the 1.5B's linear layers at 8 rows ran 1.13× faster; with the
 integer dots taken out too, 1.44× faster, within 1.1× of one row (`tools/kernel_ab.py` against
-kernels altered for the measurement, whose outputs are wrong): the dots are most of what 8 rows add.""",
+kernels altered for the measurement, whose outputs are wrong): the dots are most of what 8 rows add.
+The AVX2 kernels have no packed copies: forced on the same CPU (`TOKENTOP_KERNEL_ISA=avx2`, whose
+dots then take AVX-VNNI), an 8-row step costs 2.5× one row on the 0.5B and 2.8× on the 1.5B, the
+tiles built from the GGUF blocks at every call.""",
     "single": """\
 What bounds them: decode reads every weight once a step (0.5B ~0.39 GB, 1.5B ~1.0 GB), bound by
 memory: on Zen 5 the 0.5B step reads 32 GB/s against a 41-45 GB/s plain 2-thread read, the

@@ -63,10 +63,19 @@ def decode_burst_tok_s(engine, n: int, out_tokens: int, salt: str) -> float:
     return n * out_tokens / timed_burst(engine, n, out_tokens, True, salt)
 
 
-def command_line(argv: list[str]) -> str:
-    """The command as a reader would retype it, without the path of the machine that ran it."""
+# environment settings that change which kernels run: a report's command names those set
+KERNEL_ENV = ("TOKENTOP_KERNEL_ISA", "TOKENTOP_PACKED", "TOKENTOP_AVX_VNNI", "ATEN_CPU_CAPABILITY")
+
+
+def command_line(argv: list[str], env: dict | None = None) -> str:
+    """The command as a reader would retype it, without the path of the machine that ran it,
+    after the kernel settings of the environment (KERNEL_ENV) it ran with."""
+    import os
+    import shlex
+    env = os.environ if env is None else env
     hidden = {"--llama-cpp": "PATH/TO/python", "--llama-server": "PATH/TO/llama-server"}
-    words, hide = ["tokentop"], None
+    words = [f"{k}={shlex.quote(env[k])}" for k in KERNEL_ENV if env.get(k)]
+    words, hide = words + ["tokentop"], None
     for word in argv:
         flag = word.split("=", 1)[0]
         if hide:
