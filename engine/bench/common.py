@@ -109,31 +109,23 @@ def read_bandwidth(nbytes: int = 1 << 30, reps: int = 5, threads: int | None = N
     memory ceiling a decode step's weight reads compare with. On a shared machine it can swing
     over minutes (other tenants), so benchmarks take it next to each figure."""
     from engine.stats import median
-    before = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    try:
+    from engine.worker.roofline import on_threads
+    with on_threads(threads):
         buf = torch.ones(nbytes // 4)
         times = []
         for _ in range(reps):
             t0 = time.perf_counter()
             buf.sum()
             times.append(time.perf_counter() - t0)
-    finally:
-        torch.set_num_threads(before)
     return nbytes / median(times) / 1e9
 
 
 def read_ceiling_gbs(threads: int, reps: int = 5) -> float:
     """The roofline's read ceiling (engine/worker/roofline.py: the fastest of `reps` sums of
     twice the last-level cache) on `threads` threads, measured now."""
-    from engine.worker.roofline import measure_read_gbs
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    from engine.worker.roofline import measure_read_gbs, on_threads
+    with on_threads(threads):
         return measure_read_gbs(reps=reps)
-    finally:
-        torch.set_num_threads(before)
 
 
 def peak_rss_mb() -> float:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from contextlib import contextmanager
 
 from engine.cpuinfo import cpu_info, last_level_cache_bytes
 from engine.worker.profile import load_profiles, save_profile
@@ -36,6 +37,20 @@ def read_test_bytes(llc_bytes: int | None = None) -> int:
     the cache (a 256 MiB buffer fits a 300 MiB L3), between 256 MiB and 2 GiB."""
     llc = last_level_cache_bytes() if llc_bytes is None else llc_bytes
     return min(READ_MAX_BYTES, max(READ_MIN_BYTES, 2 * llc))
+
+
+@contextmanager
+def on_threads(threads: int | None):
+    """torch's intra-op threads set to `threads` (None or 0: left as they are) for the block,
+    then put back."""
+    import torch
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def measure_read_gbs(nbytes: int | None = None, reps: int = READ_REPS) -> float:
@@ -77,13 +92,9 @@ def machine_ceilings(threads: int, remeasure: bool = False, measure: bool = True
         return {**cached, "source": "cached"}
     if not measure:
         return {}
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with on_threads(threads):
         found = {"read_gbs": round(measure_read_gbs(), 2), "matmul_gflops": round(measure_matmul_gflops(), 1),
                  "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    finally:
-        torch.set_num_threads(before)
     try:
         save_profile(key, found)
     except OSError:
