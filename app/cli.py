@@ -311,6 +311,9 @@ def _add_compare(sub) -> None:
     c.add_argument("--out", default=None, type=_writable_file,
                    help="the JSON report (default ./compare-YYYYmmdd-HHMMSS.json)")
     c.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
+    c.add_argument("--rounds", type=_positive_int, default=1, metavar="N",
+                   help="run the sides N times, alternating (A B, B A, ...): medians, and B/A round by round, "
+                        "for a machine whose speed drifts (default 1)")
     add_burst_limit_flag(c)
     add_engine_flags(c)
 
@@ -658,7 +661,7 @@ def cmd_compare(args) -> int:
     if len(config.workers) == 1:
         config = replace(config, worker_mode=args.worker_mode or "thread")
     report = compare(config, items, a, b, burst=args.burst, interval_s=args.interval_ms / 1000, warm=warm,
-                     progress=lambda text: err(f"tokentop: {text}"))
+                     progress=lambda text: err(f"tokentop: {text}"), rounds=args.rounds)
     path = write_report(report, args.out)
     if args.json:
         print(json_text(report, indent=2))

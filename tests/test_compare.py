@@ -224,3 +224,75 @@ def test_speculation_acceptance_is_recorded_per_request_and_explained(tiny_model
     assert "acceptance" in text and "accepted length" in text
     assert f"B: {sb['acceptance_rate']:.0%} of {sb['draft_tokens']} drafted tokens accepted" in text
     assert "A: no drafts" in text
+
+
+def test_rounds_alternate_the_sides_and_take_medians_of_each_rounds_ratio(monkeypatch):
+    """--rounds N: A B, B A, A B, ...; each side's summary is the median of its runs, B/A the
+    median of the rounds' own ratios (a drifting machine slows both runs of a round alike)."""
+    import engine.facade.compare as cmp
+
+    calls = []
+    # completion seconds per run, in call order: the machine slows down from round to round
+    seconds = {"A": iter([1.0, 2.0, 4.0]), "B": iter([0.8, 2.5, 5.0])}
+    tokens = {"A": iter([[5, 6], [5, 6], [5, 6]]), "B": iter([[5, 6], [5, 7], [5, 6]])}
+
+    def fake_side(name, config, settings, items, **kw):
+        calls.append(name)
+        req = RequestOutcome("q0", 0, "length", None, 3, 0, 2, 0.1, 0.01, 0.2, True, next(tokens[name]))
+        return SideResult(name, settings, [req], next(seconds[name]),
+                          [{"index": 0, "name": "cpu", "device": "cpu", "simulated": False, "state": "ready"}])
+
+    monkeypatch.setattr(cmp, "run_side", fake_side)
+    monkeypatch.setattr(cmp, "configure", lambda config, settings: (config, None))
+    report = compare(None, [Item("q0", "x")], {"speculate": "off"}, {"speculate": "suffix"}, rounds=3)
+    assert calls == ["A", "B", "B", "A", "A", "B"]
+    rounds = report["rounds"]
+    assert rounds["count"] == 3 and rounds["order"] == ["AB", "BA", "AB"]
+    # aggregate tok/s = 2 tokens / completion: B/A per round = A's seconds / B's seconds
+    assert rounds["b_over_a_runs"]["aggregate_tok_s"] == [1.25, 0.8, 0.8]
+    assert report["b_over_a"]["aggregate_tok_s"] == 0.8          # the median round
+    assert rounds["b_over_a_runs"]["completion_s"] == [0.8, 1.25, 1.25]
+    assert report["a"]["summary"]["completion_s"] == 2.0 and report["b"]["summary"]["completion_s"] == 2.5
+    # the second round's greedy outputs differed: not identical, though rounds 1 and 3 were
+    assert report["outputs"] == {"compared": True, "greedy_requests": 1, "identical": False,
+                                 "differing": ["q0"], "rounds": 3}
+    text = format_report(report)
+    assert "3 rounds, alternated (AB BA AB)" in text
+    assert "aggregate tok/s B/A by round: 1.250 0.800 0.800" in text
+    assert "request (round 1)" in text
+
+
+def test_one_round_is_the_plain_report(monkeypatch):
+    import engine.facade.compare as cmp
+
+    def fake_side(name, config, settings, items, **kw):
+        req = RequestOutcome("q0", 0, "length", None, 3, 0, 2, 0.1, 0.01, 0.2, True, [1, 2])
+        return SideResult(name, settings, [req], 1.0 if name == "A" else 2.0,
+                          [{"index": 0, "name": "cpu", "device": "cpu", "simulated": False, "state": "ready"}])
+
+    monkeypatch.setattr(cmp, "run_side", fake_side)
+    monkeypatch.setattr(cmp, "configure", lambda config, settings: (config, None))
+    report = compare(None, [Item("q0", "x")], {}, {"policy": "spf"})
+    assert "rounds" not in report and report["b_over_a"]["completion_s"] == 2.0
+    assert report["outputs"] == {"compared": True, "greedy_requests": 1, "identical": True, "differing": []}
+    text = format_report(report)
+    assert "rounds" not in text and "by round" not in text and "in every round" not in text
+    with pytest.raises(ConfigError, match="--rounds must be at least 1"):
+        compare(None, [Item("q0", "x")], {}, {}, rounds=0)
+
+
+def test_compare_command_takes_rounds(tiny_model_path, tmp_path, capsys):
+    from app.cli import main
+    model = tiny_model_path("qwen2", context_length=8192)
+    out = tmp_path / "report.json"
+    code = main(["compare", str(default_prompts_dir() / "single_flight_2.jsonl"), "--a", "policy=fcfs",
+                 "--b", "policy=spf", "--model", str(model), "--device", SIM[0], "--kv-cache-memory", "16MiB",
+                 "--worker-mode", "thread", "--rounds", "2", "--out", str(out)])
+    printed, err = capsys.readouterr()
+    assert code == 0, err
+    report = json.loads(out.read_text())
+    assert report["rounds"]["order"] == ["AB", "BA"] and len(report["rounds"]["b_over_a_runs"]["aggregate_tok_s"]) == 2
+    assert "round 2 of 2, B: starting the engine" in err and "by round:" in printed
+    with pytest.raises(SystemExit) as exit_:
+        main(["compare", "x.jsonl", "--rounds", "0"])
+    assert exit_.value.code == 2 and "--rounds" in capsys.readouterr().err

@@ -15,6 +15,11 @@ acceptance and accepted length (per request and per side: why a speculating side
 and, where both sides ran greedy requests on real (not simulated) workers, whether the outputs
 were identical.
 
+With `rounds` > 1 the two sides alternate, A B, B A, A B, ... (each run a fresh engine): a
+machine whose speed drifts over minutes then weighs on both sides alike. Each side's summary
+is then the median over its runs, B/A the median of the rounds' own ratios (each round's two
+runs are neighbours in time), listed round by round; outputs are compared in every round.
+
 Requests are given as objects with `id`, `prompt`, `messages` and `params` (app/bursts.py's
 BurstItem), so the engine does not read burst files itself.
 """
@@ -30,7 +35,7 @@ from engine.config import (PREFIX_CACHE, ROUTER_POLICIES, SCHED_POLICIES, SETTIN
                            EngineConfig, SamplingParams, check_router_policy)
 from engine.errors import ConfigError, TokentopError
 from engine.pacing import paced
-from engine.stats import percentile
+from engine.stats import median, percentile
 
 REQUEST_TIMEOUT_S = 1800.0
 KERNEL_WAIT_S = 900.0     # a worker's first use builds its kernels in the background (a minute or two)
@@ -298,30 +303,83 @@ def compare_outputs(a: SideResult, b: SideResult) -> dict:
 
 def compare(config: EngineConfig, items: list[BurstRequest], a: dict[str, Any], b: dict[str, Any], *,
             burst: str = "", interval_s: float = 0.0, warm: list[BurstRequest] = (),
-            timeout: float = REQUEST_TIMEOUT_S, progress: Callable[[str], None] | None = None) -> dict:
-    """Run the burst under A, then under B; the report (plain JSON)."""
+            timeout: float = REQUEST_TIMEOUT_S, progress: Callable[[str], None] | None = None,
+            rounds: int = 1) -> dict:
+    """Run the burst under A, then under B (`rounds` times, alternating); the report (plain JSON)."""
     if not items:
         raise ConfigError("the burst has no requests")
+    if rounds < 1:
+        raise ConfigError(f"--rounds must be at least 1, got {rounds}")
     configure(config, a)                       # both sides' settings checked before either runs
     configure(config, b)
-    sides = [run_side(name, config, settings, items, interval_s=interval_s, warm=warm, timeout=timeout,
-                      progress=progress) for name, settings in (("A", a), ("B", b))]
-    summaries = [s.summary() for s in sides]
-    ratios = {}
-    for key, value in summaries[0].items():
-        other = summaries[1][key]
-        if isinstance(value, (int, float)) and isinstance(other, (int, float)) and value and key != "requests":
-            ratios[key] = round(other / value, 4)
-    return {
+    runs: dict[str, list[SideResult]] = {"A": [], "B": []}
+    settings = {"A": a, "B": b}
+    order = alternation(rounds)
+    for r, pair in enumerate(order):
+        for name in pair:
+            say = progress if rounds == 1 or progress is None else \
+                (lambda text, r=r: progress(f"round {r + 1} of {rounds}, {text}"))
+            runs[name].append(run_side(name, config, settings[name], items, interval_s=interval_s, warm=warm,
+                                       timeout=timeout, progress=say))
+    per_round = [(ra.summary(), rb.summary()) for ra, rb in zip(runs["A"], runs["B"])]
+    ratios_by_round = [side_ratios(sa, sb) for sa, sb in per_round]
+    first_a, first_b = runs["A"][0], runs["B"][0]
+    report = {
         "burst": burst, "requests": len(items), "interval_ms": round(interval_s * 1000),
-        "warm_up_requests": len(warm), "workers": sides[0].workers,
-        "a": {"settings": a, "label": label(a), "summary": summaries[0],
-              "requests": [r.to_json() for r in sides[0].requests]},
-        "b": {"settings": b, "label": label(b), "summary": summaries[1],
-              "requests": [r.to_json() for r in sides[1].requests]},
-        "b_over_a": ratios,
-        "outputs": compare_outputs(*sides),
+        "warm_up_requests": len(warm), "workers": first_a.workers,
+        "a": {"settings": a, "label": label(a), "summary": median_summary([sa for sa, _ in per_round]),
+              "requests": [r.to_json() for r in first_a.requests]},
+        "b": {"settings": b, "label": label(b), "summary": median_summary([sb for _, sb in per_round]),
+              "requests": [r.to_json() for r in first_b.requests]},
+        "b_over_a": {key: round(median([r[key] for r in ratios_by_round if key in r]), 4)
+                     for key in ratios_by_round[0]},
+        "outputs": outputs_over_rounds([compare_outputs(ra, rb) for ra, rb in zip(runs["A"], runs["B"])]),
     }
+    if rounds > 1:
+        report["rounds"] = {"count": rounds, "order": ["".join(pair) for pair in order],
+                            "b_over_a_runs": {key: [r.get(key) for r in ratios_by_round] for key in ROUND_METRICS},
+                            "note": "each side's summary: the median over its runs; b_over_a: the median "
+                                    "of the rounds' own B/A"}
+    return report
+
+
+ROUND_METRICS = ("aggregate_tok_s", "completion_s", "ttft_p50", "itl_mean_p50", "e2e_p50")
+
+
+def alternation(rounds: int) -> list[tuple[str, str]]:
+    """A B, B A, A B, ...: each side runs first in half the rounds."""
+    return [("A", "B") if r % 2 == 0 else ("B", "A") for r in range(rounds)]
+
+
+def side_ratios(sa: dict, sb: dict) -> dict[str, float]:
+    """B/A of every numeric figure both sides have (not the request count)."""
+    out = {}
+    for key, value in sa.items():
+        other = sb.get(key)
+        if isinstance(value, (int, float)) and isinstance(other, (int, float)) and value and key != "requests":
+            out[key] = round(other / value, 4)
+    return out
+
+
+def median_summary(summaries: list[dict]) -> dict:
+    """Per numeric figure, its median over a side's runs; anything else from the first run."""
+    if len(summaries) == 1:
+        return summaries[0]
+    out = dict(summaries[0])
+    for key, value in summaries[0].items():
+        values = [s.get(key) for s in summaries]
+        if isinstance(value, (int, float)) and all(isinstance(v, (int, float)) for v in values):
+            out[key] = round(median(values), 5)
+    return out
+
+
+def outputs_over_rounds(results: list[dict]) -> dict:
+    """compare_outputs of every round as one verdict: identical only if every round was."""
+    if len(results) == 1 or not results[0]["compared"]:
+        return results[0]
+    differing = sorted({i for r in results for i in r["differing"]})
+    return {"compared": True, "greedy_requests": results[0]["greedy_requests"], "identical": not differing,
+            "differing": differing, "rounds": len(results)}
 
 
 # --- the side-by-side text -------------------------------------------------------------------
@@ -354,8 +412,12 @@ def format_report(report: dict) -> str:
              + (f", after {report['warm_up_requests']} warm-up request(s) per worker" if report["warm_up_requests"] else ""),
              "workers: " + ", ".join(f"{w['index']} {w['name']}" + (" (simulated)" if w["simulated"] else "")
                                      for w in report["workers"]),
-             "",
-             f"{'':18}{'A: ' + a['label']:<{width}}{'B: ' + b['label']:<{width}}B/A"]
+             ""]
+    rounds = report.get("rounds")
+    if rounds:
+        lines += [f"{rounds['count']} rounds, alternated ({' '.join(rounds['order'])}), a fresh engine each run: "
+                  "each side's figures are its runs' medians, B/A the median of the rounds' own B/A", ""]
+    lines.append(f"{'':18}{'A: ' + a['label']:<{width}}{'B: ' + b['label']:<{width}}B/A")
 
     def row(title: str, key: str, fmt: Callable[[Any], str]) -> None:
         ratio = report["b_over_a"].get(key)
@@ -372,13 +434,20 @@ def format_report(report: dict) -> str:
         row("acceptance", "acceptance_rate", lambda v: "-" if v is None else f"{v:.0%}")
         row("accepted length", "mean_accepted_length", lambda v: "-" if v is None else f"{v:.2f}")
         lines += ["", "speculation: " + _speculation_line("A", sa) + "; " + _speculation_line("B", sb)]
-    lines += ["", f"{'request':18}{'A: worker TTFT e2e out end':<{width}}{'B: worker TTFT e2e out end':<{width}}"]
+    if rounds:
+        lines.append("")
+        for key, title in (("aggregate_tok_s", "aggregate tok/s"), ("itl_mean_p50", "ITL p50")):
+            runs = " ".join("-" if v is None else f"{v:.3f}" for v in rounds["b_over_a_runs"][key])
+            lines.append(f"{title} B/A by round: {runs}")
+    title = "request (round 1)" if rounds else "request"
+    lines += ["", f"{title:18}{'A: worker TTFT e2e out end':<{width}}{'B: worker TTFT e2e out end':<{width}}"]
     for ra, rb in zip(a["requests"], b["requests"]):
         lines.append(f"{ra['id'][:17]:18}{_cell(ra):<{width}}{_cell(rb):<{width}}".rstrip())
     outputs = report["outputs"]
     if outputs["compared"]:
         lines.append("")
-        lines.append(f"outputs: identical on all {outputs['greedy_requests']} greedy requests" if outputs["identical"]
+        every = " in every round" if outputs.get("rounds") else ""
+        lines.append(f"outputs: identical on all {outputs['greedy_requests']} greedy requests{every}" if outputs["identical"]
                      else f"outputs: {len(outputs['differing'])} of {outputs['greedy_requests']} greedy requests differ: "
                           + ", ".join(outputs["differing"][:8]))
     else:
