@@ -253,6 +253,7 @@ def test_rounds_alternate_the_sides_and_take_medians_of_each_rounds_ratio(monkey
     assert report["b_over_a"]["aggregate_tok_s"] == 0.8          # the median round
     assert rounds["b_over_a_runs"]["completion_s"] == [0.8, 1.25, 1.25]
     assert report["a"]["summary"]["completion_s"] == 2.0 and report["b"]["summary"]["completion_s"] == 2.5
+    assert report["a"]["summary"]["ok"] == 1 and isinstance(report["a"]["summary"]["ok"], int)
     # the second round's greedy outputs differed: not identical, though rounds 1 and 3 were
     assert report["outputs"] == {"compared": True, "greedy_requests": 1, "identical": False,
                                  "differing": ["q0"], "rounds": 3}

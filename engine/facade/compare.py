@@ -369,7 +369,8 @@ def median_summary(summaries: list[dict]) -> dict:
     for key, value in summaries[0].items():
         values = [s.get(key) for s in summaries]
         if isinstance(value, (int, float)) and all(isinstance(v, (int, float)) for v in values):
-            out[key] = round(median(values), 5)
+            m = median(values)   # counts stay whole numbers where their median is one
+            out[key] = int(m) if all(isinstance(v, int) for v in values) and m == int(m) else round(m, 5)
     return out
 
 
