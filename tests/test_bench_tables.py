@@ -96,6 +96,7 @@ def test_the_readme_quotes_the_headline_table():
 # --- each report shape renders ------------------------------------------------------------------
 # Shapes as the bench code writes them (engine/bench/), most of them with no report kept yet.
 ZEN4 = {"cpu_model": "AMD EPYC", "cpu_family_model": "25/17"}
+EMR = {"cpu_model": "Intel(R) Xeon(R) Processor", "cpu_family_model": "6/207", "isa": ["avx512f", "amx_tile"]}
 
 
 @pytest.fixture
@@ -342,6 +343,23 @@ def test_seeds_batching_rows_beside_the_published(bench_dir):
     text = bt.sec_seeds()
     assert "| 3 | 60.0 | 2.00× | 17.41 | 13.05 | 17.52 |" in text
     assert "| 2 | — | — | 16.15 | 8.70 | 16.25 |" in text
+
+
+def test_alternated_rounds_show_the_median_of_the_rounds_and_their_range(bench_dir):
+    run = compare_run("mixed", {"speculate": "off"}, {"speculate": "suffix"}, [(1.0, 6.0, 101)])
+    rep = run["report"]
+    rep["a"]["label"], rep["b"]["label"] = "speculate=off", "speculate=suffix"
+    rep["b"]["summary"]["acceptance_rate"] = 0.5
+    rep["rounds"] = {"count": 3, "order": ["AB", "BA", "AB"],
+                     "b_over_a_runs": {"aggregate_tok_s": [0.9, 1.2, 1.01], "itl_mean_p50": [1.1, 0.9, 1.0]}}
+    rep["b_over_a"] = {"aggregate_tok_s": 1.01, "itl_mean_p50": 1.0}
+    rep["outputs"] = {"compared": True, "greedy_requests": 1, "identical": True, "differing": [], "rounds": 3}
+    bench_dir("compare-seeds-emr", {"experiments": {"rounds": [run]}}, EMR)
+    text = bt.sec_seeds()
+    assert ("| `mixed` | speculate=off | speculate=suffix | 3 | **1.010×** (0.900–1.200) | 1.000× | 50% "
+            "| identical in every round |") in text
+    assert "Alternated A/B (`--rounds N`)" in text
+    assert "Batching:" not in text   # a bundle of alternated rounds only: no batching line for its class
 
 
 def test_rows_renders_what_bench_rows_writes(bench_dir):

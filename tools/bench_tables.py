@@ -427,6 +427,26 @@ def seeds_spec(runs: list[dict]) -> str:
                  rows)
 
 
+def seeds_rounds(runs: list[dict]) -> str:
+    """`compare --rounds N` runs: B/A of aggregate tok/s and ITL, the median of the rounds' own."""
+    rows = []
+    for run in runs:
+        rep = run["report"]
+        rounds = rep["rounds"]
+        tput = [v for v in rounds["b_over_a_runs"]["aggregate_tok_s"] if v is not None]
+        outputs = rep["outputs"]
+        same = ("identical in every round" if outputs["identical"] else
+                f"{len(outputs['differing'])} differ") if outputs["compared"] else "not compared (sampled)"
+        acceptance = side(run, "b")["summary"].get("acceptance_rate")
+        rows.append([f"`{Path(rep['burst']).stem}`", side(run, "a")["label"], side(run, "b")["label"],
+                     str(rounds["count"]),
+                     f"**{x(rep['b_over_a']['aggregate_tok_s'], 3)}** ({min(tput):.3f}–{max(tput):.3f})",
+                     x(rep["b_over_a"].get("itl_mean_p50"), 3),
+                     "—" if acceptance is None else f"{acceptance:.0%}", same])
+    return table(["burst", "A", "B", "rounds", "B/A aggregate tok/s (rounds' range)", "B/A ITL p50",
+                  "B's acceptance", "greedy outputs"], rows)
+
+
 def seeds_batching(r: Report | None) -> str:
     if r is None:
         return "Batching: no report of this class kept (`tokentop bench batching --sizes 1,2,3,4,5,6,7,8`)."
@@ -450,10 +470,11 @@ def sec_seeds() -> str:
         parts.append(f"{r.cls}, {r.link}; " + "; ".join(
             f"{name.replace('_', ' ')}: `{braced([run['command'] for run in runs])}`" for name, runs in ex.items()) + ".")
         for name, render_runs in (("single_flight", seeds_single_flight), ("routing", seeds_routing),
-                                  ("spec", seeds_spec)):
+                                  ("spec", seeds_spec), ("rounds", seeds_rounds)):
             if name in ex:
                 parts.append(f"{TEXT['seeds_' + name]}\n\n{render_runs(ex[name])}")
-        parts.append(seeds_batching(batching))
+        if batching is not None or set(ex) != {"rounds"}:
+            parts.append(seeds_batching(batching))
     title = "compare: mini-vllm-rs's experiments, ours beside the published"
     if not found:
         return unmeasured(title, TEXT["seeds"], "tokentop compare BURST --a ... --b ... (bundled by "
@@ -872,6 +893,11 @@ to the GPU (`worker=1`) against `router-policy=cost`; completion of the burst, a
 Speculation, the 1.5B as target: decode tok/s = (output − 1) / (e2e − TTFT), median over the
 burst's requests, each mode against an off side of its own run; `spec_code_edit` greedy (as
 theirs), `spec_creative` three requests at once sampled at 0.7 (theirs: greedy, one request).""",
+    "seeds_rounds": """\
+Alternated A/B (`--rounds N`): the sides run A B, B A, ..., each run on a fresh engine, so a
+drift of the machine over minutes weighs on both; B/A is the median of the rounds' own ratios,
+with the lowest and highest round. A gain of a few percent needs this on a shared machine: single
+rounds of the same pair spread by ±20%.""",
     "serve": """\
 8 concurrent streams of 64 tokens (0.5B) through one engine, measured by the client: in process
 (`engine.submit`, async iteration) against `tokentop serve`'s HTTP API (streamed over loopback),
@@ -1132,7 +1158,7 @@ def main() -> int:
                     "compare-seeds-zen4.json) of the --run compare reports, on the machine that ran them")
     ap.add_argument("--run", nargs=4, action="append", metavar=("EXPERIMENT", "LABEL", "REPORT", "COMMAND"),
                     help="with --bundle: a `tokentop compare` report, its experiment (single_flight, routing, "
-                         "spec), a label and the command that wrote it")
+                         "spec, rounds: one with --rounds N), a label and the command that wrote it")
     args = ap.parse_args()
     if args.bundle:
         Path(args.bundle).write_text(json.dumps(bundle([tuple(r) for r in args.run or ()]), indent=1,
