@@ -190,6 +190,29 @@ def test_cost_policy_turns_itself_off_when_drafts_fail_or_rows_are_expensive():
     assert half.next_k(StepContext(busy, 16, 15.0, 0, 0, False, 8)) == 0
 
 
+def test_cost_policy_probes_less_often_while_probes_do_not_bring_drafting_back():
+    """Where drafting loses however well drafts are accepted (every verify row costs a whole
+    decode step), each probe is a pure cost: probes back off (8, 16, 32, ... steps apart)
+    even when they are accepted, and come soon again once drafting pays."""
+    dear = CostModel()
+    for rows in range(1, 10):
+        dear.add_target(rows, 0.020 * rows)
+    policy = CostK()
+    probes = []
+    for step in range(256):
+        k = policy.next_k(StepContext(dear, 1, 0.0, 0, 0, False, 8))
+        if k:
+            probes.append(step)
+            policy.update(k, k)        # every probed draft accepted: still no gain here
+    assert probes == [7, 23, 55, 119, 247]      # 8, 16, 32, 64 and 128 steps apart
+    cheap = CostModel()
+    for rows in range(1, 10):
+        cheap.add_target(rows, 0.020 + 0.001 * rows)
+    assert policy.next_k(StepContext(cheap, 1, 0.0, 0, 0, False, 8)) > 0   # drafting pays again
+    ks = [policy.next_k(StepContext(dear, 1, 0.0, 0, 0, False, 8)) for _ in range(8)]
+    assert ks == [0] * 7 + [2]         # it stopped paying: the next probe after 8 steps again
+
+
 # --- rollback --------------------------------------------------------------------------
 
 def test_truncate_releases_whole_pages_of_both_tables():

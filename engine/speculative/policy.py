@@ -7,7 +7,9 @@
 - adaptive:cost (default): the k, including 0, that maximizes the expected tokens per second
   of the whole step, from the worker's measured step costs (CostModel) and the request's
   acceptance by position. Heavy batching (every extra row costs everyone) or failing drafts
-  (low acceptance) make k = 0 win; a rare short probe keeps the estimates alive.
+  (low acceptance) make k = 0 win; a rare short probe keeps the estimates alive, and probes
+  grow rarer (8, 16, 32, ... steps apart) while they do not bring drafting back: a draft model
+  must first catch up on every token since it last ran, so a probe costs several draft steps.
 """
 from __future__ import annotations
 
@@ -211,14 +213,16 @@ class CostK:
                 best_k = min(2, max_k)
         else:
             self._idle = 0
+            self._probe_every = self.PROBE_FIRST   # drafting pays: after it stops, probe soon
         self.k = best_k
         return best_k
 
     def update(self, proposed: int, accepted: int) -> None:
         self.own.update(proposed, accepted)
         if self._probing:
-            ok = accepted > 0
-            self._probe_every = self.PROBE_FIRST if ok else min(self.PROBE_MAX, self._probe_every * 2)
+            # the next choice says whether the probe brought drafting back (and resets this);
+            # a probe that did not, whatever it accepted, was a cost: the next one waits longer
+            self._probe_every = min(self.PROBE_MAX, self._probe_every * 2)
 
 
 def make_policy(spec_k: str):
