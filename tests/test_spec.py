@@ -511,3 +511,49 @@ def test_prometheus_metrics_carry_vllm_spec_decode_counters(tiny_model_path):
         assert float(line.rsplit(" ", 1)[1]) == spec[key]
     per_pos = [ln for ln in text.splitlines() if ln.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total{")]
     assert sum(float(ln.rsplit(" ", 1)[1]) for ln in per_pos) == spec["accepted_tokens"]
+
+
+def test_a_stopped_request_pays_its_whole_catch_up_to_join_a_round():
+    """Another request's draft steps are free to this one (draft_rounds), but its draft model
+    must first read the 9 tokens since it stopped: amortized over the rounds left while it
+    drafts, all at once when it had stopped (it would likely stop again after this round)."""
+    cost = CostModel()
+    for rows, ms in ((3, 60), (4, 62), (5, 64), (6, 66), (7, 68)):
+        cost.add_target(rows, ms / 1000)
+    cost.add_draft(3, 0.030)
+    cost.add_draft_prefill(20, 0.100)                 # 5 ms a token
+    ctx = StepContext(cost, 3, 2.0, 2, 3, True, 2, catchup_tokens=9, remaining=200, draft_started=True)
+    drafting, stopped = CostK(), CostK()
+    for policy in (drafting, stopped):
+        for _ in range(20):
+            policy.update(2, 1)                       # the first draft accepted, the second not
+    drafting.k, stopped.k = 2, 0
+    assert drafting.next_k(ctx) == 1
+    assert stopped.next_k(ctx) == 0
+    fresh = CostK()                                   # never drafted: its first catch-up is amortized
+    fresh.own = drafting.own
+    assert fresh.next_k(StepContext(cost, 3, 2.0, 2, 3, True, 2, catchup_tokens=9, remaining=200)) == 1
+
+
+def test_draft_timings_include_the_first_step_when_it_is_a_near_decode():
+    """A k = 1 round is only the draft's first step (its catch-up on the last round's tokens):
+    timed when that catch-up is at most two tokens a request, so the cost model learns what
+    such rounds cost; a long catch-up (a draft that fell behind) is a prefill, not timed as a step."""
+    from types import SimpleNamespace
+
+    from engine.speculative.draft import DraftModel
+
+    def seq(name, behind):
+        sampler = SimpleNamespace(generated_counts={}, _penalty_index=None, observe=lambda tok: None)
+        return SimpleNamespace(id=name, num_tokens=100, draft_computed=100 - behind, sampler=sampler)
+
+    draft = DraftModel.__new__(DraftModel)
+    draft._forward = lambda live, blocks, first: torch.zeros(len(live), 8)
+    draft._draw = lambda logits_row, s: (3, None)
+    blocks = SimpleNamespace(grow_draft=lambda s, n: True)
+    _, timings = draft.propose([(seq("a", 2), 1), (seq("b", 1), 1)], blocks)
+    assert [rows for rows, _ in timings] == [2] and draft.last_catchup[0] == 3
+    _, timings = draft.propose([(seq("a", 2), 3), (seq("b", 1), 1)], blocks)
+    assert [rows for rows, _ in timings] == [2, 1, 1]
+    _, timings = draft.propose([(seq("a", 40), 1), (seq("b", 1), 1)], blocks)
+    assert timings == [] and draft.last_catchup[0] == 41

@@ -69,8 +69,10 @@ class DraftModel:
     @torch.inference_mode()
     def propose(self, requests: list, blocks) -> tuple[dict, list]:
         """requests: [(seq, k)]. Returns ({seq id: (drafts, q [k, V] or None)}, timings), with
-        timings [(rows, seconds)] of the decode steps after the catch-up: what one more
-        draft token costs."""
+        timings [(rows, seconds)] of the steps that cost what one more draft token costs: those
+        after the first, and the first when its catch-up is at most two tokens a request (the
+        last round's tokens, as when drafting every round; without it, k = 1 rounds would
+        never be timed, and the cost model would price them from a stale table)."""
         tracer = get_tracer()
         live = []
         for seq, k in requests:
@@ -103,10 +105,11 @@ class DraftModel:
                         out[r[0].id] = (r[2], torch.stack(r[3]) if r[3] else None)
                     else:
                         still.append(r)
-                if step:
-                    timings.append((len(live), time.perf_counter() - t0))
-                else:
-                    self.last_catchup = (catchup, time.perf_counter() - t0)
+                seconds = time.perf_counter() - t0
+                if step or catchup <= 2 * len(live):
+                    timings.append((len(live), seconds))
+                if not step:
+                    self.last_catchup = (catchup, seconds)
                 live = still
                 step += 1
         finally:

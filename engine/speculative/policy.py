@@ -125,6 +125,7 @@ class StepContext:
     prior: PositionAcceptance | None = None   # the worker's recent acceptance for this proposer
     catchup_tokens: int = 0  # tokens the draft model must read before it can draft
     remaining: int = 1       # tokens the request may still emit
+    draft_started: bool = False   # the draft model has read some of this request before
 
 
 
@@ -153,9 +154,11 @@ class CostK:
 
     A request's acceptance at position i is its own decayed record, shrunk toward the
     worker's recent record for the same proposer (ctx.prior): a new request starts from what
-    the worker has seen instead of from optimism. A draft model that has fallen behind (its
-    pages released, or never started) must first catch up: that one-off prefill is charged
-    to the rounds the request has left.
+    the worker has seen instead of from optimism. A draft model that has fallen behind must
+    first catch up: a request that is drafting, or has yet to start, pays that prefill once over
+    the rounds it has left; one that had stopped (k = 0 last step) pays it all in this round,
+    since it is likely to stop again (so a request at k = 0 does not join another's probe
+    only because that one's draft steps are free to it).
     """
 
     PRIOR_ACCEPT, PRIOR_WEIGHT = 0.5, 2.0   # Beta prior at each position, without worker data
@@ -199,8 +202,10 @@ class CostK:
             seconds = cost.target(ctx.base_rows + k)
             if ctx.uses_draft:
                 seconds += max(0, k - ctx.draft_rounds) * cost.draft(ctx.draft_rows)
-                # the catch-up is paid once, over the rounds left (about remaining / e)
-                seconds += ctx.catchup_tokens * cost.draft_prefill_token * e / max(ctx.remaining, 1)
+                catchup = ctx.catchup_tokens * cost.draft_prefill_token
+                drafting = self.k > 0 or not ctx.draft_started   # self.k: the last step's choice
+                # over the rounds left (about remaining / e), or all now
+                seconds += catchup * e / max(ctx.remaining, 1) if drafting else catchup
             rate = (ctx.other_tokens + e) / max(seconds, 1e-9)
             if rate > best_rate * 1.001:     # ties go to the shorter draft
                 best_k, best_rate = k, rate
