@@ -1,5 +1,6 @@
 """Speculative decoding: proposers, acceptance (exact in distribution), rollback, engine."""
 import os
+from dataclasses import replace
 import random
 import time
 
@@ -513,26 +514,33 @@ def test_prometheus_metrics_carry_vllm_spec_decode_counters(tiny_model_path):
     assert sum(float(ln.rsplit(" ", 1)[1]) for ln in per_pos) == spec["accepted_tokens"]
 
 
-def test_a_stopped_request_pays_its_whole_catch_up_to_join_a_round():
-    """Another request's draft steps are free to this one (draft_rounds), but its draft model
-    must first read the 9 tokens since it stopped: amortized over the rounds left while it
-    drafts, all at once when it had stopped (it would likely stop again after this round)."""
+def test_a_draft_that_must_catch_up_starts_only_where_drafting_pays_in_a_plain_step():
+    """A prefill beside a decoding request (its rows make drafts look free) or another request's
+    draft steps (free to share) must not start a draft model that must first read the tokens it
+    missed, where drafting does not pay in a plain step of the requests decoding now: it would
+    stop after one round. A draft that drafted last round (two tokens to read) may join."""
     cost = CostModel()
-    for rows, ms in ((3, 60), (4, 62), (5, 64), (6, 66), (7, 68)):
+    for rows, ms in ((1, 50), (2, 55), (3, 60), (4, 62), (5, 64), (6, 66), (113, 1000), (121, 1020)):
         cost.add_target(rows, ms / 1000)
-    cost.add_draft(3, 0.030)
-    cost.add_draft_prefill(20, 0.100)                 # 5 ms a token
-    ctx = StepContext(cost, 3, 2.0, 2, 3, True, 2, catchup_tokens=9, remaining=200, draft_started=True)
-    drafting, stopped = CostK(), CostK()
-    for policy in (drafting, stopped):
-        for _ in range(20):
-            policy.update(2, 1)                       # the first draft accepted, the second not
-    drafting.k, stopped.k = 2, 0
-    assert drafting.next_k(ctx) == 1
-    assert stopped.next_k(ctx) == 0
-    fresh = CostK()                                   # never drafted: its first catch-up is amortized
-    fresh.own = drafting.own
-    assert fresh.next_k(StepContext(cost, 3, 2.0, 2, 3, True, 2, catchup_tokens=9, remaining=200)) == 1
+    cost.add_draft(1, 0.040)
+    cost.add_draft(3, 0.040)                          # a draft step: two thirds of a target step
+    cost.add_draft_prefill(20, 0.100)
+    policy = CostK()
+    for _ in range(20):
+        policy.update(2, 1)                           # the first draft accepted, the second not
+    share = StepContext(cost, 3, 2.0, 2, 3, True, 2, remaining=200, decoding=3)   # another drafts 2
+    assert policy.next_k(replace(share, catchup_tokens=9)) == 0
+    assert policy.next_k(replace(share, catchup_tokens=2)) == 1
+    prefill = StepContext(cost, 113, 0.0, 0, 1, True, 8, remaining=200, decoding=1, catchup_tokens=57)
+    assert policy.next_k(prefill) == 0
+    assert policy.next_k(replace(prefill, catchup_tokens=2)) > 0   # current: the big step hides it
+    cheap = CostModel()
+    for rows, ms in ((1, 50), (2, 51), (3, 52), (4, 53)):
+        cheap.add_target(rows, ms / 1000)
+    cheap.add_draft(1, 0.005)
+    cheap.add_draft_prefill(20, 0.100)
+    plain = StepContext(cheap, 1, 0.0, 0, 1, True, 2, remaining=200, decoding=1, catchup_tokens=57)
+    assert policy.next_k(plain) == 1                  # it pays: the catch-up spread over the rounds
 
 
 def test_draft_timings_include_the_first_step_when_it_is_a_near_decode():

@@ -103,7 +103,7 @@ class SpecController:
             ctx = StepContext(self.cost, rows, other, draft_rounds, n_draft, mode == "draft", max_k,
                               prior=self.recent[mode], remaining=seq.remaining_decode,
                               catchup_tokens=seq.num_tokens - seq.draft_computed if mode == "draft" else 0,
-                              draft_started=seq.draft_computed > 0)
+                              decoding=len(decoding))
             k = max(0, min(seq.spec.policy.next_k(ctx), max_k))
             seq.spec.stats.k = k
             if seq.spec.mode == "suffix":

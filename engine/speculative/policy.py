@@ -13,7 +13,7 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 K_MIN, K_MAX = 1, 8
 
@@ -125,7 +125,7 @@ class StepContext:
     prior: PositionAcceptance | None = None   # the worker's recent acceptance for this proposer
     catchup_tokens: int = 0  # tokens the draft model must read before it can draft
     remaining: int = 1       # tokens the request may still emit
-    draft_started: bool = False   # the draft model has read some of this request before
+    decoding: int = 0        # requests decoding in this step (0: base_rows)
 
 
 
@@ -155,16 +155,18 @@ class CostK:
     A request's acceptance at position i is its own decayed record, shrunk toward the
     worker's recent record for the same proposer (ctx.prior): a new request starts from what
     the worker has seen instead of from optimism. A draft model that has fallen behind must
-    first catch up: a request that is drafting, or has yet to start, pays that prefill once over
-    the rounds it has left; one that had stopped (k = 0 last step) pays it all in this round,
-    since it is likely to stop again (so a request at k = 0 does not join another's probe
-    only because that one's draft steps are free to it).
+    first catch up (a prefill of every token it has not read), which pays only if the request
+    then keeps drafting: so it starts only where drafting pays in a plain step of the requests
+    decoding now (no prefill beside it, whose rows make a draft look cheap; no other request's
+    draft steps to share), and the catch-up is spread over the rounds left (about remaining / e).
+    A draft that drafted last round has only its last tokens to read (CURRENT_CATCHUP).
     """
 
     PRIOR_ACCEPT, PRIOR_WEIGHT = 0.5, 2.0   # Beta prior at each position, without worker data
     PROBE_FIRST, PROBE_MAX = 8, 128          # steps at k = 0 before a probe, doubling
     PROBE_MAX_CATCHUP = 16                   # never probe a draft that must re-read more
     MARGIN = 1.03                            # speculate only for a clear expected gain
+    CURRENT_CATCHUP = 2                      # a draft's catch-up after a round: the bonus and last draft
 
     def __init__(self):
         self.own = PositionAcceptance()
@@ -195,20 +197,11 @@ class CostK:
         if not cost.target.known:
             self.k = min(4, max_k)   # nothing measured yet: the first rounds teach the model
             return self.k
-        base = (ctx.other_tokens + 1) / max(cost.target(ctx.base_rows), 1e-9)
-        best_k, best_rate = 0, base * self.MARGIN
-        for k in range(1, max_k + 1):
-            e = self.expected_tokens(k)
-            seconds = cost.target(ctx.base_rows + k)
-            if ctx.uses_draft:
-                seconds += max(0, k - ctx.draft_rounds) * cost.draft(ctx.draft_rows)
-                catchup = ctx.catchup_tokens * cost.draft_prefill_token
-                drafting = self.k > 0 or not ctx.draft_started   # self.k: the last step's choice
-                # over the rounds left (about remaining / e), or all now
-                seconds += catchup * e / max(ctx.remaining, 1) if drafting else catchup
-            rate = (ctx.other_tokens + e) / max(seconds, 1e-9)
-            if rate > best_rate * 1.001:     # ties go to the shorter draft
-                best_k, best_rate = k, rate
+        catchup = ctx.catchup_tokens * cost.draft_prefill_token if ctx.uses_draft else 0.0
+        if ctx.catchup_tokens > self.CURRENT_CATCHUP and not self._best_k(self._plain_step(ctx), max_k, 0.0):
+            best_k = 0   # a draft that would not keep paying does not start (see the class docstring)
+        else:
+            best_k = self._best_k(ctx, max_k, catchup / max(ctx.remaining, 1))
         self._probing = False
         if best_k == 0:
             self._idle += 1
@@ -221,6 +214,28 @@ class CostK:
             self._probe_every = self.PROBE_FIRST   # drafting pays: after it stops, probe soon
         self.k = best_k
         return best_k
+
+    def _best_k(self, ctx: StepContext, max_k: int, catchup_per_token: float) -> int:
+        """The k (0 .. max_k) of the highest expected tokens per second of the step; a draft
+        must beat k = 0 by MARGIN. catchup_per_token: the catch-up's share per emitted token."""
+        cost = ctx.cost
+        base = (ctx.other_tokens + 1) / max(cost.target(ctx.base_rows), 1e-9)
+        best_k, best_rate = 0, base * self.MARGIN
+        for k in range(1, max_k + 1):
+            e = self.expected_tokens(k)
+            seconds = cost.target(ctx.base_rows + k)
+            if ctx.uses_draft:
+                seconds += max(0, k - ctx.draft_rounds) * cost.draft(ctx.draft_rows) + catchup_per_token * e
+            rate = (ctx.other_tokens + e) / max(seconds, 1e-9)
+            if rate > best_rate * 1.001:     # ties go to the shorter draft
+                best_k, best_rate = k, rate
+        return best_k
+
+    @staticmethod
+    def _plain_step(ctx: StepContext) -> StepContext:
+        """The step of the requests decoding now, each one row, none other drafting."""
+        n = ctx.decoding or ctx.base_rows
+        return replace(ctx, base_rows=n, other_tokens=n - 1.0, draft_rounds=0)
 
     def update(self, proposed: int, accepted: int) -> None:
         self.own.update(proposed, accepted)
