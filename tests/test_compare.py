@@ -278,7 +278,7 @@ def test_one_round_is_the_plain_report(monkeypatch):
     assert report["outputs"] == {"compared": True, "greedy_requests": 1, "identical": True, "differing": []}
     text = format_report(report)
     assert "rounds" not in text and "by round" not in text and "in every round" not in text
-    with pytest.raises(ConfigError, match="--rounds must be at least 1"):
+    with pytest.raises(ConfigError, match="the number of rounds must be at least 1"):
         compare(None, [Item("q0", "x")], {}, {}, rounds=0)
 
 

@@ -309,7 +309,7 @@ def compare(config: EngineConfig, items: list[BurstRequest], a: dict[str, Any], 
     if not items:
         raise ConfigError("the burst has no requests")
     if rounds < 1:
-        raise ConfigError(f"--rounds must be at least 1, got {rounds}")
+        raise ConfigError(f"the number of rounds must be at least 1, got {rounds}")
     configure(config, a)                       # both sides' settings checked before either runs
     configure(config, b)
     runs: dict[str, list[SideResult]] = {"A": [], "B": []}
