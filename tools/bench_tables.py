@@ -894,10 +894,8 @@ Speculation, the 1.5B as target: decode tok/s = (output − 1) / (e2e − TTFT),
 burst's requests, each mode against an off side of its own run; `spec_code_edit` greedy (as
 theirs), `spec_creative` three requests at once sampled at 0.7 (theirs: greedy, one request).""",
     "seeds_rounds": """\
-Alternated A/B (`--rounds N`): the sides run A B, B A, ..., each run on a fresh engine, so a
-drift of the machine over minutes weighs on both; B/A is the median of the rounds' own ratios,
-with the lowest and highest round. A gain of a few percent needs this on a shared machine: single
-rounds of the same pair spread by ±20%.""",
+Alternated A/B (`--rounds N`): A B, B A, ..., a fresh engine a run; B/A is the median of the
+rounds' own ratios (single rounds spread by ±20%).""",
     "serve": """\
 8 concurrent streams of 64 tokens (0.5B) through one engine, measured by the client: in process
 (`engine.submit`, async iteration) against `tokentop serve`'s HTTP API (streamed over loopback),
@@ -1049,9 +1047,8 @@ today's.""",
 BOUNDS = {
     "rows": """\
 What bounds them: one row reads the weights at 63% (0.5B) and 61% (1.5B) of the plain read
-measured in the run (a read that itself swings by a quarter on this shared machine). On AVX-512
-every matrix type is packed at load in the panels' tile order (docs/kernels.md, 'K-quants packed
-for the panels', 'Q4_0, Q5_0 and Q8_0 packed too'), so calls of 2-32 rows read the weights with
+measured in the run (itself swinging by a quarter). On AVX-512
+every matrix type is packed at load in the panels' tile order, so calls of 2-32 rows read the weights with
 no per-call build: the 1.5B's 8-row step, 3.2× one row when its tiles were built at every call,
 is 1.54× (runs 1.32-1.73×), its 4-row step 1.17×; the 0.5B's, mostly Q5_0 and Q8_0, 1.31× (runs
 1.09-1.66×; 1.8× with those two types built at every call). Many rows are then bound by the
@@ -1059,7 +1056,7 @@ integer dots and how well they overlap the weights' stream: the 1.5B's 8-row ste
 GFLOP/s of int8 multiply-adds, 0.86× the float32 matmul rate measured in the run. With the packed
 kernels' float steps taken out, the 1.5B's linear layers at 8 rows ran 1.13× faster; with the
 integer dots taken out too, 1.44× faster, within 1.1× of one row (`tools/kernel_ab.py` against
-kernels altered for the measurement, whose outputs are wrong): the dots are most of what 8 rows add.
+kernels altered for the measurement only): the dots are most of what 8 rows add.
 The AVX2 kernels have no packed copies: forced on the same CPU (`TOKENTOP_KERNEL_ISA=avx2`, whose
 dots then take AVX-VNNI), an 8-row step costs 2.5× one row on the 0.5B and 2.8× on the 1.5B, the
 tiles built from the GGUF blocks at every call.""",
@@ -1103,15 +1100,13 @@ gain at most ~35% on `incremental`.""",
     "spec": """\
 What bounds them: on Emerald Rapids every matrix is packed for the panels, so an 8-row step of the
 1.5B costs about 1.5× a one-row step (rows, below) and a verify of k + 1 rows less than two target
-steps. The 0.5B's drafts, accepted 94-97% of the time on the refactor, then gain 1.36-1.65× at a
-fixed k of 4-8 and `adaptive:cost` 1.63×; on the sampled creative prompt a fixed k loses
-(0.64-0.81×) and `adaptive:cost` drafts in 29 rounds of a 256-token request, 0.91×. Each mode
-runs after the target-only baseline, not interleaved with it, so a figure near 1 here is within
-the machine's drift: another run of the command read 1.04× for that row, and n-gram's creative
-rows (acceptance 0.12-0.20) read 1.01× and 1.18×. N-gram proposals cost no draft step: 3.52× on the 1.5B and
-3.95× on the 0.5B for the refactor, which copies most of its output. Suffix decoding's first
-firing of the repeated burst (0.75×) pays for proposals its young tree cannot back; the second
-finds the first's outputs (1.87×).""",
+steps. The 0.5B's drafts, accepted 90-97% on the refactor, gain 1.41-1.50× at a fixed
+k of 4-8 and `adaptive:cost` 1.51×; on the sampled creative prompt a fixed k loses (0.61-0.82×) and
+`adaptive:cost` drafts in 37 rounds at 67% acceptance, 0.95×: a draft step costs half a target
+step, so those are near break-even; the modes run in turn, not alternated (alternated, three
+at once: 0.989×, compare section). N-gram (no draft step): 3.24× (1.5B), 3.93× (0.5B) on the
+refactor. Suffix decoding's repeated burst: 0.97× on the first firing, 1.97× on the second, which
+finds the first's outputs.""",
     "seeds": """\
 What bounds them: theirs ran on an M2 (GPU; its CPU for routing), ours on 2 Zen 4 cores, so the
 changes compare, not the rates. Single flight: every first token waits for the leader's prefill
