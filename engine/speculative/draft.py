@@ -23,6 +23,7 @@ import torch
 from engine.errors import ConfigError
 from engine.models.batch import ForwardBatch, SeqSlice
 from engine.worker.sampling import draw_from, probs_for
+from engine.speculative.policy import CURRENT_CATCHUP
 from engine.trace import get_tracer
 
 
@@ -70,8 +71,8 @@ class DraftModel:
     def propose(self, requests: list, blocks) -> tuple[dict, list]:
         """requests: [(seq, k)]. Returns ({seq id: (drafts, q [k, V] or None)}, timings), with
         timings [(rows, seconds)] of the steps that cost what one more draft token costs: those
-        after the first, and the first when its catch-up is at most two tokens a request (the
-        last round's tokens, as when drafting every round; without it, k = 1 rounds would
+        after the first, and the first when its catch-up is at most CURRENT_CATCHUP tokens a
+        request (the last round's, as when drafting every round; without it, k = 1 rounds would
         never be timed, and the cost model would price them from a stale table)."""
         tracer = get_tracer()
         live = []
@@ -106,7 +107,7 @@ class DraftModel:
                     else:
                         still.append(r)
                 seconds = time.perf_counter() - t0
-                if step or catchup <= 2 * len(live):
+                if step or catchup <= CURRENT_CATCHUP * len(live):
                     timings.append((len(live), seconds))
                 if not step:
                     self.last_catchup = (catchup, seconds)

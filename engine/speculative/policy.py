@@ -16,6 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 K_MIN, K_MAX = 1, 8
+# a draft's catch-up after a round it drafted: the bonus token and its last draft, per request;
+# a first draft step reading no more costs what a draft step does
+CURRENT_CATCHUP = 2
 
 
 class FixedK:
@@ -166,7 +169,6 @@ class CostK:
     PROBE_FIRST, PROBE_MAX = 8, 128          # steps at k = 0 before a probe, doubling
     PROBE_MAX_CATCHUP = 16                   # never probe a draft that must re-read more
     MARGIN = 1.03                            # speculate only for a clear expected gain
-    CURRENT_CATCHUP = 2                      # a draft's catch-up after a round: the bonus and last draft
 
     def __init__(self):
         self.own = PositionAcceptance()
@@ -198,7 +200,7 @@ class CostK:
             self.k = min(4, max_k)   # nothing measured yet: the first rounds teach the model
             return self.k
         catchup = ctx.catchup_tokens * cost.draft_prefill_token if ctx.uses_draft else 0.0
-        if ctx.catchup_tokens > self.CURRENT_CATCHUP and not self._best_k(self._plain_step(ctx), max_k, 0.0):
+        if ctx.catchup_tokens > CURRENT_CATCHUP and not self._best_k(self._plain_step(ctx), max_k, 0.0):
             best_k = 0   # a draft that would not keep paying does not start (see the class docstring)
         else:
             best_k = self._best_k(ctx, max_k, catchup / max(ctx.remaining, 1))
