@@ -94,3 +94,24 @@ def test_measured_gain_is_speculating_tok_s_over_the_undrafted_estimate():
     for _ in range(400):                # then drafts stop paying: the figure follows
         gain.add(0.030, 1, 0.020, 1)
     assert gain.as_dict()["gain"] == pytest.approx(2 / 3, rel=0.02)
+
+
+def test_the_measured_gain_counts_the_draft_models_time():
+    """A round's tokens cost its draft steps as well as its verify: 3 tokens from 20 ms of
+    verify after 30 ms of drafting is 60 tok/s (a 1.2× gain over 20 ms a token), not 150.
+    The target's cost table still learns the verify step alone."""
+    from types import SimpleNamespace
+
+    from engine.speculative.controller import SpecController
+    from engine.speculative.stats import MeasuredGain
+    from engine.worker.sequence import SeqState
+
+    controller = SpecController.__new__(SpecController)
+    controller.cost, controller.gain = CostModel(), MeasuredGain()
+    controller.cost.add_target(1, 0.020)
+    seq = SimpleNamespace(state=SeqState.DECODE, spec=object())
+    plan = SimpleNamespace(items=[SimpleNamespace(seq=seq)], num_tokens=4)
+    controller.record_step(plan, 0.020, 3, 0.030)
+    got = controller.gain.as_dict()
+    assert got["spec_tok_s"] == pytest.approx(60.0) and got["gain"] == pytest.approx(1.2)
+    assert controller.cost.target.table[4] == pytest.approx(0.020)

@@ -196,14 +196,16 @@ class SpecController:
             item.seq.draft_ids = drafts
             item.seq.spec.draft_probs = q
 
-    def record_step(self, plan, seconds: float, emitted: int) -> None:
+    def record_step(self, plan, seconds: float, emitted: int, drafting: float = 0.0) -> None:
         """Teach the cost model: target step time by rows (decode/verify-only steps); and
-        measure the gain of those with speculating requests against the same step undrafted."""
+        measure the gain of those with speculating requests against the same step undrafted.
+        seconds: the target's step; drafting: the draft model's proposals before it, which
+        the step's tokens cost too."""
         if not all(i.seq.state == SeqState.DECODE for i in plan.items):
             return
         if any(i.seq.spec is not None for i in plan.items) and self.cost.target.known:
             rows = len(plan.items)
-            self.gain.add(seconds, emitted, self.cost.target(rows), rows)
+            self.gain.add(seconds + drafting, emitted, self.cost.target(rows), rows)
         self.cost.add_target(plan.num_tokens, seconds)
 
     def stats_dict(self) -> dict:

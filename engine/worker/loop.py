@@ -171,8 +171,10 @@ class Worker:
             return
         speculating = plan.num_draft > 0
         with tracer.span("spec", drafts=plan.num_draft) if speculating else nullcontext():
+            t0 = time.perf_counter()
             if speculating:
                 plan = self._propose(plan)
+            drafting = time.perf_counter() - t0
             t0 = time.perf_counter()
             sampled, errors, whole = self._execute(plan.items)
             seconds = time.perf_counter() - t0
@@ -188,7 +190,7 @@ class Worker:
         # a verify round emits 1 + accepted tokens (or more with the bonus): count them all
         decode += sum(len(v.tokens) - 1 for v in sampled.values() if not isinstance(v, tuple))
         if self.spec is not None and whole:
-            self.spec.record_step(plan, seconds, decode)
+            self.spec.record_step(plan, seconds, decode, drafting)
         if self.traffic is not None and whole and decode_only:
             self.traffic.add(now, seconds, plan.num_tokens, context)
         self.counts.add(now, plan.num_tokens - plan.num_decode - plan.num_draft, decode, plan.num_tokens)
