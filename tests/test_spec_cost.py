@@ -1,5 +1,7 @@
 """adaptive:cost on synthetic cost tables: with the acceptance it has seen, it picks the draft
 length that maximizes the true expected tokens per second, and no drafting where drafting loses."""
+from dataclasses import replace
+
 import pytest
 
 from engine.speculative.policy import CostK, CostModel, PositionAcceptance, StepContext
@@ -115,3 +117,53 @@ def test_the_measured_gain_counts_the_draft_models_time():
     got = controller.gain.as_dict()
     assert got["spec_tok_s"] == pytest.approx(60.0) and got["gain"] == pytest.approx(1.2)
     assert controller.cost.target.table[4] == pytest.approx(0.020)
+
+
+def test_a_position_no_record_has_reached_is_as_good_as_the_one_before():
+    """After rounds that proposed two drafts and had both accepted, a third draft is priced at
+    the second's rate, not at the 0.5 prior: else k would never grow past the first rounds' 2."""
+    policy, worker = CostK(), PositionAcceptance()
+    for _ in range(10):
+        policy.update(2, 2)
+        worker.update(2, 2)
+    policy._prior = worker
+    a = policy.alphas(6)
+    assert a[2] == pytest.approx(a[1]) and a[5] == pytest.approx(a[1]) and a[1] > 0.95
+    cost = table(1.4)
+    cost.add_draft(1, 0.2 * T1)
+    assert policy.next_k(StepContext(cost, 1, 0.0, 0, 1, True, 8, prior=worker, remaining=200)) > 2
+
+
+def draft_pair() -> CostModel:
+    """The 1.5B and 0.5B here: a draft step half a target step, rows 1.2× at 2 and 1.6× at 8,
+    a catch-up token 1.5 ms."""
+    cost = table(1.6)
+    cost.add_draft(1, 0.5 * T1)
+    cost.add_draft_prefill(64, 64 * 0.0015)
+    return cost
+
+
+def test_a_request_that_has_not_drafted_explores_one_round_when_its_catch_up_is_cheap():
+    """A fresh request with a draft model: the 0.5 prior makes k = 0 win on these costs, so it
+    would never learn what its drafts are worth. It drafts one round (EXPLORE_K) when the
+    catch-up is a small share of its remaining time, then the cost rule decides."""
+    cost = draft_pair()
+    fresh = StepContext(cost, 1, 0.0, 0, 1, True, 8, remaining=256, catchup_tokens=180, decoding=1)
+    assert CostK()._best_k(fresh, 8, 0.0) == 0                # without exploring: never
+    good = CostK()
+    assert good.next_k(fresh) == CostK.EXPLORE_K
+    good.update(4, 4)
+    worker = PositionAcceptance()
+    worker.update(4, 4)
+    current = StepContext(cost, 1, 0.0, 0, 1, True, 8, prior=worker, remaining=250, catchup_tokens=2, decoding=1)
+    assert good.next_k(current) > 0                           # its drafts pay: it goes on
+    bad = CostK()
+    assert bad.next_k(fresh) == CostK.EXPLORE_K
+    bad.update(4, 0)
+    poor = PositionAcceptance()
+    poor.update(4, 0)
+    assert [bad.next_k(replace(current, prior=poor, catchup_tokens=c)) for c in (2, 3, 4)] == [0, 0, 0]
+    short = StepContext(cost, 1, 0.0, 0, 1, True, 8, remaining=20, catchup_tokens=180, decoding=1)
+    assert CostK().next_k(short) == 0                         # 270 ms of catch-up for 20 tokens: no
+    ngram = StepContext(cost, 1, 0.0, 0, 0, False, 8, remaining=256)
+    assert CostK().next_k(replace(ngram, cost=table(8.0))) == 0   # no draft model, no exploring

@@ -10,6 +10,9 @@
   (low acceptance) make k = 0 win; a rare short probe keeps the estimates alive, and probes
   grow rarer (8, 16, 32, ... steps apart) while they do not bring drafting back: a draft model
   must first catch up on every token since it last ran, so a probe costs several draft steps.
+  A request with a draft model that has not drafted yet explores one round when its catch-up
+  is cheap against its remaining tokens: the worker's record may come from other kinds of
+  prompt (or from none), and only a round of this request's own says what its drafts are worth.
 """
 from __future__ import annotations
 
@@ -149,7 +152,10 @@ class PositionAcceptance:
             self.tried[i] = self.DECAY * self.tried[i] + 1.0
 
     def rate(self, i: int, default: float) -> float:
-        return self.accepted[i] / self.tried[i] if self.tried[i] > 0.5 else default
+        return self.accepted[i] / self.tried[i] if self.known(i) else default
+
+    def known(self, i: int) -> bool:
+        return self.tried[i] > 0.5
 
 
 class CostK:
@@ -163,12 +169,18 @@ class CostK:
     decoding now (no prefill beside it, whose rows make a draft look cheap; no other request's
     draft steps to share), and the catch-up is spread over the rounds left (about remaining / e).
     A draft that drafted last round has only its last tokens to read (CURRENT_CATCHUP).
+    A position neither record has reached is taken to be as good as the one before it: a run
+    of accepted drafts tends to go on, and the 0.5 prior there would keep k from ever growing
+    past the positions a first round happened to reach.
     """
 
     PRIOR_ACCEPT, PRIOR_WEIGHT = 0.5, 2.0   # Beta prior at each position, without worker data
     PROBE_FIRST, PROBE_MAX = 8, 128          # steps at k = 0 before a probe, doubling
     PROBE_MAX_CATCHUP = 16                   # never probe a draft that must re-read more
     MARGIN = 1.03                            # speculate only for a clear expected gain
+    EXPLORE_K = 4                            # a request's first round with a draft model
+    EXPLORE_SHARE = 0.10                     # explore if the catch-up costs at most this share
+                                             # of the request's remaining decode time
 
     def __init__(self):
         self.own = PositionAcceptance()
@@ -177,16 +189,26 @@ class CostK:
         self._probe_every = self.PROBE_FIRST
         self._probing = False
         self._prior: PositionAcceptance | None = None
+        self._explored = False
+
+    def alphas(self, k: int) -> list[float]:
+        """P(draft i+1 accepted | drafts 1..i were), for i < k (see the class docstring)."""
+        out, p = [], self.PRIOR_ACCEPT
+        for i in range(k):
+            if self._prior is not None and self._prior.known(i):
+                p = self._prior.rate(i, p)
+            elif i and not self.own.known(i):
+                p = out[-1]
+            out.append((self.own.accepted[i] + p * self.PRIOR_WEIGHT) / (self.own.tried[i] + self.PRIOR_WEIGHT))
+        return out
 
     def alpha(self, i: int) -> float:
-        """P(draft i+1 accepted | drafts 1..i were)."""
-        p = self._prior.rate(i, self.PRIOR_ACCEPT) if self._prior is not None else self.PRIOR_ACCEPT
-        return (self.own.accepted[i] + p * self.PRIOR_WEIGHT) / (self.own.tried[i] + self.PRIOR_WEIGHT)
+        return self.alphas(i + 1)[i]
 
     def expected_tokens(self, k: int) -> float:
         e, run = 1.0, 1.0
-        for i in range(k):
-            run *= self.alpha(i)
+        for a in self.alphas(k):
+            run *= a
             e += run
         return e
 
@@ -205,6 +227,8 @@ class CostK:
         else:
             best_k = self._best_k(ctx, max_k, catchup / max(ctx.remaining, 1))
         self._probing = False
+        if best_k == 0 and self._explore(ctx, catchup):
+            best_k = min(self.EXPLORE_K, max_k)
         if best_k == 0:
             self._idle += 1
             if self._idle >= self._probe_every and (not ctx.uses_draft
@@ -216,6 +240,15 @@ class CostK:
             self._probe_every = self.PROBE_FIRST   # drafting pays: after it stops, probe soon
         self.k = best_k
         return best_k
+
+    def _explore(self, ctx: StepContext, catchup_seconds: float) -> bool:
+        """Once per request with a draft model, before any round of its own: where the catch-up
+        is a small share of the time its remaining tokens take undrafted."""
+        if not ctx.uses_draft or self._explored or self.own.known(0):
+            return False
+        self._explored = True
+        plain = ctx.remaining * ctx.cost.target(ctx.decoding or ctx.base_rows)
+        return catchup_seconds <= self.EXPLORE_SHARE * plain
 
     def _best_k(self, ctx: StepContext, max_k: int, catchup_per_token: float) -> int:
         """The k (0 .. max_k) of the highest expected tokens per second of the step; a draft
