@@ -145,8 +145,9 @@ def draft_pair() -> CostModel:
 
 def test_a_request_that_has_not_drafted_explores_one_round_when_its_catch_up_is_cheap():
     """A fresh request with a draft model: the 0.5 prior makes k = 0 win on these costs, so it
-    would never learn what its drafts are worth. It drafts one round (EXPLORE_K) when the
-    catch-up is a small share of its remaining time, then the cost rule decides."""
+    would never learn what its drafts are worth. It drafts one round (EXPLORE_K) when that
+    round's draft work, times the requests waiting for it, is a small share of its remaining
+    time; then the cost rule decides."""
     cost = draft_pair()
     fresh = StepContext(cost, 1, 0.0, 0, 1, True, 8, remaining=256, catchup_tokens=180, decoding=1)
     assert CostK()._best_k(fresh, 8, 0.0) == 0                # without exploring: never
@@ -165,5 +166,7 @@ def test_a_request_that_has_not_drafted_explores_one_round_when_its_catch_up_is_
     assert [bad.next_k(replace(current, prior=poor, catchup_tokens=c)) for c in (2, 3, 4)] == [0, 0, 0]
     short = StepContext(cost, 1, 0.0, 0, 1, True, 8, remaining=20, catchup_tokens=180, decoding=1)
     assert CostK().next_k(short) == 0                         # 270 ms of catch-up for 20 tokens: no
+    batch = StepContext(cost, 8, 7.0, 0, 1, True, 8, remaining=256, catchup_tokens=180, decoding=8)
+    assert CostK().next_k(batch) == 0                         # seven others would wait for it: no
     ngram = StepContext(cost, 1, 0.0, 0, 0, False, 8, remaining=256)
     assert CostK().next_k(replace(ngram, cost=table(8.0))) == 0   # no draft model, no exploring

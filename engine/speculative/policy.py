@@ -10,9 +10,10 @@
   (low acceptance) make k = 0 win; a rare short probe keeps the estimates alive, and probes
   grow rarer (8, 16, 32, ... steps apart) while they do not bring drafting back: a draft model
   must first catch up on every token since it last ran, so a probe costs several draft steps.
-  A request with a draft model that has not drafted yet explores one round when its catch-up
-  is cheap against its remaining tokens: the worker's record may come from other kinds of
-  prompt (or from none), and only a round of this request's own says what its drafts are worth.
+  A request with a draft model that has not drafted yet explores one round when that round's
+  draft work, which every request beside it waits for, is cheap against its remaining tokens:
+  the worker's record may come from other kinds of prompt (or from none), and only a round of
+  this request's own says what its drafts are worth.
 """
 from __future__ import annotations
 
@@ -179,8 +180,9 @@ class CostK:
     PROBE_MAX_CATCHUP = 16                   # never probe a draft that must re-read more
     MARGIN = 1.03                            # speculate only for a clear expected gain
     EXPLORE_K = 4                            # a request's first round with a draft model
-    EXPLORE_SHARE = 0.10                     # explore if the catch-up costs at most this share
-                                             # of the request's remaining decode time
+    EXPLORE_SHARE = 0.10                     # explore if the round's draft work, times the rows
+                                             # waiting for it, is at most this share of the
+                                             # request's remaining decode time
 
     def __init__(self):
         self.own = PositionAcceptance()
@@ -242,13 +244,15 @@ class CostK:
         return best_k
 
     def _explore(self, ctx: StepContext, catchup_seconds: float) -> bool:
-        """Once per request with a draft model, before any round of its own: where the catch-up
-        is a small share of the time its remaining tokens take undrafted."""
+        """Once per request with a draft model, before any round of its own: where the round's
+        draft work (the catch-up and EXPLORE_K draft steps), which every request decoding beside
+        it waits for, is a small share of the time its remaining tokens take undrafted."""
         if not ctx.uses_draft or self._explored or self.own.known(0):
             return False
         self._explored = True
-        plain = ctx.remaining * ctx.cost.target(ctx.decoding or ctx.base_rows)
-        return catchup_seconds <= self.EXPLORE_SHARE * plain
+        cost, rows = ctx.cost, ctx.decoding or ctx.base_rows
+        delay = catchup_seconds + self.EXPLORE_K * cost.draft(max(ctx.draft_rows, 1))
+        return delay * rows <= self.EXPLORE_SHARE * ctx.remaining * cost.target(rows)
 
     def _best_k(self, ctx: StepContext, max_k: int, catchup_per_token: float) -> int:
         """The k (0 .. max_k) of the highest expected tokens per second of the step; a draft
