@@ -260,8 +260,10 @@ class CostK:
         cost = ctx.cost
         base = (ctx.other_tokens + 1) / max(cost.target(ctx.base_rows), 1e-9)
         best_k, best_rate = 0, base * self.MARGIN
-        for k in range(1, max_k + 1):
-            e = self.expected_tokens(k)
+        e, run = 1.0, 1.0
+        for k, a in enumerate(self.alphas(max_k), 1):
+            run *= a
+            e += run   # expected_tokens(k), one position at a time
             seconds = cost.target(ctx.base_rows + k)
             if ctx.uses_draft:
                 seconds += max(0, k - ctx.draft_rounds) * cost.draft(ctx.draft_rows) + catchup_per_token * e
