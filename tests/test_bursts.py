@@ -8,13 +8,15 @@ from pathlib import Path
 import pytest
 
 from app.bursts import MAX_BURST_FILE_BYTES, MAX_BURST_REQUESTS, BurstFileError, default_prompts_dir, list_burst_files, load_burst
+from engine.bench.spec import CODE_TASK
 from engine.config import SamplingParams
 from engine.errors import InvalidRequest
 from tests.fixtures.bounded import run_bounded
 
 SHIPPED = ("code_refactor.jsonl", "creative_scene.jsonl", "identical.jsonl", "mixed.jsonl",
            "shared_document.jsonl", "single_flight_2.jsonl", "single_flight_4.jsonl", "single_flight_8.jsonl",
-           "spec_code_edit.jsonl", "spec_creative.jsonl", "warm_prefix_48.jsonl", "warm_prefix_8.jsonl",
+           "spec_code_edit.jsonl", "spec_creative.jsonl", "spec_refactor.jsonl", "warm_prefix_48.jsonl",
+           "warm_prefix_8.jsonl",
            "warm_prefix_seed.jsonl")
 
 
@@ -57,8 +59,8 @@ def test_shipped_files_fit_their_experiments():
 def test_compare_bursts_fit_the_experiments_they_repeat():
     """tokentop compare's files (sample_prompts/README.md): single flight with 2, 4 and 8
     identical greedy requests; routing with a warm ~512-token prefix, 8 and 48 requests of one
-    prompt and exactly 128 tokens; speculation on a code edit (greedy) and a creative scene
-    (sampled, three seeds)."""
+    prompt and exactly 128 tokens; speculation on a code edit and on bench spec's refactor
+    (greedy) and a creative scene (sampled, three seeds)."""
     directory = default_prompts_dir()
     for n in (2, 4, 8):
         burst = load_burst(directory / f"single_flight_{n}.jsonl")
@@ -71,6 +73,8 @@ def test_compare_bursts_fit_the_experiments_they_repeat():
         assert all(i.params.max_tokens == 128 and i.params.ignore_eos for i in burst)
     code, = load_burst(directory / "spec_code_edit.jsonl")
     assert code.params.greedy and code.messages[0]["role"] == "system"
+    refactor, = load_burst(directory / "spec_refactor.jsonl")
+    assert refactor.params.greedy and refactor.messages == [{"role": "user", "content": CODE_TASK}]
     creative = load_burst(directory / "spec_creative.jsonl")
     assert [i.params.seed for i in creative] == [1, 2, 3] and all(i.params.temperature == 0.7 for i in creative)
 
