@@ -429,3 +429,17 @@ def test_probs_for_feeds_speculation_with_the_filtered_distribution():
     expected = reference_probs(P_LOGITS, temperature=0.8, top_k=5)
     counts, _ = speculative_draws(target, draft, residual(target, draft), seed=3)
     assert chi_square_p(counts, expected) > P_OK
+
+
+def test_weights_below_float32s_normal_range_are_zero_so_no_denormal_is_computed():
+    """exp of a score under EXP_FLOOR would be a denormal float32, which x86 computes and sums
+    on microcode assists (a sampled row ~20x slower at temperature 0.2): such a token's weight
+    is exactly 0, and it is never drawn; the others keep exp(score) bit for bit."""
+    from engine.worker.sampling import EXP_FLOOR, _score
+
+    logits = torch.tensor([[0.0, -10.0, -17.3, -17.5, float("-inf")]])
+    sc = _score(logits, [RequestSampler(SamplingParams(temperature=0.2, seed=1))])
+    assert sc.scaled[0, 2] > EXP_FLOOR > sc.scaled[0, 3]       # -86.5 and -87.5 after T = 0.2
+    assert sc.expd[0, 3] == 0 and sc.expd[0, 4] == 0
+    assert torch.equal(sc.expd[0, :3], sc.scaled[0, :3].exp()) and sc.expd[0, 2] > 0
+    assert torch.isfinite(sc.scaled[0, 3])                    # its logprob is still reported

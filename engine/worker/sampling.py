@@ -129,6 +129,9 @@ class _Scores:
     ok: Tensor       # [R] bool: the row has a usable distribution
 
 
+EXP_FLOOR = -87.0   # exp(EXP_FLOOR) = 1.65e-38, just above float32's smallest normal number
+
+
 def _score(logits: Tensor, samplers: Sequence[RequestSampler]) -> _Scores:
     if logits.dim() != 2 or logits.shape[0] != len(samplers):
         raise ValueError(f"logits {tuple(logits.shape)} do not match {len(samplers)} samplers")
@@ -145,7 +148,10 @@ def _score(logits: Tensor, samplers: Sequence[RequestSampler]) -> _Scores:
     scaled = raw - row_max
     if any(t != 1.0 for t in temps):
         scaled /= torch.tensor(temps, dtype=raw.dtype, device=raw.device).unsqueeze(-1)
-    expd = scaled.exp()
+    # A weight under float32's normal range (exp below -87: 1.6e-38 of the top token's) is
+    # taken as 0: exp's denormal results, and every sum over them, run on microcode assists,
+    # which made a sampled row's scores ~20x slower at temperature 0.2.
+    expd = torch.nn.functional.threshold(scaled, EXP_FLOOR, float("-inf")).exp()   # one fused pass
     # Summed row by row: a multithreaded sum over [R, V] splits a row across threads only
     # when R is small, so the last bits of a row's mass would depend on its batch.
     mass = torch.stack([row.sum(dtype=torch.float64) for row in expd])
@@ -358,13 +364,20 @@ def sample(logits: Tensor, samplers: Sequence[RequestSampler], picked: Tensor | 
 
 # --- the exact distribution, for speculative decoding (engine/speculative/acceptance.py) ---
 
-def probs_for(logits_row: Tensor, sampler: RequestSampler) -> Tensor:
+def row_scores(logits_row: Tensor, sampler: RequestSampler) -> _Scores:
+    """One row's scores (penalties, temperature, exp, mass): what probs_for and the row's
+    logprob both start from, computed once when a caller needs both."""
+    return _score(logits_row.unsqueeze(0), [sampler])
+
+
+def probs_for(logits_row: Tensor, sampler: RequestSampler, scores: _Scores | None = None) -> Tensor:
     """The exact distribution sample() draws from for this row: float32 [V], sums to 1.
+    scores: row_scores(logits_row, sampler), when the caller has them already.
 
     Greedy requests give a one-hot at the argmax. Raises SamplingError (row 0) when the
     row has no valid distribution.
     """
-    sc = _score(logits_row.unsqueeze(0), [sampler])
+    sc = scores if scores is not None else row_scores(logits_row, sampler)
     if not sc.ok.item():
         raise SamplingError(0, _describe_failure(sc.raw[0]))
     probs = torch.zeros(logits_row.shape[-1], dtype=torch.float64, device=logits_row.device)
