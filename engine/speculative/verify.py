@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from engine.speculative.acceptance import mentored_mix, residual, speculative_accept
-from engine.worker.sampling import RequestSampler, draw_from, probs_for, sample
+from engine.worker.sampling import RequestSampler, draw_from, probs_for, row_scores, sample
 
 
 @dataclass
@@ -96,7 +96,8 @@ def _verify_general(logits: Tensor, drafts: list[int], sampler: RequestSampler,
             tok = int(res.tokens[0])
             _push(tokens, lps, top, tok, float(res.logprobs[0]), res.top_logprobs[0] if res.top_logprobs else [])
             return Verdict(tokens, lps, top, k, k, True)
-        pj = probs_for(row, sampler)
+        sc = row_scores(row, sampler)   # shared by p and the emitted token's logprob
+        pj = probs_for(row, sampler, sc)
         d = drafts[j]
         if greedy:
             ok = bool(pj[d] == 1.0)
@@ -107,7 +108,7 @@ def _verify_general(logits: Tensor, drafts: list[int], sampler: RequestSampler,
             ok = bool(speculative_accept(target, q, d, sampler.uniform()))
             replacement = None if ok else int(draw_from(residual(pj, q), sampler.uniform()))
         tok = d if ok else replacement
-        lp, tl = _row_logprob(row, tok, sampler)
+        lp, tl = _row_logprob(sc, tok, sampler)
         _push(tokens, lps, top, tok, lp, tl)
         if not ok:
             return Verdict(tokens, lps, top, k, j, False)
@@ -127,11 +128,9 @@ def _point_mass(like: Tensor, token: int) -> Tensor:
     return q
 
 
-def _row_logprob(row: Tensor, token: int, sampler: RequestSampler) -> tuple[float, list]:
-    """Logprob as sample() reports it: after penalties and temperature, before the filters."""
-    from engine.worker.sampling import _score
-
-    sc = _score(row.unsqueeze(0), [sampler])
+def _row_logprob(sc, token: int, sampler: RequestSampler) -> tuple[float, list]:
+    """Logprob as sample() reports it: after penalties and temperature, before the filters.
+    sc: the row's row_scores."""
     lp = sc.scaled[0] - sc.mass[0].log().to(sc.scaled.dtype)
     n = sampler.params.logprobs
     tl: list = []
