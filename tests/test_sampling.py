@@ -433,7 +433,7 @@ def test_probs_for_feeds_speculation_with_the_filtered_distribution():
 
 def test_weights_below_float32s_normal_range_are_zero_so_no_denormal_is_computed():
     """exp of a score under EXP_FLOOR would be a denormal float32, which x86 computes and sums
-    on microcode assists (a sampled row ~20x slower at temperature 0.2): such a token's weight
+    on microcode assists (exp ~6x slower on a row at temperature 0.2): such a token's weight
     is exactly 0, and it is never drawn; the others keep exp(score) bit for bit."""
     from engine.worker.sampling import EXP_FLOOR, _score
 

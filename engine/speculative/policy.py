@@ -204,9 +204,6 @@ class CostK:
             out.append((self.own.accepted[i] + p * self.PRIOR_WEIGHT) / (self.own.tried[i] + self.PRIOR_WEIGHT))
         return out
 
-    def alpha(self, i: int) -> float:
-        return self.alphas(i + 1)[i]
-
     def expected_tokens(self, k: int) -> float:
         e, run = 1.0, 1.0
         for a in self.alphas(k):
