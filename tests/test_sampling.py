@@ -443,3 +443,41 @@ def test_weights_below_float32s_normal_range_are_zero_so_no_denormal_is_computed
     assert sc.expd[0, 3] == 0 and sc.expd[0, 4] == 0
     assert torch.equal(sc.expd[0, :3], sc.scaled[0, :3].exp()) and sc.expd[0, 2] > 0
     assert torch.isfinite(sc.scaled[0, 3])                    # its logprob is still reported
+
+
+def test_exp_never_sees_a_score_under_the_floor(monkeypatch):
+    """exp's vectorized path runs slow code for any lane whose result is not a normal float,
+    -inf's included (5-10x on a row at temperature 0.2): scores are clamped to EXP_FLOOR first."""
+    from engine.worker.sampling import EXP_FLOOR, _score
+
+    seen = []
+    for name in ("exp", "exp_"):
+        original = getattr(torch.Tensor, name)
+
+        def spy(t, *a, _original=original, **kw):
+            seen.append(float(t.min()))
+            return _original(t, *a, **kw)
+        monkeypatch.setattr(torch.Tensor, name, spy)
+    logits = torch.tensor([[0.0, -10.0, -17.5, -300.0, float("-inf")]])
+    sc = _score(logits, [RequestSampler(SamplingParams(temperature=0.2, seed=1))])
+    assert seen and min(seen) >= EXP_FLOOR
+    assert sc.expd[0, 2:].tolist() == [0.0, 0.0, 0.0] and sc.expd[0, 0] == 1.0
+
+
+@pytest.mark.parametrize("size", [7, 1024, 1500, 151_936])
+def test_the_two_level_inverse_cdf_draws_what_one_running_sum_draws(size):
+    """Block sums then a scan inside the block pick the token a float64 running sum over the
+    whole row picks; a zero weight is never picked, even for u just under 1."""
+    from engine.worker.sampling import _inverse_cdf
+
+    gen = torch.Generator().manual_seed(size)
+    weights = torch.rand(4, size, generator=gen) ** 8                      # many tiny weights
+    weights[torch.rand(4, size, generator=gen) < 0.5] = 0.0                 # and many zeros
+    weights[:, -1] = 0.0                                                    # the last token is out
+    cum = weights.cumsum(-1, dtype=torch.float64)
+    for _ in range(200):
+        u = torch.rand(4, generator=gen, dtype=torch.float64)
+        expected = torch.searchsorted(cum, (u * cum[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+        assert torch.equal(_inverse_cdf(weights, u), expected)
+    top = _inverse_cdf(weights, torch.full((4,), 1 - 2 ** -53, dtype=torch.float64))
+    assert bool((weights.gather(-1, top.unsqueeze(-1)) > 0).all())

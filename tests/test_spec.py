@@ -565,3 +565,25 @@ def test_draft_timings_include_the_first_step_when_it_is_a_near_decode():
     assert [rows for rows, _ in timings] == [2, 1, 1]
     _, timings = draft.propose([(seq("a", 40), 1), (seq("b", 1), 1)], blocks)
     assert timings == [] and draft.last_catchup[0] == 41
+
+
+def test_a_model_free_draft_on_an_unfiltered_row_is_judged_as_the_general_rule_judges_it():
+    """The point-mass shortcut (p(d) from the row's scores, the replacement drawn from p without
+    d) takes the same uniforms and gives the same verdicts as the full rule's probs_for,
+    speculative_accept and residual."""
+    from engine.speculative.acceptance import residual, speculative_accept
+    from engine.speculative.verify import _judge_point_mass, _point_mass
+    from engine.worker.sampling import draw_from, row_scores
+
+    gen = torch.Generator().manual_seed(0)
+    row = torch.randn(2000, generator=gen) * 2
+    for seed in range(300):
+        d = int(torch.randint(0, 2000, (), generator=gen)) if seed % 2 else int(row.argmax())
+        fast, full = (RequestSampler(SamplingParams(temperature=0.7, seed=seed)) for _ in range(2))
+        got = _judge_point_mass(row_scores(row, fast), d, fast)
+        p = probs_for(row, full)
+        q = _point_mass(p, d)
+        if bool(speculative_accept(p, q, d, full.uniform())):
+            assert got == (True, None)
+        else:
+            assert got == (False, int(draw_from(residual(p, q), full.uniform())))

@@ -82,6 +82,9 @@ def _verify_general(logits: Tensor, drafts: list[int], sampler: RequestSampler,
                     draft_probs: Tensor | None, tv_budget: float, bonus: bool) -> Verdict:
     k = len(drafts)
     greedy = sampler.params.greedy
+    p = sampler.params
+    # a model-free draft judged against the whole vocabulary's distribution needs only p(d)
+    point_mass = draft_probs is None and tv_budget <= 0 and not p.top_k and p.top_p >= 1.0 and not p.min_p
     tokens: list[int] = []
     lps: list[float] = []
     top: list = []
@@ -97,8 +100,17 @@ def _verify_general(logits: Tensor, drafts: list[int], sampler: RequestSampler,
             _push(tokens, lps, top, tok, float(res.logprobs[0]), res.top_logprobs[0] if res.top_logprobs else [])
             return Verdict(tokens, lps, top, k, k, True)
         sc = row_scores(row, sampler)   # shared by p and the emitted token's logprob
-        pj = probs_for(row, sampler, sc)
         d = drafts[j]
+        if point_mass and not greedy:
+            ok, replacement = _judge_point_mass(sc, d, sampler)
+            tok = d if ok else replacement
+            lp, tl = _row_logprob(sc, tok, sampler)
+            _push(tokens, lps, top, tok, lp, tl)
+            if not ok:
+                return Verdict(tokens, lps, top, k, j, False)
+            sampler.observe(tok)
+            continue
+        pj = probs_for(row, sampler, sc)
         if greedy:
             ok = bool(pj[d] == 1.0)
             replacement = None if ok else int(pj.argmax())
@@ -120,6 +132,19 @@ def _push(tokens, lps, top, tok, lp, tl) -> None:
     tokens.append(tok)
     lps.append(lp)
     top.append(list(tl))
+
+
+def _judge_point_mass(sc, d: int, sampler: RequestSampler) -> tuple[bool, int | None]:
+    """The lossless rule for a model-free draft d (q = 1{d}) on an unfiltered row, read from the
+    row's scores without building p: accept with probability p(d), else draw from p without d
+    (normalize(max(p - q, 0))). The same uniforms as the general path, and its tokens up to
+    float rounding; two passes over the vocabulary fewer a row, and none more on acceptance."""
+    weights = sc.expd[0]
+    if sampler.uniform() < float(weights[d]) / float(sc.mass[0]):
+        return True, None
+    rest = weights.clone()
+    rest[d] = 0.0
+    return False, int(draw_from(rest, sampler.uniform()))
 
 
 def _point_mass(like: Tensor, token: int) -> Tensor:
