@@ -192,26 +192,37 @@ def test_cost_policy_turns_itself_off_when_drafts_fail_or_rows_are_expensive():
 
 
 def test_cost_policy_probes_less_often_while_probes_do_not_bring_drafting_back():
-    """Where drafting loses however well drafts are accepted (every verify row costs a whole
-    decode step), each probe is a pure cost: probes back off (8, 16, 32, ... steps apart)
-    even when they are accepted, and come soon again once drafting pays."""
+    """Where drafting would pay were drafts accepted but this request's fail, each probe is a
+    cost: probes back off (8, 16, 32, ... steps apart), and come soon again once drafting pays."""
+    cheap = CostModel()
+    for rows in range(1, 10):
+        cheap.add_target(rows, 0.020 + 0.006 * rows)   # a verify row pays from ~25% acceptance
+    policy = CostK()
+    drafted = []
+    for step in range(256):
+        k = policy.next_k(StepContext(cheap, 1, 0.0, 0, 0, False, 8))
+        if k:
+            drafted.append(step)
+            policy.update(k, 0)        # every draft rejected
+    # two rounds at the prior, then probes 8, 16, 32, 64 and 128 steps apart
+    assert drafted == [0, 1, 9, 25, 57, 121, 249]
+    for _ in range(20):
+        policy.update(4, 4)            # its drafts are accepted again
+    assert policy.next_k(StepContext(cheap, 1, 0.0, 0, 0, False, 8)) > 0
+    for _ in range(20):
+        policy.update(4, 0)
+    ks = [policy.next_k(StepContext(cheap, 1, 0.0, 0, 0, False, 8)) for _ in range(8)]
+    assert ks == [0] * 7 + [2]         # it stopped paying: the next probe after 8 steps again
+
+
+def test_cost_policy_never_probes_where_no_acceptance_would_pay():
+    """Every verify row costs a whole decode step: drafting loses at any acceptance, so no
+    probe is sent, however long the request decodes."""
     dear = CostModel()
     for rows in range(1, 10):
         dear.add_target(rows, 0.020 * rows)
     policy = CostK()
-    probes = []
-    for step in range(256):
-        k = policy.next_k(StepContext(dear, 1, 0.0, 0, 0, False, 8))
-        if k:
-            probes.append(step)
-            policy.update(k, k)        # every probed draft accepted: still no gain here
-    assert probes == [7, 23, 55, 119, 247]      # 8, 16, 32, 64 and 128 steps apart
-    cheap = CostModel()
-    for rows in range(1, 10):
-        cheap.add_target(rows, 0.020 + 0.001 * rows)
-    assert policy.next_k(StepContext(cheap, 1, 0.0, 0, 0, False, 8)) > 0   # drafting pays again
-    ks = [policy.next_k(StepContext(dear, 1, 0.0, 0, 0, False, 8)) for _ in range(8)]
-    assert ks == [0] * 7 + [2]         # it stopped paying: the next probe after 8 steps again
+    assert [policy.next_k(StepContext(dear, 1, 0.0, 0, 0, False, 8)) for _ in range(256)] == [0] * 256
 
 
 # --- rollback --------------------------------------------------------------------------

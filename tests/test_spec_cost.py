@@ -170,3 +170,15 @@ def test_a_request_that_has_not_drafted_explores_one_round_when_its_catch_up_is_
     assert CostK().next_k(batch) == 0                         # seven others would wait for it: no
     ngram = StepContext(cost, 1, 0.0, 0, 0, False, 8, remaining=256)
     assert CostK().next_k(replace(ngram, cost=table(8.0))) == 0   # no draft model, no exploring
+
+
+def test_a_request_explores_only_where_well_accepted_drafts_would_pay():
+    """Three requests decode: a lone draft holds the other two up for its draft steps, which
+    on these costs loses even at HOPE acceptance, so no round of its own could make drafting
+    pay. It does not explore, though the round's work is a small share of its time."""
+    cost = draft_pair()
+    three = StepContext(cost, 3, 2.0, 0, 1, True, 8, remaining=256, catchup_tokens=20, decoding=3)
+    assert CostK()._explore(three, 20 * cost.draft_prefill_token)    # the share rule alone: yes
+    assert CostK().next_k(three) == 0
+    alone = replace(three, base_rows=1, other_tokens=0.0, decoding=1)
+    assert CostK().next_k(alone) == CostK.EXPLORE_K                   # one request: it explores

@@ -13,7 +13,8 @@
   A request with a draft model that has not drafted yet explores one round when that round's
   draft work, which every request beside it waits for, is cheap against its remaining tokens:
   the worker's record may come from other kinds of prompt (or from none), and only a round of
-  this request's own says what its drafts are worth.
+  this request's own says what its drafts are worth. Neither a probe nor that round is sent
+  where drafting would lose even at HOPE acceptance: no acceptance it could show would pay.
 """
 from __future__ import annotations
 
@@ -179,6 +180,8 @@ class CostK:
     PROBE_FIRST, PROBE_MAX = 8, 128          # steps at k = 0 before a probe, doubling
     PROBE_MAX_CATCHUP = 16                   # never probe a draft that must re-read more
     MARGIN = 1.03                            # speculate only for a clear expected gain
+    HOPE = 0.9                               # probe or explore only where drafting would pay
+                                             # at this acceptance at every position
     EXPLORE_K = 4                            # a request's first round with a draft model
     EXPLORE_SHARE = 0.10                     # explore if the round's draft work, times the rows
                                              # waiting for it, is at most this share of the
@@ -226,12 +229,12 @@ class CostK:
         else:
             best_k = self._best_k(ctx, max_k, catchup / max(ctx.remaining, 1))
         self._probing = False
-        if best_k == 0 and self._explore(ctx, catchup):
+        if best_k == 0 and self._explore(ctx, catchup) and self._hopeful(ctx, max_k, catchup):
             best_k = min(self.EXPLORE_K, max_k)
         if best_k == 0:
             self._idle += 1
-            if self._idle >= self._probe_every and (not ctx.uses_draft
-                                                     or ctx.catchup_tokens <= self.PROBE_MAX_CATCHUP):
+            if (self._idle >= self._probe_every and self._hopeful(ctx, max_k, catchup)
+                    and (not ctx.uses_draft or ctx.catchup_tokens <= self.PROBE_MAX_CATCHUP)):
                 self._idle, self._probing = 0, True   # a short probe so acceptance can recover
                 best_k = min(2, max_k)
         else:
@@ -239,6 +242,10 @@ class CostK:
             self._probe_every = self.PROBE_FIRST   # drafting pays: after it stops, probe soon
         self.k = best_k
         return best_k
+
+    def _hopeful(self, ctx: StepContext, max_k: int, catchup_seconds: float) -> bool:
+        """Drafting would pay in this step were every draft accepted HOPE of the time."""
+        return self._best_k(ctx, max_k, catchup_seconds / max(ctx.remaining, 1), hope=True) > 0
 
     def _explore(self, ctx: StepContext, catchup_seconds: float) -> bool:
         """Once per request with a draft model, before any round of its own: where the round's
@@ -251,14 +258,18 @@ class CostK:
         delay = catchup_seconds + self.EXPLORE_K * cost.draft(max(ctx.draft_rows, 1))
         return delay * rows <= self.EXPLORE_SHARE * ctx.remaining * cost.target(rows)
 
-    def _best_k(self, ctx: StepContext, max_k: int, catchup_per_token: float) -> int:
+    def _best_k(self, ctx: StepContext, max_k: int, catchup_per_token: float, hope: bool = False) -> int:
         """The k (0 .. max_k) of the highest expected tokens per second of the step; a draft
-        must beat k = 0 by MARGIN. catchup_per_token: the catch-up's share per emitted token."""
+        must beat k = 0 by MARGIN. catchup_per_token: the catch-up's share per emitted token.
+        hope: each position accepted at least HOPE of the time."""
         cost = ctx.cost
         base = (ctx.other_tokens + 1) / max(cost.target(ctx.base_rows), 1e-9)
         best_k, best_rate = 0, base * self.MARGIN
         e, run = 1.0, 1.0
-        for k, a in enumerate(self.alphas(max_k), 1):
+        alphas = self.alphas(max_k)
+        if hope:
+            alphas = [max(a, self.HOPE) for a in alphas]
+        for k, a in enumerate(alphas, 1):
             run *= a
             e += run   # expected_tokens(k), one position at a time
             seconds = cost.target(ctx.base_rows + k)
