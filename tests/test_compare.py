@@ -297,3 +297,16 @@ def test_compare_command_takes_rounds(tiny_model_path, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["compare", "x.jsonl", "--rounds", "0"])
     assert exit_.value.code == 2 and "--rounds" in capsys.readouterr().err
+
+
+def test_a_figure_some_runs_lack_is_the_median_of_the_runs_that_have_it():
+    """A speculating side whose first run drafted nothing: its acceptance is that of the runs
+    that drafted, and the report prints it (it raised on None)."""
+    from engine.facade.compare import _speculation_line, median_summary
+
+    runs = [{"draft_tokens": 0, "acceptance_rate": None, "mean_accepted_length": None, "ok": 3},
+            {"draft_tokens": 12, "acceptance_rate": 0.5, "mean_accepted_length": 2.0, "ok": 3},
+            {"draft_tokens": 8, "acceptance_rate": 0.75, "mean_accepted_length": 3.0, "ok": 3}]
+    summary = median_summary(runs)
+    assert summary == {"draft_tokens": 8, "acceptance_rate": 0.625, "mean_accepted_length": 2.5, "ok": 3}
+    assert _speculation_line("B", summary) == "B: 62% of 8 drafted tokens accepted, 2.50 tokens per verify round"

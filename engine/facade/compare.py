@@ -362,13 +362,14 @@ def side_ratios(sa: dict, sb: dict) -> dict[str, float]:
 
 
 def median_summary(summaries: list[dict]) -> dict:
-    """Per numeric figure, its median over a side's runs; anything else from the first run."""
+    """Per numeric figure, its median over a side's runs (over the runs that have it: a run
+    that drafted nothing has no acceptance); anything else from the first run."""
     if len(summaries) == 1:
         return summaries[0]
     out = dict(summaries[0])
-    for key, value in summaries[0].items():
-        values = [s.get(key) for s in summaries]
-        if isinstance(value, (int, float)) and all(isinstance(v, (int, float)) for v in values):
+    for key in summaries[0]:
+        values = [v for v in (s.get(key) for s in summaries) if v is not None]
+        if values and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
             m = median(values)   # counts stay whole numbers where their median is one
             out[key] = int(m) if all(isinstance(v, int) for v in values) and m == int(m) else round(m, 5)
     return out
