@@ -173,12 +173,16 @@ def test_a_request_that_has_not_drafted_explores_one_round_when_its_catch_up_is_
 
 
 def test_a_request_explores_only_where_well_accepted_drafts_would_pay():
-    """Three requests decode: a lone draft holds the other two up for its draft steps, which
-    on these costs loses even at HOPE acceptance, so no round of its own could make drafting
-    pay. It does not explore, though the round's work is a small share of its time."""
+    """Three requests run: a lone draft holds the other two up for its draft steps, which on
+    these costs loses even at HOPE acceptance, so no round of its own could make drafting pay.
+    It does not explore, though the round's work is a small share of its time; nor while it
+    decodes alone and the other two still prefill (they will decode beside it)."""
     cost = draft_pair()
     three = StepContext(cost, 3, 2.0, 0, 1, True, 8, remaining=256, catchup_tokens=20, decoding=3)
-    assert CostK()._explore(three, 20 * cost.draft_prefill_token)    # the share rule alone: yes
+    delay = 20 * cost.draft_prefill_token + CostK.EXPLORE_K * cost.draft(1)
+    assert delay * 3 <= CostK.EXPLORE_SHARE * 256 * cost.target(3)   # the share rule alone: yes
     assert CostK().next_k(three) == 0
-    alone = replace(three, base_rows=1, other_tokens=0.0, decoding=1)
+    first = replace(three, base_rows=1 + 120, other_tokens=0.0, decoding=1, running=3)   # 2 prefill
+    assert CostK().next_k(first) == 0
+    alone = replace(three, base_rows=1, other_tokens=0.0, decoding=1, running=1)
     assert CostK().next_k(alone) == CostK.EXPLORE_K                   # one request: it explores

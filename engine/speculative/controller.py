@@ -93,6 +93,7 @@ class SpecController:
         budget = scheduler.max_batched_tokens
         rows = len(decoding) + _prefill_rows(scheduler, budget - len(decoding))
         other = float(len(decoding) - 1)
+        ahead = min(scheduler.max_active, len(running) + len(scheduler.waiting))
         n_draft = sum(s.spec.mode == "draft" for s in spec)
         draft_rounds = 0
         for seq in sorted(spec, key=lambda s: s.arrival):
@@ -103,7 +104,7 @@ class SpecController:
             ctx = StepContext(self.cost, rows, other, draft_rounds, n_draft, mode == "draft", max_k,
                               prior=self.recent[mode], remaining=seq.remaining_decode,
                               catchup_tokens=seq.num_tokens - seq.draft_computed if mode == "draft" else 0,
-                              decoding=len(decoding))
+                              decoding=len(decoding), running=ahead)
             k = max(0, min(seq.spec.policy.next_k(ctx), max_k))
             seq.spec.stats.k = k
             if seq.spec.mode == "suffix":

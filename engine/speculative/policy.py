@@ -134,6 +134,8 @@ class StepContext:
     catchup_tokens: int = 0  # tokens the draft model must read before it can draft
     remaining: int = 1       # tokens the request may still emit
     decoding: int = 0        # requests decoding in this step (0: base_rows)
+    running: int = 0         # requests decoding or about to (prefilling, or waiting for a free
+                             # slot): the rows of the steps ahead (0: decoding)
 
 
 
@@ -168,8 +170,9 @@ class CostK:
     the worker has seen instead of from optimism. A draft model that has fallen behind must
     first catch up (a prefill of every token it has not read), which pays only if the request
     then keeps drafting: so it starts only where drafting pays in a plain step of the requests
-    decoding now (no prefill beside it, whose rows make a draft look cheap; no other request's
-    draft steps to share), and the catch-up is spread over the rounds left (about remaining / e).
+    running now, each one row (no prefill beside it, whose rows make a draft look cheap; no
+    other request's draft steps to share), and the catch-up is spread over the rounds left
+    (about remaining / e).
     A draft that drafted last round has only its last tokens to read (CURRENT_CATCHUP).
     A position neither record has reached is taken to be as good as the one before it: a run
     of accepted drafts tends to go on, and the 0.5 prior there would keep k from ever growing
@@ -229,7 +232,7 @@ class CostK:
         else:
             best_k = self._best_k(ctx, max_k, catchup / max(ctx.remaining, 1))
         self._probing = False
-        if best_k == 0 and self._explore(ctx, catchup) and self._hopeful(ctx, max_k, catchup):
+        if best_k == 0 and self._explore(ctx, max_k, catchup):
             best_k = min(self.EXPLORE_K, max_k)
         if best_k == 0:
             self._idle += 1
@@ -247,16 +250,20 @@ class CostK:
         """Drafting would pay in this step were every draft accepted HOPE of the time."""
         return self._best_k(ctx, max_k, catchup_seconds / max(ctx.remaining, 1), hope=True) > 0
 
-    def _explore(self, ctx: StepContext, catchup_seconds: float) -> bool:
+    def _explore(self, ctx: StepContext, max_k: int, catchup_seconds: float) -> bool:
         """Once per request with a draft model, before any round of its own: where the round's
-        draft work (the catch-up and EXPLORE_K draft steps), which every request decoding beside
-        it waits for, is a small share of the time its remaining tokens take undrafted."""
+        draft work (the catch-up and EXPLORE_K draft steps), which every request running beside
+        it waits for, is a small share of the time its remaining tokens take undrafted, and
+        well-accepted drafts would pay in the plain steps ahead (a request decoding alone while
+        others still prefill will have them beside it)."""
         if not ctx.uses_draft or self._explored or self.own.known(0):
             return False
         self._explored = True
-        cost, rows = ctx.cost, ctx.decoding or ctx.base_rows
+        plain = self._plain_step(ctx)
+        cost, rows = ctx.cost, plain.base_rows
         delay = catchup_seconds + self.EXPLORE_K * cost.draft(max(ctx.draft_rows, 1))
-        return delay * rows <= self.EXPLORE_SHARE * ctx.remaining * cost.target(rows)
+        return (delay * rows <= self.EXPLORE_SHARE * ctx.remaining * cost.target(rows)
+                and self._hopeful(plain, max_k, catchup_seconds))
 
     def _best_k(self, ctx: StepContext, max_k: int, catchup_per_token: float, hope: bool = False) -> int:
         """The k (0 .. max_k) of the highest expected tokens per second of the step; a draft
@@ -282,8 +289,8 @@ class CostK:
 
     @staticmethod
     def _plain_step(ctx: StepContext) -> StepContext:
-        """The step of the requests decoding now, each one row, none other drafting."""
-        n = ctx.decoding or ctx.base_rows
+        """The step of the requests running now, each one row, none other drafting."""
+        n = ctx.running or ctx.decoding or ctx.base_rows
         return replace(ctx, base_rows=n, other_tokens=n - 1.0, draft_rounds=0)
 
     def update(self, proposed: int, accepted: int) -> None:
