@@ -435,8 +435,8 @@ def seeds_rounds(runs: list[dict]) -> str:
         rounds = rep["rounds"]
         tput = [v for v in rounds["b_over_a_runs"]["aggregate_tok_s"] if v is not None]
         outputs = rep["outputs"]
-        same = ("identical in every round" if outputs["identical"] else
-                f"{len(outputs['differing'])} differ") if outputs["compared"] else "not compared (sampled)"
+        same = ("identical" if outputs["identical"] else
+                f"{len(outputs['differing'])} differ") if outputs["compared"] else "sampled"
         acceptance = side(run, "b")["summary"].get("acceptance_rate")
         rows.append([f"`{Path(rep['burst']).stem}`", side(run, "a")["label"], side(run, "b")["label"],
                      str(rounds["count"]),
@@ -879,9 +879,9 @@ so a draft model's catch-up on the prompt counts; acceptance = accepted / drafte
 a verify step. `draft`: the 0.5B drafts; `mentored`: its distribution within a total-variation
 budget D; `ngram`: proposals from the context.""",
     "seeds": """\
-The burst files that reproduce mini-vllm-rs's experiments (sample_prompts/README.md), each run by
-`tokentop compare` under two settings (a fresh engine per side, the 0.5B on one CPU worker unless
-said), bundled with the commands by `tools/bench_tables.py --bundle`; ours one run a row, theirs as published.""",
+mini-vllm-rs's experiments as burst files (sample_prompts/README.md), each run by `tokentop
+compare` under two settings (a fresh engine a side, the 0.5B on one CPU worker unless said),
+bundled with their commands (`tools/bench_tables.py --bundle`); theirs as published.""",
     "seeds_single_flight": """\
 Single flight: N identical 529-token greedy requests at once, 128 tokens; mean TTFT, followers
 released when the leader completes against after its prefill.""",
@@ -894,8 +894,9 @@ Speculation, the 1.5B as target: decode tok/s = (output − 1) / (e2e − TTFT),
 burst's requests, each mode against an off side of its own run; `spec_code_edit` greedy (as
 theirs), `spec_creative` three requests at once sampled at 0.7 (theirs: greedy, one request).""",
     "seeds_rounds": """\
-Alternated A/B (`--rounds N`): A B, B A, ..., a fresh engine a run, so a draft model starts with
-no acceptance record; B/A is the median of the rounds' own ratios (single rounds spread ±20%).""",
+Alternated A/B (`--rounds N`): A B, B A, ..., a fresh engine a run (`--warm`: fired once first,
+not measured); B/A is the median of the rounds' own ratios (rounds spread ±20%); greedy
+outputs compared each round.""",
     "serve": """\
 8 concurrent streams of 64 tokens (0.5B) through one engine, measured by the client: in process
 (`engine.submit`, async iteration) against `tokentop serve`'s HTTP API (streamed over loopback),
@@ -1099,12 +1100,10 @@ the shared document every request needs its 800 tokens computed once first: `aft
 gain at most ~35% on `incremental`.""",
     "spec": """\
 What bounds them: an 8-row step of the 1.5B costs about 1.5× a one-row step (rows, below), a
-draft step half a target step. The machine was slow and noisy in this run (the 1.5B's code
-target-only rows read 10.6 tok/s against 16-23 in runs before), so the refactor's ratios
-(fixed k 1.71-2.03×, `adaptive:cost` 2.07×, 94% accepted) overstate; alternated in fresh
-engines (compare section) `adaptive:cost` gives 1.37×. Creative (sampled): a fixed k loses
-(0.72-0.94×), `adaptive:cost` 1.18× at 67% acceptance. N-gram: 5.66× (1.5B), 4.11× (0.5B) on
-the refactor. Suffix's repeated burst: 0.89× on the first firing, 1.87× on the second.""",
+draft step half a target step. The machine was slow in this run (the 1.5B's target-only code
+rows read 10.6 tok/s against 16-23 in runs before), so the refactor's ratios overstate; alternated
+in fresh engines (compare section) `adaptive:cost` gives 1.38×. On the sampled creative prompt a
+fixed k loses, `adaptive:cost` does not.""",
     "seeds": """\
 What bounds them: theirs ran on an M2 (GPU; its CPU for routing), ours on 2 Zen 4 cores, so the
 changes compare, not the rates. Single flight: every first token waits for the leader's prefill
@@ -1113,7 +1112,8 @@ changes compare, not the rates. Single flight: every first token waits for the l
 M2 took 11.5 s for 8 requests, ours 3.6 s), so the seconds do not compare, the changes and the
 requests offloaded do. Speculation (Zen 4, an earlier engine): the draft model cost decode speed on
 the sampled creative prompt, as it did theirs. Alternated (Emerald Rapids): a fresh engine's
-refactor drafts from its first round on (one exploring round a request).""",
+refactor explores one round, then drafts; the creative three seldom draft (a lone draft holds
+the other two up); suffix on refactors fired again reuses the first answers.""",
     "serve": """\
 What bounds them: both clients drive the same engine, so throughput is the engine's; the HTTP path
 adds request parsing, SSE framing and loopback per streamed token.""",
