@@ -125,7 +125,7 @@ class _Scores:
     raw: Tensor      # [R, V] float32 logits after penalties: greedy argmax reads these
     scaled: Tensor   # [R, V] (raw - row max) / T; T = 1 for greedy rows; max 0 on valid rows
     expd: Tensor     # [R, V] exp(scaled): unnormalized probabilities, max 1
-    mass: Tensor     # [R] float64 sum of expd
+    mass: Tensor     # [R] float64: sum of expd (by blocks, _block_sums)
     ok: Tensor       # [R] bool: the row has a usable distribution
 
 
