@@ -103,22 +103,16 @@ def _verify_general(logits: Tensor, drafts: list[int], sampler: RequestSampler,
         d = drafts[j]
         if point_mass and not greedy:
             ok, replacement = _judge_point_mass(sc, d, sampler)
-            tok = d if ok else replacement
-            lp, tl = _row_logprob(sc, tok, sampler)
-            _push(tokens, lps, top, tok, lp, tl)
-            if not ok:
-                return Verdict(tokens, lps, top, k, j, False)
-            sampler.observe(tok)
-            continue
-        pj = probs_for(row, sampler, sc)
-        if greedy:
-            ok = bool(pj[d] == 1.0)
-            replacement = None if ok else int(pj.argmax())
         else:
-            q = draft_probs[j].to(pj.dtype) if draft_probs is not None else _point_mass(pj, d)
-            target = mentored_mix(pj, q, tv_budget)[0] if tv_budget > 0 else pj
-            ok = bool(speculative_accept(target, q, d, sampler.uniform()))
-            replacement = None if ok else int(draw_from(residual(pj, q), sampler.uniform()))
+            pj = probs_for(row, sampler, sc)
+            if greedy:
+                ok = bool(pj[d] == 1.0)
+                replacement = None if ok else int(pj.argmax())
+            else:
+                q = draft_probs[j].to(pj.dtype) if draft_probs is not None else _point_mass(pj, d)
+                target = mentored_mix(pj, q, tv_budget)[0] if tv_budget > 0 else pj
+                ok = bool(speculative_accept(target, q, d, sampler.uniform()))
+                replacement = None if ok else int(draw_from(residual(pj, q), sampler.uniform()))
         tok = d if ok else replacement
         lp, tl = _row_logprob(sc, tok, sampler)
         _push(tokens, lps, top, tok, lp, tl)
