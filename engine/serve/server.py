@@ -21,6 +21,8 @@ from engine.serve.app import OpenAIServer, ServeConfig
 
 KEEP_ALIVE_SECONDS = 5         # an idle keep-alive connection is closed after this
 MAX_HEAD_BYTES = 16 * 2**10    # request line and headers together
+LINGER_SECONDS = 2.0           # a refused body is read and dropped for this long at most,
+LINGER_BYTES = 64 * 2**20      # and this many bytes, before its socket closes
 
 
 def parse_bind(text: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
@@ -63,6 +65,26 @@ class _EngineLogHandler(logging.Handler):
         self.engine.log(level, f"http: {record.getMessage().splitlines()[0]}")
 
 
+class _LingeringTransport:
+    """The socket transport as uvicorn's protocol and request cycles see it, except close().
+    Closing a TCP socket with unread data in it sends a reset, which drops what the response
+    has not sent yet and makes the client's send fail: a client still sending a body that the
+    server refused (413, 408, 415) would get a broken connection instead of the error. So
+    close() asks the protocol, which half-closes and drops the rest of the body first."""
+
+    def __init__(self, transport, protocol: "HeadDeadlineProtocol"):
+        self.raw, self._protocol = transport, protocol
+
+    def close(self) -> None:
+        self._protocol.close_lingering()
+
+    def is_closing(self) -> bool:
+        return self._protocol.lingering or self.raw.is_closing()
+
+    def __getattr__(self, name):
+        return getattr(self.raw, name)
+
+
 class HeadDeadlineProtocol(H11Protocol):
     """uvicorn's h11 protocol with a deadline on the client whenever the server waits for it:
     a new connection's (or the next keep-alive request's) line and headers must arrive within
@@ -73,14 +95,45 @@ class HeadDeadlineProtocol(H11Protocol):
 
     head_timeout = 10.0
     _deadline = None
+    _linger = None           # the timer that ends a lingering close
+    _linger_left = 0         # bytes it may still drop
 
     def connection_made(self, transport) -> None:
-        super().connection_made(transport)
+        super().connection_made(_LingeringTransport(transport, self))
         self._watch()
 
+    @property
+    def lingering(self) -> bool:
+        return self._linger is not None
+
+    def close_lingering(self) -> None:
+        """Close, but where the client is still sending a body, first send what is left of
+        the response and an end of stream, then read and drop its body until it ends (or
+        LINGER_SECONDS / LINGER_BYTES run out), so that the client reads the response whole."""
+        raw = self.transport.raw
+        if self.lingering or raw.is_closing():
+            return
+        if self.conn.their_state is not h11.SEND_BODY or not raw.can_write_eof():
+            raw.close()
+            return
+        self._linger_left = LINGER_BYTES
+        self._linger = self.loop.call_later(LINGER_SECONDS, raw.close)
+        raw.write_eof()          # after the buffered response
+        raw.resume_reading()
+
     def data_received(self, data: bytes) -> None:
+        if self.lingering:
+            self._linger_left -= len(data)
+            if self._linger_left < 0:
+                self.transport.raw.close()
+            return
         super().data_received(data)
         self._watch()
+
+    def eof_received(self):
+        if self.lingering:
+            self.transport.raw.close()
+        return super().eof_received()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -88,6 +141,8 @@ class HeadDeadlineProtocol(H11Protocol):
 
     def connection_lost(self, exc) -> None:
         self._cancel()
+        if self._linger is not None:
+            self._linger.cancel()
         super().connection_lost(exc)
 
     def _watch(self) -> None:
