@@ -186,3 +186,22 @@ def test_a_request_explores_only_where_well_accepted_drafts_would_pay():
     assert CostK().next_k(first) == 0
     alone = replace(three, base_rows=1, other_tokens=0.0, decoding=1, running=1)
     assert CostK().next_k(alone) == CostK.EXPLORE_K                   # one request: it explores
+
+
+def test_a_slow_spell_at_the_usual_row_count_does_not_make_more_rows_look_cheaper():
+    # three requests decode at 3 rows all the time; 4 and 5 rows were measured once, at
+    # start-up. A slow spell lifted the 3-row entry over them, and a creative burst (drafts
+    # accepted half the time) drafted because one row more looked cheaper than none.
+    cost = CostModel()
+    for rows in range(1, 10):
+        cost.add_target(rows, 0.045 + 0.006 * (rows - 1))    # calibration
+    cost.add_draft(1, 0.025)
+    cost.draft_prefill_token = 0.006
+    for _ in range(30):
+        cost.add_target(3, 0.093)
+    assert [cost.target(r) for r in (3, 4, 5)] == sorted(cost.target(r) for r in (3, 4, 5))
+    assert cost.target(4) >= cost.target(3.5) >= cost.target(3)
+    ctx = StepContext(cost, 3, 2.0, 0, 1, True, 8, catchup_tokens=136, remaining=176, decoding=3, running=3)
+    assert CostK().next_k(ctx) == 0
+    without = StepContext(cost, 3, 2.0, 0, 1, True, 8, catchup_tokens=2, remaining=176, decoding=3, running=3)
+    assert CostK().next_k(without) == 0

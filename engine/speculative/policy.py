@@ -66,7 +66,10 @@ class RowCost:
     """Seconds of a step by its exact row count: measured at start-up (calibrate), then kept
     current by the steps the worker runs (EMA). Kernels change at row thresholds (the direct
     kernels cost about the same for 1-2 rows, then the panels or tiles take over), so no
-    straight line would do; unseen counts are interpolated, or extrapolated from the last two."""
+    straight line would do; unseen counts are interpolated, or extrapolated from the last two.
+    A step never costs less than one of fewer rows (it reads the same weights and computes
+    more): the row count the worker runs most is measured all the time, the others rarely, so
+    a slow spell of the machine would otherwise make a few rows more look cheaper than none."""
 
     ALPHA = 0.2
 
@@ -84,6 +87,10 @@ class RowCost:
     def __call__(self, rows: float) -> float:
         if not self.table:
             return 0.0
+        fewer = max((s for x, s in self.table.items() if x < rows), default=0.0)
+        return max(self._measured(rows), fewer)
+
+    def _measured(self, rows: float) -> float:
         if rows in self.table:
             return self.table[rows]
         xs = sorted(self.table)
