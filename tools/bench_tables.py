@@ -1100,20 +1100,19 @@ the shared document every request needs its 800 tokens computed once first: `aft
 gain at most ~35% on `incremental`.""",
     "spec": """\
 What bounds them: an 8-row step of the 1.5B costs about 1.5× a one-row step (rows, below), a
-draft step half a target step. The machine was slow in this run (the 1.5B's target-only code
-rows read 10.6 tok/s against 16-23 in runs before), so the refactor's ratios overstate; alternated
-in fresh engines (compare section) `adaptive:cost` gives 1.38×. On the sampled creative prompt a
-fixed k loses, `adaptive:cost` does not.""",
+draft step half a target step. This run's 1.5B target-only code rows ran slow (10.6 tok/s, 16-23
+before), so the refactor's ratios overstate; alternated in fresh engines (compare section)
+`adaptive:cost` gives 1.51×. On the sampled creative prompt a fixed k loses, `adaptive:cost` not.""",
     "seeds": """\
 What bounds them: theirs ran on an M2 (GPU; its CPU for routing), ours on 2 Zen 4 cores, so the
 changes compare, not the rates. Single flight: every first token waits for the leader's prefill
 (~1 s here); at-completion adds the leader's 128 tokens, so the change tends to 1 − prefill /
-(prefill + decode) as N grows. Routing: `sim:gpu0` holds its profiled rate with 4 rows (their
-M2 took 11.5 s for 8 requests, ours 3.6 s), so the seconds do not compare, the changes and the
-requests offloaded do. Speculation (Zen 4, an earlier engine): the draft model cost decode speed on
-the sampled creative prompt, as it did theirs. Alternated (Emerald Rapids): a fresh engine's
-refactor explores one round, then drafts; the creative three seldom draft (a lone draft holds
-the other two up); suffix on refactors fired again reuses the first answers.""",
+(prefill + decode) as N grows. Routing: `sim:gpu0` holds its profiled rate with 4 rows (their M2
+took 11.5 s for 8 requests, ours 3.6 s): the changes and offloads compare, not the seconds.
+Speculation (Zen 4, an earlier engine): the draft cost the sampled creative prompt speed, as it
+did theirs. Alternated (Emerald Rapids): a fresh engine's refactor explores a round, then
+drafts; the creative three do not draft (a draft would hold the other two up); suffix on
+refactors fired again reuses the first answers.""",
     "serve": """\
 What bounds them: both clients drive the same engine, so throughput is the engine's; the HTTP path
 adds request parsing, SSE framing and loopback per streamed token.""",
