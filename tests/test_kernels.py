@@ -516,6 +516,27 @@ def test_packed_panels_give_the_gguf_panels_bits(qtype, monkeypatch):
 
 
 @pytest.mark.skipif("avx512" not in runnable_isas(), reason="the packed panels are AVX-512's")
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_prefetching_into_l2_gives_the_same_bits(qtype, monkeypatch):
+    """TOKENTOP_PACKED_PREFETCH=l2 (engine/kernels/prefetch.py) changes only where the packed
+    kernels prefetch the next panel, never what they compute: 1-32 rows, 1 and 2 threads."""
+    k = 768
+    td = random_td(qtype, rows=77, cols=k, seed=101 + int(qtype))
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for m in (1, 2, 8, 32):
+                x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+                monkeypatch.setenv("TOKENTOP_PACKED_PREFETCH", "l1")
+                into_l1 = run([td], x, "avx512")
+                monkeypatch.setenv("TOKENTOP_PACKED_PREFETCH", "l2")
+                assert torch.equal(run([td], x, "avx512"), into_l1), (t, m)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif("avx512" not in runnable_isas(), reason="the packed panels are AVX-512's")
 def test_one_row_q5_0_calls_read_the_packed_copy(monkeypatch):
     """On AVX-512 a one-row call of Q5_0 matrices alone takes the panels over their packed copy
     by default (Q5_0's direct kernel is compute-bound): the panels' bits, which differ from the

@@ -1003,6 +1003,16 @@ and the tool that measures it; no report backs them.
   against all over the first row block: the 0.5B's lm_head at 8 rows 0.87×, 0.87× again with a
   share in the build; the whole panel at once 1.2-1.5× slower, none 1.5-2.2×, into L2 1.06-1.15×.
   Zen 5; `tools/kernel_ab.py MODEL A,B 8 6 --op lm-head`.
+* **The packed copies' prefetch level, measured per machine.** On Zen 4 the packed kernels'
+  prefetches into L1 held the core's L1 miss buffers and the loads of the current panel waited:
+  one-row Q5_0 calls read 13.7 GB/s on one thread against 19.4 into L2. The linear layers with
+  the prefetches into L2 against L1 (8 rounds, ABBA): the 0.5B 1.12× faster at 1 row, 1.25× at 2,
+  1.23× at 4, 1.09× at 8, 0.98× at 16; the 1.5B (its one-row calls are the direct kernels') 1.01×,
+  1.24×, 1.28×, 1.04×, 0.98×. Since Zen 5's built panels measured the other way (above), the first
+  load of a model on a machine times its 2-row layers both ways and keeps L2 only when it is 5%
+  faster (cached; `TOKENTOP_PACKED_PREFETCH=l1|l2` by hand). The level is a template argument
+  picked once per call: picked inside the loops it cost the 1.5B's 8-row calls 3-40%. Zen 4;
+  `TOKENTOP_PACKED_PREFETCH=l2 tools/kernel_ab.py MODEL A,B 1,2,4,8,16 8`.
 * **Two tiles per broadcast with AVX-VNNI.** `vpdpbusd` issues 1.57 a cycle when two share a
   broadcast operand, 1.31 when not (`tools/dpbusd_rate.cpp`): two tiles at once took the 0.5B's
   linear layers at 8 rows 23.95 → 20.64 ms, the 1.5B's 67.9 → 56.0; the `maddubs` build 27.0 →

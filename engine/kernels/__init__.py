@@ -100,6 +100,11 @@ def _build_key() -> str:
     return h.hexdigest()[:16]
 
 
+def build_key() -> str:
+    """Names this build of the kernels: their sources, torch, the CPU's flags and Python."""
+    return _build_key()
+
+
 def cache_dir() -> Path:
     import platformdirs
 

@@ -210,6 +210,13 @@ bool use_packed() {
     return !(s && std::strcmp(s, "0") == 0);
 }
 
+// where the packed kernels prefetch the next panel: L2 with TOKENTOP_PACKED_PREFETCH=l2, else L1
+// (read per call; engine/kernels/prefetch.py sets it from a measurement on this machine)
+bool packed_prefetch_l2() {
+    const char* s = std::getenv("TOKENTOP_PACKED_PREFETCH");
+    return s && std::strcmp(s, "l2") == 0;
+}
+
 bool is_k_quant(int type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
 
 void quantize_direct(int isa, const float* x, int64_t ldx, int64_t M, int64_t K, const DirectActs& out) {

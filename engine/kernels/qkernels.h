@@ -91,6 +91,7 @@ void matmul_panels(int isa, int type, const uint8_t* w, int64_t K, int64_t n0, i
 bool has_packed(int isa, int type);     // false with TOKENTOP_PACKED=0
 bool packed_one_row(int isa, int type); // one-row calls of `type` read the packed copy too (Q5_0)
 bool use_packed();
+bool packed_prefetch_l2();              // the packed kernels prefetch into L2 (TOKENTOP_PACKED_PREFETCH=l2)
 int64_t packed_max_rows();              // calls of more rows build their panels from the blocks
 int64_t packed_bytes(int type, int64_t rows, int64_t K);
 void pack_tiles(int type, const uint8_t* w, int64_t rows, int64_t K, int64_t t0, int64_t t1, uint8_t* out);

@@ -9,6 +9,7 @@ from engine import kernels
 from engine.config import WorkerConfig
 from engine.dtypes import check_activation_dtype, resolve_kv_dtype
 from engine.errors import describe_error
+from engine.kernels.prefetch import choose as choose_prefetch
 from engine.kv.pages import BlockManager
 from engine.models.batch import KV_TORCH_DTYPES, ForwardBatch, KVStore, SeqSlice
 from engine.models.catalog import resolve_model
@@ -84,6 +85,7 @@ class ModelRunner(Runner):
         with get_tracer().span("selfcheck", model=cfg.model):
             check_linears(self.model)   # refuses a layout this CPU computes wrongly
             pack_for_batches(self.model)
+            choose_prefetch(self.model, model_path, cfg.recalibrate)
         self.draft = None   # speculative decoding's draft model, on this worker (engine/speculative/draft.py)
         if cfg.draft_model:
             with get_tracer().span("load draft", model=cfg.draft_model):
@@ -128,6 +130,7 @@ class ModelRunner(Runner):
             model = Decoder.from_gguf(load_gguf(self.model_path), self.policy)
             check_linears(model)
             pack_for_batches(model)
+            choose_prefetch(model, self.model_path, self.cfg.recalibrate)
         self.model = model
         self.info["kernels"] = _kernel_label(model)
         return self.info["kernels"]
