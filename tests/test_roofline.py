@@ -25,6 +25,26 @@ def test_ceilings_are_measured_once_per_cpu_and_thread_count(tmp_path, monkeypat
     assert machine_ceilings(2, remeasure=True)["source"] == "measured"
 
 
+def test_ceilings_are_measured_on_a_thread_that_ends_with_them(tmp_path, monkeypatch):
+    """torch's parallel ops leave an OpenMP team on the thread that ran them: measured on the
+    caller's thread (bench rows' main thread, beside a thread-mode worker), the ceilings made that
+    worker's every step 1.5x slower. They run on a passing thread, and its errors reach the caller."""
+    import threading
+    monkeypatch.setenv("TOKENTOP_CACHE_DIR", str(tmp_path))
+    seen = []
+    monkeypatch.setattr(roofline, "measure_read_gbs", lambda: seen.append(threading.current_thread()) or 25.0)
+    monkeypatch.setattr(roofline, "measure_matmul_gflops", lambda: seen.append(threading.current_thread()) or 150.0)
+    assert machine_ceilings(2, remeasure=True)["read_gbs"] == 25.0
+    assert len(seen) == 2 and seen[0] is seen[1]
+    assert seen[0] is not threading.current_thread() and not seen[0].is_alive()
+
+    def fails():
+        raise RuntimeError("no memory for the read test")
+    monkeypatch.setattr(roofline, "measure_read_gbs", fails)
+    with pytest.raises(RuntimeError, match="no memory"):
+        machine_ceilings(2, remeasure=True)
+
+
 def test_the_read_test_reads_past_the_last_level_cache(tmp_path):
     """A 256 MiB buffer fits the 300 MiB L3 an Emerald Rapids guest reports: the read test then
     timed the cache, not memory. Its buffer is twice the largest cache sysfs names."""

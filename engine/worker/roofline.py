@@ -12,6 +12,7 @@ peak is torch's float32 one: the quantized kernels' integer dots can exceed it, 
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from contextlib import contextmanager
@@ -81,6 +82,27 @@ def measure_matmul_gflops(n: int = MATMUL_N, reps: int = MATMUL_REPS) -> float:
     return 2 * n ** 3 / best / 1e9
 
 
+def in_passing_thread(fn):
+    """fn() on a thread of its own that ends with it. torch's parallel ops give the thread that
+    runs them an OpenMP team of its own; one left on a thread that does not decode (`bench
+    rows` measured its ceilings on its main thread, then ran a thread-mode worker) made every
+    step of that worker 1.5x slower. A team ends with its thread."""
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - raised again on the caller's thread
+            out["error"] = exc
+
+    t = threading.Thread(target=run, name="tokentop-ceilings")
+    t.start()
+    t.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
 def machine_ceilings(threads: int, remeasure: bool = False, measure: bool = True) -> dict:
     """{"read_gbs", "matmul_gflops", "source"} on `threads` threads, cached for this CPU and
     thread count; {} when not cached and measure is False."""
@@ -92,9 +114,13 @@ def machine_ceilings(threads: int, remeasure: bool = False, measure: bool = True
         return {**cached, "source": "cached"}
     if not measure:
         return {}
-    with on_threads(threads):
-        found = {"read_gbs": round(measure_read_gbs(), 2), "matmul_gflops": round(measure_matmul_gflops(), 1),
-                 "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+    def measure_both() -> dict:
+        with on_threads(threads):
+            return {"read_gbs": round(measure_read_gbs(), 2), "matmul_gflops": round(measure_matmul_gflops(), 1),
+                    "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+    found = in_passing_thread(measure_both)
     try:
         save_profile(key, found)
     except OSError:
