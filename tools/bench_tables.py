@@ -1057,20 +1057,20 @@ today's.""",
 
 BOUNDS = {
     "rows": """\
-What bounds them: one row reads the weights at 63% (0.5B) and 61% (1.5B) of the plain read
-measured in the run (itself swinging by a quarter). On AVX-512
-every matrix type is packed at load in the panels' tile order, so calls of 2-32 rows read the weights with
-no per-call build: the 1.5B's 8-row step, 3.2× one row when its tiles were built at every call,
-is 1.54× (runs 1.32-1.73×), its 4-row step 1.17×; the 0.5B's, mostly Q5_0 and Q8_0, 1.31× (runs
-1.09-1.66×; 1.8× with those two types built at every call). Many rows are then bound by the
-integer dots and how well they overlap the weights' stream: the 1.5B's 8-row step runs 246
-GFLOP/s of int8 multiply-adds, 0.86× the float32 matmul rate measured in the run. With the packed
-kernels' float steps taken out, the 1.5B's linear layers at 8 rows ran 1.13× faster; with the
-integer dots taken out too, 1.44× faster, within 1.1× of one row (`tools/kernel_ab.py` against
-kernels altered for the measurement only): the dots are most of what 8 rows add.
-The AVX2 kernels have no packed copies: forced on the same CPU (`TOKENTOP_KERNEL_ISA=avx2`, whose
-dots then take AVX-VNNI), an 8-row step costs 2.5× one row on the 0.5B and 2.8× on the 1.5B, the
-tiles built from the GGUF blocks at every call.""",
+What bounds them: one row reads the weights at 27.5 GB/s (0.5B) and 28.5 (1.5B), against a plain
+read measured at 27.0 and 34.6 GB/s beside them (the ceiling swings by a quarter from run to run).
+On AVX-512 every matrix type is packed at load in the panels' tile order, so calls of 2-32 rows
+read the weights with no per-call build: 2 and 4 rows cost little more than one (the 1.5B's 0.93×
+and 1.04×). From 8 rows the integer dots bound the step: the 0.5B's 8-row step costs 1.50× one row
+(runs 1.50-1.53×; a run minutes earlier 2.05×), the 1.5B's 1.85× (runs 1.66-2.06×). Their linear
+layers alone take 1.40× and 1.49× one row's (`tools/kernel_ab.py MODEL A,B 1,8 8`); the rest of an
+8-row step is 8 rows of attention and sampling and the two threads waiting for each other at each
+layer's barrier (libgomp's spin held 10% of an 8-row 0.5B step's samples under `perf`). Per 32
+weights and 16 outputs the 8-row Q4_K dot issues 64 `vpdpbusd` and about 90 other instructions,
+27 of them stack traffic of accumulators that do not fit the 32 registers. On Emerald Rapids, with
+the packed kernels' float steps taken out the 1.5B's linear layers at 8 rows ran 1.13× faster;
+with the integer dots out too, 1.44× (kernels altered for the measurement only): the dots are most
+of what 8 rows add.""",
     "single": """\
 What bounds them: decode reads every weight once a step (0.5B ~0.39 GB, 1.5B ~1.0 GB), bound by
 memory: on Zen 5 the 0.5B step reads 32 GB/s against a 41-45 GB/s plain 2-thread read, the
@@ -1083,7 +1083,9 @@ again within the spread; the workers' live roofline reads within 1% of the run i
 (`live_vs_run`). Against ik_llama.cpp (native build, run-time repack: `llama-bench -t 2 -n 0 -p 0
 -gp 500,128 -r 3 -rtr 1`), alternated with `tokentop bench single --runs 3` on Emerald Rapids, the
 0.5B decodes at 55.0-56.8 tok/s against its 41.5-42.2 (1.32-1.35×), the 1.5B at 24.7 against
-16.0 (1.54×). Prefill is
+16.0 (1.54×). On Zen 4, two rounds: the 0.5B at 68.5 and 75.9 against 71.7 and 75.2 (0.96×,
+1.01×), the 1.5B at 28.1 and 28.9 against 33.2 and 35.3 (0.85×, 0.82×): ik_llama.cpp's one-row
+K-quant dots read 33-35 GB/s where the direct kernels read 28-29. Prefill is
 compute-bound (the panels). The memory on Emerald Rapids includes the packed copies of the
 weights (0.4 GB for the 0.5B, 1.0 GB for the 1.5B; `TOKENTOP_PACKED=0` goes without them and their
 speed-up of 2-32-row steps).""",
