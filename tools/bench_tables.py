@@ -1010,8 +1010,9 @@ and the tool that measures it; no report backs them.
   1.23× at 4, 1.09× at 8, 0.98× at 16; the 1.5B (its one-row calls are the direct kernels') 1.01×,
   1.24×, 1.28×, 1.04×, 0.98×. Since Zen 5's built panels measured the other way (above), the first
   load of a model on a machine times its 2-row layers both ways and keeps L2 only when it is 5%
-  faster (cached; `TOKENTOP_PACKED_PREFETCH=l1|l2` by hand). The level is a template argument
-  picked once per call: picked inside the loops it cost the 1.5B's 8-row calls 3-40%. Zen 4;
+  faster (cached; `TOKENTOP_PACKED_PREFETCH=l1|l2` by hand), for calls of up to 8 rows: at 16 and 32
+  rows L2 measured 0.96-1.00×, so those keep L1. The level is a template argument picked once per
+  call: picked inside the loops it cost the 1.5B's 8-row calls 3-40%. Zen 4;
   `TOKENTOP_PACKED_PREFETCH=l2 tools/kernel_ab.py MODEL A,B 1,2,4,8,16 8`.
 * **Two tiles per broadcast with AVX-VNNI.** `vpdpbusd` issues 1.57 a cycle when two share a
   broadcast operand, 1.31 when not (`tools/dpbusd_rate.cpp`): two tiles at once took the 0.5B's

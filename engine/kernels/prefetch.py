@@ -7,7 +7,8 @@ built panels' prefetch into L2 measured 1.06-1.15x slower than into L1. So neith
 the first load of a model on a machine times the model's own linear layers at 2 rows (every
 type reads its packed copy there) both ways, alternated, and takes L2 only where it is clearly
 faster. The choice is cached per CPU, kernel build and model file; TOKENTOP_PACKED_PREFETCH=l1|l2
-set by hand wins, and --recalibrate measures again. Both ways compute the same bits.
+set by hand wins, and --recalibrate measures again. It applies to calls of up to 8 rows (the
+kernels' PREFETCH_L2_MAX_ROWS); larger ones keep L1. Both ways compute the same bits.
 """
 from __future__ import annotations
 
