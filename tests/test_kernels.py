@@ -518,7 +518,7 @@ def test_packed_panels_give_the_gguf_panels_bits(qtype, monkeypatch):
 @pytest.mark.skipif("avx512" not in runnable_isas(), reason="the packed panels are AVX-512's")
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_prefetching_into_l2_gives_the_same_bits(qtype, monkeypatch):
-    """TOKENTOP_PACKED_PREFETCH=l2 (engine/kernels/prefetch.py) changes only where the packed
+    """TOKENTOP_PACKED_PREFETCH=l2 (engine/worker/prefetch.py) changes only where the packed
     kernels prefetch the next panel, never what they compute: 1-32 rows, 1 and 2 threads."""
     k = 768
     td = random_td(qtype, rows=77, cols=k, seed=101 + int(qtype))

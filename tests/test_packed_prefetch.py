@@ -1,4 +1,4 @@
-"""engine/kernels/prefetch.py: where the packed kernels prefetch, measured once per machine and
+"""engine/worker/prefetch.py: where the packed kernels prefetch, measured once per machine and
 model, cached, and overridden by hand. The timings are faked here: what is tested is the choice
 made from them, the cache and the precedence (the bits are test_kernels.py's)."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.kernels import prefetch
+from engine.worker import prefetch
 
 
 @pytest.fixture
@@ -17,7 +17,7 @@ def setup(tmp_path, monkeypatch):
     cache dir, no prefetch choice in the environment, and measure() counted."""
     monkeypatch.setenv("TOKENTOP_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv(prefetch.ENV, raising=False)
-    monkeypatch.setattr(prefetch, "_set_here", {})
+    monkeypatch.setattr(prefetch, "_set_here", None)
     layers = [SimpleNamespace(gguf=SimpleNamespace(nbytes=32 << 20)) for _ in range(2)]
     monkeypatch.setattr(prefetch, "_packed_layers", lambda model: layers)
     monkeypatch.setattr(prefetch.kernels, "isa_name", lambda: "avx512")

@@ -211,7 +211,7 @@ bool use_packed() {
 }
 
 // where the packed kernels prefetch the next panel: L2 with TOKENTOP_PACKED_PREFETCH=l2, else L1
-// (read per call; engine/kernels/prefetch.py sets it from a measurement on this machine)
+// (read per call; engine/worker/prefetch.py sets it from a measurement on this machine)
 bool packed_prefetch_l2() {
     const char* s = std::getenv("TOKENTOP_PACKED_PREFETCH");
     return s && std::strcmp(s, "l2") == 0;

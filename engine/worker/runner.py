@@ -9,7 +9,6 @@ from engine import kernels
 from engine.config import WorkerConfig
 from engine.dtypes import check_activation_dtype, resolve_kv_dtype
 from engine.errors import describe_error
-from engine.kernels.prefetch import choose as choose_prefetch
 from engine.kv.pages import BlockManager
 from engine.models.batch import KV_TORCH_DTYPES, ForwardBatch, KVStore, SeqSlice
 from engine.models.catalog import resolve_model
@@ -20,6 +19,7 @@ from engine.models.selfcheck import check_linears
 from engine.models.tokenizer import IncrementalDetokenizer, Tokenizer
 from engine.worker.cuda_graphs import DecodeGraphs, TorchCudaGraphs
 from engine.worker.output import SampledToken, StepOutput
+from engine.worker.prefetch import choose as choose_prefetch
 from engine.worker.roofline import weight_traffic
 from engine.worker.runner_api import Runner
 from engine.worker.sampling import RequestSampler, SamplingError, sample

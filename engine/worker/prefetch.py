@@ -6,23 +6,23 @@ them, and the 0.5B's linear layers ran 1.19x slower at one row, 1.34x at two; on
 built panels' prefetch into L2 measured 1.06-1.15x slower than into L1. So neither is assumed:
 the first load of a model on a machine times the model's own linear layers at 2 rows (every
 type reads its packed copy there) both ways, alternated, and takes L2 only where it is clearly
-faster. The choice is cached per CPU, kernel build and model file; TOKENTOP_PACKED_PREFETCH=l1|l2
+faster. The choice is cached (profiles.json, beside the speed profiles) per CPU, kernel build and
+model file; TOKENTOP_PACKED_PREFETCH=l1|l2
 set by hand wins, and --recalibrate measures again. It applies to calls of up to 8 rows (the
 kernels' PREFETCH_L2_MAX_ROWS); larger ones keep L1. Both ways compute the same bits.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
 from pathlib import Path
 
-import platformdirs
 import torch
 
 from engine import kernels
 from engine.stats import median
+from engine.worker.profile import load_profiles, profile_path, save_profile
 
 log = logging.getLogger(__name__)
 
@@ -30,24 +30,24 @@ ENV = "TOKENTOP_PACKED_PREFETCH"
 CHOICES = ("l1", "l2")
 ROUNDS = 4            # alternated rounds per way (ABBA)
 CLEAR_WIN = 0.95      # L2 is taken only when its median is below this share of L1's
-_set_here: dict[str, str] = {}   # what this module put in ENV (a value the user set wins)
+_set_here: str | None = None    # what this module put in ENV (a value the user set wins)
 
 
 def cache_path() -> Path:
-    root = os.environ.get("TOKENTOP_CACHE_DIR") or platformdirs.user_cache_dir("tokentop")
-    return Path(root) / "packed_prefetch.json"
+    return profile_path()
 
 
 def _user_choice() -> str | None:
     value = os.environ.get(ENV)
-    return value if value is not None and value != _set_here.get(ENV) else None
+    return value if value is not None and value != _set_here else None
 
 
 def _key(model_path: str) -> str:
     from engine.cpuinfo import cpu_info
     info = cpu_info()
     st = os.stat(model_path)
-    return f"{info['model']}|{info['family']}|{kernels.build_key()}|{Path(model_path).name}:{st.st_size}"
+    return (f"packed-prefetch|{info['model']}|{info['family']}|{kernels.build_key()}|"
+            f"{Path(model_path).name}:{st.st_size}")
 
 
 def _packed_layers(model) -> list:
@@ -102,30 +102,22 @@ def choose(model, model_path: str, recalibrate: bool = False) -> str:
     from engine.cpuinfo import last_level_cache_bytes
     if sum(m.gguf.nbytes for m in layers) <= last_level_cache_bytes():
         return _apply("l1")
-    path, key = cache_path(), _key(model_path)
-    try:
-        cached = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cached = {}
-    if not isinstance(cached, dict):
-        cached = {}
-    entry = cached.get(key)
+    key = _key(model_path)
+    cached = load_profiles()
+    entry = cached.get(key) if isinstance(cached, dict) else None
     if recalibrate or not isinstance(entry, dict) or entry.get("choice") not in CHOICES:
         entry = measure(model)
         log.info("packed kernels prefetch into %s (2-row linear layers: L1 %.1f ms, L2 %.1f ms)",
                  entry["choice"].upper(), entry["l1_s"] * 1000, entry["l2_s"] * 1000)
-        cached[key] = entry
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(cached, indent=1))
-            tmp.replace(path)
-        except OSError as exc:   # an unwritable cache: measured again at the next start
-            log.warning("could not cache the prefetch choice in %s: %s", path, exc)
+            save_profile(key, entry)
+        except (OSError, TypeError) as exc:   # unwritable, or not a dict: measured again next start
+            log.warning("could not cache the prefetch choice in %s: %s", profile_path(), exc)
     return _apply(entry["choice"])
 
 
 def _apply(way: str) -> str:
+    global _set_here
     os.environ[ENV] = way
-    _set_here[ENV] = way
+    _set_here = way
     return way
