@@ -3,8 +3,8 @@
 The two bounds checked are derived in engine/kernels/__init__.py: against W x̂ (x̂ = the
 activations as the kernel quantizes them) only fp32 rounding may differ, which pins every code,
 scale and offset; against W x the activation rounding adds at most sum |w_i| d_g / 2. The activations' groups are
-what the kernel quantizes them with: 32 weights, except the direct kernels, which quantize them
-per 256 against K-quant weights (act_group).
+what the kernel quantizes them with: 32 weights, except the direct kernels and the AVX-512 packed
+panels, which quantize them per 256 against K-quant weights (act_group).
 """
 from __future__ import annotations
 
@@ -59,15 +59,25 @@ def quantize_activations(x: torch.Tensor, group: int = 32) -> tuple[torch.Tensor
     return (a.double() * d.double()).view(m, k), d.double().expand(-1, -1, group).reshape(m, k)
 
 
+# calls of up to this many rows read the AVX-512 packed copies (quant_avx512_packed.inc's
+# PACKED_MAX_ROWS), unless TOKENTOP_PACKED=0
+PACKED_MAX_ROWS = 32
+
+
+def packed_on() -> bool:
+    return os.environ.get("TOKENTOP_PACKED") != "0"
+
+
 def act_group(qtype: T, m: int, isa: str | None = None, small_m: int = -1, big_m: int = -1) -> int:
     """The activation group the op takes for a call of m rows (qmatmul_op.cpp's dispatch): 256 for
-    K-quant weights in the direct kernels (AVX2, AVX-512), else 32. A wrong answer fails check's
-    W x̂ bound."""
+    K-quant weights in the direct kernels (AVX2, AVX-512) and the AVX-512 packed panels, else 32.
+    A wrong answer fails check's W x̂ bound."""
     isa = isa or kernels.isa_name()
     panel_rows = big_m if big_m >= 0 else 0 if small_m == 0 else max(panel_min_rows(isa) - 1, small_m) + 1
     panels = isa in ("avx512", "avx2") and 0 < panel_rows <= m
     direct = not panels and m <= (kernels.direct_rows(isa) if small_m < 0 else small_m)
-    return 256 if isa != "scalar" and direct and qtype in K_TYPES else 32
+    packed = panels and isa == "avx512" and m <= PACKED_MAX_ROWS and packed_on()
+    return 256 if isa != "scalar" and (direct or packed) and qtype in K_TYPES else 32
 
 
 def weight_bias(td: TensorData) -> torch.Tensor:
@@ -210,8 +220,10 @@ def test_avx2_panels_give_the_avx512_panels_bits(qtype, vnni, monkeypatch):
     """The AVX2 panels (8-row tiles, maddubs/madd dots, Q8_0 through the sign trick; or AVX-VNNI's
     vpdpbusd where the CPU has it and TOKENTOP_AVX_VNNI is not 0) do the same integer sums and
     the same float steps per output as the AVX-512 ones (16-row tiles, vpdpbusd): the same bits,
-    at every batch size and a part-filled last panel."""
+    at every batch size and a part-filled last panel. (The AVX-512 panels built from the blocks:
+    its packed K-quants keep a super-block's sum in integers, test_packed_k_quants_*.)"""
     monkeypatch.setenv("TOKENTOP_AVX_VNNI", vnni)
+    monkeypatch.setenv("TOKENTOP_PACKED", "0")
     k = 768 if qtype in K_TYPES else 352
     td = random_td(qtype, rows=77, cols=k, seed=61 + int(qtype))
     for m in (5, 6, 8, 9, 13, 64):
@@ -286,9 +298,11 @@ def test_avx2_q8_0_row_lanes_give_the_tile_bits(monkeypatch):
 
 
 @pytest.mark.parametrize("isa", runnable_isas())
-def test_panel_kernel_stacked_types_threads_and_rows(isa):
+def test_panel_kernel_stacked_types_threads_and_rows(isa, monkeypatch):
     """Stacked matrices of mixed types (boundaries inside a 32-row panel), bias, 1 and 2
-    threads: same bits; every row as computed alone by the same kernel: same bits."""
+    threads: same bits; every row as computed alone by the same kernel (the panels built from
+    the blocks, which the packed copies' K-quants are not): same bits."""
+    monkeypatch.setenv("TOKENTOP_PACKED", "0")
     parts = [random_td(T.Q4_K, 40, 512, 21), random_td(T.Q6_K, 37, 512, 22), random_td(T.Q8_0, 19, 512, 23)]
     bias = torch.randn(96)
     x = torch.randn(70, 512, generator=torch.Generator().manual_seed(24))
@@ -313,15 +327,16 @@ def test_panel_kernel_stacked_types_threads_and_rows(isa):
 def test_deterministic_mode_stays_batch_invariant_for_prefill_sized_calls(isa):
     """small_m=0 keeps one kernel (the tiles) for every row count, panels or not: a prompt's
     rows have the same bits in a 70-row call as one by one. The default takes the panels
-    above direct_rows() where the ISA has them."""
+    above direct_rows() where the ISA has them (and on AVX-512 for one K-quant row too)."""
     td = random_td(T.Q4_K, 33, 512, 31)
     first = panel_min_rows(isa)
     x = torch.randn(first + 6, 512, generator=torch.Generator().manual_seed(32))
     batch = run([td], x, isa, small_m=0)
     assert torch.equal(batch, torch.cat([run([td], x[i:i + 1], isa, small_m=0) for i in range(len(x))]))
     assert torch.equal(run([td], x, isa), run([td], x, isa, big_m=1))
-    if first > 1:
-        assert torch.equal(run([td], x[:first - 1], isa), run([td], x[:first - 1], isa, big_m=0))
+    if first > 1:                # one-row calls: the direct kernel, or AVX-512's packed copy
+        one_row_big_m = 1 if isa == "avx512" and packed_on() else 0
+        assert torch.equal(run([td], x[:first - 1], isa), run([td], x[:first - 1], isa, big_m=one_row_big_m))
 
 
 def test_large_prefill_outputs_reuse_a_buffer_only_once_released():
@@ -354,8 +369,9 @@ def test_isa_paths_agree_within_their_bounds():
 
 
 def test_stacked_matrices_of_mixed_types_with_bias():
-    """32-wise and K-quant parts in one call: on AVX-512's direct kernels each takes its own
-    form of the activations (per 32 / per 256), both quantized once for the call."""
+    """32-wise and K-quant parts in one call, at row offsets inside a 16-row tile: each takes
+    its own form of the activations (per 32 / per 256: the direct kernels, AVX-512's packed
+    K-quants), quantized once for the call, and gives the bits it gives alone."""
     parts = [random_td(T.Q5_0, 24, 256, 1), random_td(T.Q4_K, 13, 256, 5), random_td(T.Q5_0, 8, 256, 2),
              random_td(T.Q8_0, 9, 256, 3), random_td(T.Q6_K, 7, 256, 6)]
     bias = torch.randn(61)
@@ -488,13 +504,13 @@ def test_gguf_rows_dot_is_the_exact_dot_with_dequantized_rows(qtype):
 
 
 @pytest.mark.skipif("avx512" not in runnable_isas(), reason="the packed panels are AVX-512's")
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", (T.Q4_0, T.Q5_0, T.Q8_0), ids=lambda t: t.name)
 def test_packed_panels_give_the_gguf_panels_bits(qtype, monkeypatch):
     """AVX-512 packs each matrix once (16-row tiles, codes at their GGUF width) and its panels
-    read that copy: the same integer sums and float steps as panels built from the blocks at
-    every call, so the same bits. N = 77 (a last tile of 13 rows and an empty one), stacked
-    behind a matrix of 19 rows (a start inside a tile falls back to the GGUF build), 1-64 rows,
-    1 and 2 threads."""
+    read that copy: for the 32-weight block types the same integer sums and float steps as
+    panels built from the blocks at every call, so the same bits. N = 77 (a last tile of 13
+    rows and an empty one), stacked behind a matrix of 19 rows (starts inside a tile), 1-64
+    rows, 1 and 2 threads."""
     k = 768
     td = random_td(qtype, rows=77, cols=k, seed=81 + int(qtype))
     head = random_td(T.Q8_0, rows=19, cols=k, seed=82)
@@ -513,6 +529,44 @@ def test_packed_panels_give_the_gguf_panels_bits(qtype, monkeypatch):
     finally:
         torch.set_num_threads(threads)
     check(run([td], x, "avx512", big_m=1), td, x)
+
+
+@pytest.mark.skipif("avx512" not in runnable_isas(), reason="the packed panels are AVX-512's")
+@pytest.mark.parametrize("qtype", K_TYPES, ids=lambda t: t.name)
+def test_packed_k_quants_keep_each_super_block_in_integers(qtype, monkeypatch):
+    """The packed K-quants (1-32 rows by default) quantize the activations per 256, as the
+    direct kernels do, and sum a super-block in integers: within the bound of W x̂ for those
+    activations; every row has the same bits whatever the call's row count, block of 8 rows,
+    thread count, or a stack in front of the matrix that starts it inside a 16-row tile (2 rows
+    or more; N = 77: a last tile of 13 rows and an empty one). Real-scale activations too (x * 1e-3), and
+    an all-zero row."""
+    k = 768
+    td = random_td(qtype, rows=77, cols=k, seed=83 + int(qtype))
+    head = random_td(T.Q8_0, rows=19, cols=k, seed=84)
+    x = torch.randn(32, k, generator=torch.Generator().manual_seed(85))
+    x[:, 9] *= 30
+    x[4] = 0.0
+    x[20:] *= 1e-3
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        full = run([td], x, "avx512")
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for m in (1, 2, 3, 8, 9, 13, 32):
+                for start in (0, 32 - m):
+                    rows = x[start:start + m]
+                    assert torch.equal(run([td], rows, "avx512"), full[start:start + m]), (t, m, start)
+                    if m > 1:     # (one row stacked with Q8_0 takes the direct kernels)
+                        stacked = run([head, td], rows, "avx512")
+                        assert torch.equal(stacked[:, 19:], full[start:start + m]), (t, m, start, "stacked")
+    finally:
+        torch.set_num_threads(threads)
+    check(full, td, x, 256)
+    assert (full[4] == 0).all()
+    # with TOKENTOP_PACKED=0 the same calls build their panels (32-wise activations)
+    monkeypatch.setenv("TOKENTOP_PACKED", "0")
+    check(run([td], x[:8], "avx512", big_m=1), td, x[:8], 32)
 
 
 @pytest.mark.skipif("avx512" not in runnable_isas(), reason="the packed panels are AVX-512's")
@@ -537,19 +591,20 @@ def test_prefetching_into_l2_gives_the_same_bits(qtype, monkeypatch):
 
 
 @pytest.mark.skipif("avx512" not in runnable_isas(), reason="the packed panels are AVX-512's")
-def test_one_row_q5_0_calls_read_the_packed_copy(monkeypatch):
-    """On AVX-512 a one-row call of Q5_0 matrices alone takes the panels over their packed copy
-    by default (Q5_0's direct kernel is compute-bound): the panels' bits, which differ from the
-    direct kernel's here. TOKENTOP_PACKED=0 gives the direct kernel back, and a call that stacks
-    Q5_0 with another type keeps it."""
+@pytest.mark.parametrize("qtype", (T.Q5_0, *K_TYPES), ids=lambda t: t.name)
+def test_one_row_calls_read_the_packed_copy(qtype, monkeypatch):
+    """On AVX-512 a one-row call of Q5_0 or K-quant matrices alone takes the panels over their
+    packed copy by default (those types' direct kernels are compute-bound): the packed bits,
+    which differ from the direct kernel's. TOKENTOP_PACKED=0 gives the direct kernel back, and
+    a call that stacks them with another type keeps it."""
     k = 768
-    td = random_td(T.Q5_0, rows=77, cols=k, seed=95)
+    td = random_td(qtype, rows=77, cols=k, seed=95 + int(qtype))
     other = random_td(T.Q8_0, rows=32, cols=k, seed=96)
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(97))
     panels, direct = run([td], x, "avx512", big_m=1), run([td], x, "avx512", small_m=16)
     assert not torch.equal(panels, direct)
     assert torch.equal(run([td], x, "avx512"), panels)
-    check(run([td], x, "avx512"), td, x)
+    check(run([td], x, "avx512"), td, x, act_group(qtype, 1, "avx512"))
     assert torch.equal(run([td, other], x, "avx512"), run([td, other], x, "avx512", small_m=16))
     monkeypatch.setenv("TOKENTOP_PACKED", "0")
     assert torch.equal(run([td], x, "avx512"), direct)
@@ -561,7 +616,7 @@ def test_packed_copies_follow_their_matrices():
     (a new matrix at a freed one's address) gets its own copy, never the old one's (the cache
     holds storages weakly), and the freed storage's copy is let go."""
     k, rows = 512, 64
-    size = rows // 16 * k // 256 * 2432                 # Q4_K: 2432 bytes per tile and super-block
+    size = rows // 16 * k // 256 * 2304                 # Q4_K: 2304 bytes per tile and super-block
     x = torch.randn(8, k, generator=torch.Generator().manual_seed(91))
     first, second = random_td(T.Q4_K, rows, k, seed=92), random_td(T.Q4_K, rows, k, seed=93)
     buf = first.raw.copy().reshape(-1)
@@ -573,7 +628,7 @@ def test_packed_copies_follow_their_matrices():
     buf[:] = second.raw.reshape(-1)                     # the same address, a new storage
     w = torch.from_numpy(buf)
     y = kernels.qmatmul(x, [w], [int(T.Q4_K)], [rows], None, "avx512", -1, 1)
-    check(y, second, x)
+    check(y, second, x, act_group(T.Q4_K, 8, "avx512", big_m=1))
     assert not torch.equal(y, y_first)
     assert kernels.packed_bytes() <= held               # the first storage's copy went
     alias = torch.from_numpy(buf)                       # two live storages over one buffer

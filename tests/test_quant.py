@@ -312,9 +312,9 @@ def test_pack_for_batches_packs_at_load_what_batches_read():
     quant.pack_for_batches(keep)          # packing lets go of the copies of matrices freed before
     before = kernels.packed_bytes()
     held = quant.pack_for_batches(layers)
-    # the Q4_K layer's copy (2432 bytes per tile and super-block) and the Q8_0 one's (544 per
+    # the Q4_K layer's copy (2304 bytes per tile and super-block) and the Q8_0 one's (544 per
     # tile and block), not the deterministic Q6_K layer's
-    assert held - before == 64 // 16 * 512 // 256 * 2432 + 64 // 16 * 512 // 32 * 544
+    assert held - before == 64 // 16 * 512 // 256 * 2304 + 64 // 16 * 512 // 32 * 544
     assert kernels.packed_bytes() == held                     # a later call packs nothing more
     with torch.inference_mode():
         ys = [layer(x) for layer in layers]

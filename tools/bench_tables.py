@@ -971,10 +971,10 @@ and the tool that measures it; no report backs them.
   layers at 8 rows 22.5 → 15.0 ms. The panels then win from 5 rows, the direct kernels up to 4
   (AVX2; on AVX-512 see the next entry). Zen 5; `tools/kernel_bench.py MODEL 2`.
 * **K-quants packed for the panels.** On AVX-512, Q4_K / Q5_K / Q6_K matrices are packed once at
-  load in the panels' tile order, codes at their GGUF width (Q4_K 0.59 bytes a weight against
+  load in the panels' tile order, codes at their GGUF width (then 0.59 bytes a Q4_K weight against
   0.56), and calls of 2-32 rows read them there; building the tiles from the blocks at every call
   cost more than reading them. A panel's two tiles take turns in each step, so 8 activation rows
-  share one read of the weights. The same bits. The 1.5B's linear layers with the packed copies
+  share one read of the weights. The built panels' float steps, the same bits. The 1.5B's linear layers with the packed copies
   against without (direct kernels up to 4 rows, built panels above): 0.98× at 2 rows, 0.66-0.73×
   at 4, 0.55-0.62× at 8, 0.76-0.82× at 16, 0.90-1.02× at 32; the 0.5B (mostly Q5_0 / Q8_0) 0.79×
   at 4, 0.87× at 8. At 64 and 500 rows, unpacking the copy for the built panels' loop was 1.13×
@@ -984,6 +984,21 @@ and the tool that measures it; no report backs them.
   accumulators on the stack; both tiles unrolled and each 8-row block's scales, sums and integer
   starts interleaved (one pointer, fixed offsets) made the 1.5B's linear layers at 8 rows
   1.05-1.17× faster (0.5B 1.03×), the same bits; `tools/kernel_ab.py MODEL A,B 1,4,8 6`.
+* **K-quants packed for one row.** The packed K-quant dot took the
+  built panels' float step per 32 weights (cvt, mul, fma, fnma and two broadcasts per output
+  vector and row). Now, as in llama.cpp's Q8_K kernels, the activations are quantized per 256, each
+  group's `vpdpbusd` sum is multiplied by its scale as an integer (`vpmulld`), the minimums (Q6_K:
+  the offset 32) are one `vpdpwssd` per 2 groups against the groups' sums, and a super-block ends
+  in one float step. The copy keeps the file's fp16 d / dmin and 12 scale bytes (the GGUF size,
+  was 5.5% more), and one-row calls of K-quants read it too: the direct kernel is bound by its
+  unpacking (one thread, from cache, a 8960×1536 Q4_K matrix: 17 GB/s one row against 47 packed;
+  8 rows 2.39 → 2.73 G `vpdpbusd`/s, of 3.66 at most). The linear layers against the float-step
+  copies with direct one-row K-quants (8 rounds, ABBA): the 1.5B 0.99× at 1 row, 1.05× at 2,
+  1.09× at 4, 1.23× at 8, 1.14× at 16; the 0.5B 1.03×, 1.08×, 1.19×, 1.26×, 1.13×. At one row the
+  two read at the machine's ceiling while it was low (a plain read of 31-34 GB/s); at 38-41 GB/s,
+  alternated in one process, the direct kernels read 32.7 GB/s and the packed copy 37.1 (1.13×).
+  Not the built panels' bits (prefill's); batch-invariant within themselves. Zen 4;
+  `TOKENTOP_PACKED_PREFETCH=l2 tools/kernel_ab.py MODEL A,B 1,2,4,8,16 8`.
 * **Q4_0, Q5_0 and Q8_0 packed too.** The 32-weight block types in the same tile order, fp16
   scales as in the file (the GGUF size), read by calls of 2-32 rows, with the built panels' bits.
   Q5_0's direct kernel is bound by its bit work rather than by memory, so a one-row call of Q5_0

@@ -9,7 +9,7 @@
 //   AVX-512 + VNNI      quant_avx512_direct.inc    quant_avx512_panels.inc   quant_avx512_tiles.inc
 //                                                  (to 32 rows: _packed.inc)
 // direct_max_rows is 4, except 1 on AVX-512 with the packed panels (TOKENTOP_PACKED), where
-// one-row calls of Q5_0 matrices alone read the packed copies too.
+// one-row calls of Q5_0 and K-quant matrices alone read the packed copies too.
 // Deterministic mode (small_m = 0) takes the last column at every M, so that a row's bits do not
 // depend on its batch; a forced small_m / big_m moves the thresholds (tests, benchmarks). On AVX2
 // where the CPU has AVX-VNNI (unless TOKENTOP_AVX_VNNI=0), the direct kernels and panels run from
@@ -310,8 +310,10 @@ bool has_packed(int isa, int type) {
     return TT_X86 && isa == ISA_AVX512 && block_weights(type) > 0 && use_packed();
 }
 
-// Q5_0's one-row calls read the packed copy too (its direct kernel is compute-bound)
-bool packed_one_row(int isa, int type) { return type == Q5_0 && has_packed(isa, type); }
+// one-row calls of Q5_0 and the K-quants read the packed copy too: Q5_0's direct kernel is
+// compute-bound, and the K-quants' is too (17-19 GB/s a thread from cache, against 46 for the
+// packed dot, whose copy is the GGUF size: docs/kernels.md, 'K-quants packed for one row')
+bool packed_one_row(int isa, int type) { return (type == Q5_0 || is_k_quant(type)) && has_packed(isa, type); }
 
 int64_t packed_max_rows() {
 #if TT_X86
@@ -339,13 +341,13 @@ void pack_tiles(int type, const uint8_t* w, int64_t rows, int64_t K, int64_t t0,
 }
 
 void matmul_packed(int type, const uint8_t* packed, int64_t rows, int64_t K, int64_t n0, int64_t n1,
-                   const int8_t* a, const float* d32, const float* as32, const int32_t* is16, int64_t M,
-                   float* y, int64_t ldy) {
+                   const int8_t* a, const float* d32, const int32_t* is16, const int8_t* ak, const float* dk,
+                   int64_t M, float* y, int64_t ldy) {
 #if TT_X86
-    isa_avx512::matmul_packed(type, packed, rows, K, n0, n1, a, d32, as32, is16, M, y, ldy);
+    isa_avx512::matmul_packed(type, packed, rows, K, n0, n1, a, d32, is16, ak, dk, M, y, ldy);
 #else
-    (void)type; (void)packed; (void)rows; (void)K; (void)n0; (void)n1; (void)a; (void)d32; (void)as32;
-    (void)is16; (void)M; (void)y; (void)ldy;
+    (void)type; (void)packed; (void)rows; (void)K; (void)n0; (void)n1; (void)a; (void)d32; (void)is16;
+    (void)ak; (void)dk; (void)M; (void)y; (void)ldy;
 #endif
 }
 

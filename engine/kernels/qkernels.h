@@ -84,19 +84,21 @@ void matmul_panels(int isa, int type, const uint8_t* w, int64_t K, int64_t n0, i
                    const int8_t* a, const float* d32, const float* as32, const int32_t* is16, int64_t M,
                    float* y, int64_t ldy);
 
-// K-quant and Q5_0 matrices (Q4_K, Q5_K, Q6_K, Q5_0) repacked for the AVX-512 panels (quant_avx512_packed.inc):
-// whether `isa` has them for `type`, the packed size of a matrix, the packing of its 16-row tiles
-// [t0, t1) into `out` (packed_bytes long), and matmul_panels over the packed form (the same bits;
-// n0 a multiple of 16).
+// Matrices repacked for the AVX-512 panels (quant_avx512_packed.inc): whether `isa` has them for
+// `type`, the packed size of a matrix, the packing of its 16-row tiles [t0, t1) into `out`
+// (packed_bytes long), and the product over the packed form. Q4_0 / Q5_0 /
+// Q8_0 read the panels' activations (a, d32, is16) and give the built panels' bits; the K-quants
+// read the direct kernels' 256-wise ones (ak, dk) and keep a super-block's sum in integers (not
+// the built panels' bits; batch-invariant within themselves).
 bool has_packed(int isa, int type);     // false with TOKENTOP_PACKED=0
-bool packed_one_row(int isa, int type); // one-row calls of `type` read the packed copy too (Q5_0)
+bool packed_one_row(int isa, int type); // one-row calls of `type` read the packed copy too (Q5_0, K-quants)
 bool use_packed();
 bool packed_prefetch_l2();              // the packed kernels prefetch into L2 (TOKENTOP_PACKED_PREFETCH=l2)
 int64_t packed_max_rows();              // calls of more rows build their panels from the blocks
 int64_t packed_bytes(int type, int64_t rows, int64_t K);
 void pack_tiles(int type, const uint8_t* w, int64_t rows, int64_t K, int64_t t0, int64_t t1, uint8_t* out);
 void matmul_packed(int type, const uint8_t* packed, int64_t rows, int64_t K, int64_t n0, int64_t n1,
-                   const int8_t* a, const float* d32, const float* as32, const int32_t* is16, int64_t M,
-                   float* y, int64_t ldy);
+                   const int8_t* a, const float* d32, const int32_t* is16, const int8_t* ak, const float* dk,
+                   int64_t M, float* y, int64_t ldy);
 
 }  // namespace tt

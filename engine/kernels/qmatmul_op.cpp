@@ -76,7 +76,7 @@ at::Tensor pooled_output(int64_t M, int64_t N, const at::TensorOptions& opts) {
 
 // Packed copies of the matrices (every GGUF type the op reads) for the AVX-512 panels (tt::pack_tiles; the same bits
 // as building the panels from the GGUF blocks at every call, at a fraction of the cost). A
-// matrix is packed on its first call of 2-32 rows (Q5_0: 1-32) (engine/models/quant.py's pack_for_batches
+// matrix is packed on its first call of 2-32 rows (Q5_0, K-quants: 1-32) (engine/models/quant.py's pack_for_batches
 // makes that call for every layer at load) and the copy lives as long as the matrix: the cache holds a weak reference to the
 // matrix's storage, so a freed model's copies go at the next packing, and a new matrix at a
 // reused address cannot match a stale entry (the storage object outlives its weak references).
@@ -121,8 +121,8 @@ const uint8_t* packed_matrix(const at::Tensor& w, int64_t type, int64_t rows, in
 // Calls of more rows than tt::direct_max_rows take the panel kernel where the ISA has it (AVX-512,
 // AVX2): from 5 rows on AVX2, from 2 on AVX-512 with the packed K-quants (tools/kernel_bench.py;
 // docs/kernels.md, 'Panels built straight from the GGUF blocks', 'K-quants packed for the panels'),
-// and on AVX-512 one-row calls of Q5_0 matrices alone too, over their packed copies
-// ('Q5_0 packed for one row').
+// and on AVX-512 one-row calls of Q5_0 and K-quant matrices alone too, over their packed copies
+// ('Q5_0 packed for one row', 'K-quants packed for one row').
 // The tiles are slower than both at every row count and serve only deterministic mode (and the
 // portable path). The files behind each choice: the table atop qkernels.cpp.
 //
@@ -164,7 +164,7 @@ at::Tensor qmatmul(const at::Tensor& x_in, at::TensorList weights, at::IntArrayR
     const int64_t N = offset.back();
     // a forced small_m (k > 0) keeps the direct kernels up to k rows, panels or not
     const int64_t panel_rows = big_m >= 0 ? big_m : small_m == 0 ? 0 : std::max(tt::direct_max_rows(use), small_m) + 1;
-    // by default a one-row call whose matrices are all Q5_0 reads their packed copies
+    // by default a one-row call whose matrices are all Q5_0 or K-quants reads their packed copies
     bool one_row_packed = M == 1 && small_m < 0 && big_m < 0;
     for (int64_t t : types) one_row_packed = one_row_packed && tt::packed_one_row(use, int(t));
     const bool panels = (one_row_packed || (panel_rows > 0 && M >= panel_rows)) && tt::has_panels(use);
@@ -176,26 +176,54 @@ at::Tensor qmatmul(const at::Tensor& x_in, at::TensorList weights, at::IntArrayR
         // the calling thread's buffers, grown as needed and never cleared: allocating and
         // zeroing them showed in every short decode call (docs/kernels.md, 'Per-thread
         // activation buffers')
-        // (plain pointers for the lambdas: a thread_local named there is the running thread's)
-        thread_local std::vector<int8_t> a_buf;
-        thread_local std::vector<float> d32_buf, as32_buf;
-        thread_local std::vector<int32_t> is16_buf;
-        grow(a_buf, M * K);
-        grow(d32_buf, M * (K / 32));
-        grow(as32_buf, M * (K / 32));
-        grow(is16_buf, M * (K / 16));
-        int8_t* const a = a_buf.data();
-        float* const d32 = d32_buf.data();
-        float* const as32 = as32_buf.data();
-        int32_t* const is16 = is16_buf.data();
-        at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-            tt::quantize_panel_rows(use, x.data_ptr<float>() + m0 * K, K, m1 - m0, K, a + m0 * K, d32 + m0 * (K / 32),
-                                    as32 + m0 * (K / 32), is16 + m0 * (K / 16));
-        });
-        float* yp = y.data_ptr<float>();
         std::vector<const uint8_t*> packed(weights.size(), nullptr);
         for (size_t i = 0; i < weights.size() && M <= tt::packed_max_rows(); ++i)
             if (tt::has_packed(use, int(types[i]))) packed[i] = packed_matrix(weights[i], types[i], rows[i], K);
+        // which activation forms the call reads: the panels' (32-wise) for built panels and the
+        // packed Q4_0 / Q5_0 / Q8_0, the 256-wise one for the packed K-quants
+        bool panel_form = false, k_form = false;
+        for (size_t i = 0; i < weights.size(); ++i) {
+            const bool packed_k = packed[i] && tt::is_k_quant(int(types[i]));
+            k_form = k_form || packed_k;
+            panel_form = panel_form || !packed_k;
+        }
+        thread_local std::vector<int8_t> a_buf, ak_buf;
+        thread_local std::vector<float> d32_buf, as32_buf, dk_buf, as16k_buf, as32k_buf;
+        thread_local std::vector<int32_t> is16_buf;
+        if (panel_form) {
+            grow(a_buf, M * K);
+            grow(d32_buf, M * (K / 32));
+            grow(as32_buf, M * (K / 32));
+            grow(is16_buf, M * (K / 16));
+            int8_t* const a = a_buf.data();
+            float* const d32 = d32_buf.data();
+            float* const as32 = as32_buf.data();
+            int32_t* const is16 = is16_buf.data();
+            at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+                tt::quantize_panel_rows(use, x.data_ptr<float>() + m0 * K, K, m1 - m0, K, a + m0 * K,
+                                        d32 + m0 * (K / 32), as32 + m0 * (K / 32), is16 + m0 * (K / 16));
+            });
+        }
+        if (k_form) {
+            grow(ak_buf, M * K);
+            grow(dk_buf, M * (K / 256));
+            grow(as16k_buf, M * (K / 16));
+            grow(as32k_buf, M * (K / 32));
+            tt::DirectActs act;
+            act.ak = ak_buf.data();
+            act.dk = dk_buf.data();
+            act.as16k = as16k_buf.data();
+            act.as32k = as32k_buf.data();
+            tt::quantize_direct(use, x.data_ptr<float>(), K, M, K, act);
+        }
+        // (plain pointers for the lambdas: a thread_local named there is the running thread's)
+        const int8_t* const a = a_buf.data();
+        const float* const d32 = d32_buf.data();
+        const float* const as32 = as32_buf.data();
+        const int32_t* const is16 = is16_buf.data();
+        const int8_t* const ak = ak_buf.data();
+        const float* const dk = dk_buf.data();
+        float* yp = y.data_ptr<float>();
         // threads take whole panels of output rows (of the stacked matrices)
         const int64_t P = tt::panel_rows(use);
         at::parallel_for(0, (N + P - 1) / P, 1, [&](int64_t pb, int64_t pe) {
@@ -203,9 +231,9 @@ at::Tensor qmatmul(const at::Tensor& x_in, at::TensorList weights, at::IntArrayR
             for (size_t i = 0; i < weights.size(); ++i) {
                 const int64_t lo = std::max(b, offset[i]), hi = std::min(e, offset[i + 1]);
                 if (lo >= hi) continue;
-                if (packed[i] && (lo - offset[i]) % 16 == 0) {
+                if (packed[i]) {
                     tt::matmul_packed(int(types[i]), packed[i], rows[i], K, lo - offset[i], hi - offset[i], a, d32,
-                                      as32, is16, M, yp + offset[i], N);
+                                      is16, ak, dk, M, yp + offset[i], N);
                     continue;
                 }
                 tt::matmul_panels(use, int(types[i]), weights[i].data_ptr<uint8_t>(), K, lo - offset[i],
