@@ -68,6 +68,17 @@ def packed_on() -> bool:
     return os.environ.get("TOKENTOP_PACKED") != "0"
 
 
+def one_row_reads_packed(qtype: T) -> bool:
+    """Whether an AVX-512 one-row call of qtype alone reads its packed copy (qkernels.cpp's
+    packed_one_row): Q5_0, and the K-quants where transparent huge pages can be had."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            thp = f.read()
+    except OSError:
+        thp = ""
+    return packed_on() and (qtype == T.Q5_0 or (qtype in K_TYPES and ("[always]" in thp or "[madvise]" in thp)))
+
+
 def act_group(qtype: T, m: int, isa: str | None = None, small_m: int = -1, big_m: int = -1) -> int:
     """The activation group the op takes for a call of m rows (qmatmul_op.cpp's dispatch): 256 for
     K-quant weights in the direct kernels (AVX2, AVX-512) and the AVX-512 packed panels, else 32.
@@ -335,7 +346,7 @@ def test_deterministic_mode_stays_batch_invariant_for_prefill_sized_calls(isa):
     assert torch.equal(batch, torch.cat([run([td], x[i:i + 1], isa, small_m=0) for i in range(len(x))]))
     assert torch.equal(run([td], x, isa), run([td], x, isa, big_m=1))
     if first > 1:                # one-row calls: the direct kernel, or AVX-512's packed copy
-        one_row_big_m = 1 if isa == "avx512" and packed_on() else 0
+        one_row_big_m = 1 if isa == "avx512" and one_row_reads_packed(T.Q4_K) else 0
         assert torch.equal(run([td], x[:first - 1], isa), run([td], x[:first - 1], isa, big_m=one_row_big_m))
 
 
@@ -594,9 +605,12 @@ def test_prefetching_into_l2_gives_the_same_bits(qtype, monkeypatch):
 @pytest.mark.parametrize("qtype", (T.Q5_0, *K_TYPES), ids=lambda t: t.name)
 def test_one_row_calls_read_the_packed_copy(qtype, monkeypatch):
     """On AVX-512 a one-row call of Q5_0 or K-quant matrices alone takes the panels over their
-    packed copy by default (those types' direct kernels are compute-bound): the packed bits,
-    which differ from the direct kernel's. TOKENTOP_PACKED=0 gives the direct kernel back, and
-    a call that stacks them with another type keeps it."""
+    packed copy by default (those types' direct kernels are compute-bound; the K-quants where
+    the copy can have 2 MiB pages): the packed bits, which differ from the direct kernel's.
+    TOKENTOP_PACKED=0 gives the direct kernel back, and a call that stacks them with another
+    type keeps it."""
+    if not one_row_reads_packed(qtype):
+        pytest.skip("transparent huge pages are off: one-row K-quant calls keep the direct kernel")
     k = 768
     td = random_td(qtype, rows=77, cols=k, seed=95 + int(qtype))
     other = random_td(T.Q8_0, rows=32, cols=k, seed=96)

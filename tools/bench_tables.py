@@ -984,21 +984,25 @@ and the tool that measures it; no report backs them.
   accumulators on the stack; both tiles unrolled and each 8-row block's scales, sums and integer
   starts interleaved (one pointer, fixed offsets) made the 1.5B's linear layers at 8 rows
   1.05-1.17× faster (0.5B 1.03×), the same bits; `tools/kernel_ab.py MODEL A,B 1,4,8 6`.
-* **K-quants packed for one row.** The packed K-quant dot took the
-  built panels' float step per 32 weights (cvt, mul, fma, fnma and two broadcasts per output
-  vector and row). Now, as in llama.cpp's Q8_K kernels, the activations are quantized per 256, each
-  group's `vpdpbusd` sum is multiplied by its scale as an integer (`vpmulld`), the minimums (Q6_K:
-  the offset 32) are one `vpdpwssd` per 2 groups against the groups' sums, and a super-block ends
-  in one float step. The copy keeps the file's fp16 d / dmin and 12 scale bytes (the GGUF size,
-  was 5.5% more), and one-row calls of K-quants read it too: the direct kernel is bound by its
-  unpacking (one thread, from cache, a 8960×1536 Q4_K matrix: 17 GB/s one row against 47 packed;
-  8 rows 2.39 → 2.73 G `vpdpbusd`/s, of 3.66 at most). The linear layers against the float-step
-  copies with direct one-row K-quants (8 rounds, ABBA): the 1.5B 0.99× at 1 row, 1.05× at 2,
-  1.09× at 4, 1.23× at 8, 1.14× at 16; the 0.5B 1.03×, 1.08×, 1.19×, 1.26×, 1.13×. At one row the
-  two read at the machine's ceiling while it was low (a plain read of 31-34 GB/s); at 38-41 GB/s,
-  alternated in one process, the direct kernels read 32.7 GB/s and the packed copy 37.1 (1.13×).
-  Not the built panels' bits (prefill's); batch-invariant within themselves. Zen 4;
-  `TOKENTOP_PACKED_PREFETCH=l2 tools/kernel_ab.py MODEL A,B 1,2,4,8,16 8`.
+* **K-quants packed for one row.** The packed K-quant dot took the built panels' float step per
+  32 weights (cvt, mul, fma, fnma and two broadcasts per output vector and row). Now, as in
+  llama.cpp's Q8_K kernels, the activations are quantized per 256, each group's `vpdpbusd` sum is
+  multiplied by its scale as an integer (`vpmulld`), the minimums (Q6_K: the offset 32) are one
+  `vpdpwssd` per 2 groups against the groups' sums, and a super-block ends in one float step. The
+  copy keeps the file's fp16 d / dmin and 12 scale bytes (the GGUF size, was 5.5% more), so
+  one-row K-quant calls read it too: the direct kernel is bound by its unpacking (one thread, from
+  cache, an 8960×1536 Q4_K matrix: 17 GB/s one row against 47 packed; 8 rows 2.39 → 2.73 G
+  `vpdpbusd`/s, of 3.66 at most). Streaming from memory the copies need 2 MiB pages (allocated
+  on 2 MiB boundaries, advised `MADV_HUGEPAGE`; with transparent huge pages off, one-row calls
+  keep the direct kernel). The 1.5B's linear layers, the previous head (float steps, copies in 4
+  KiB pages, one-row K-quants direct) / this dot in 4 KiB pages / in 2 MiB pages: 32.9 / 36.3 /
+  33.6 ms at 1 row, 36.5 / 34.9 / 32.4 at 2, 55.4 / 49.8 / 44.0 at 8 (6 rounds alternated). This
+  head against the previous (8 rounds, ABBA): the 1.5B 0.99× at 1 row, 1.05× at 2, 1.09× at 4,
+  1.23× at 8, 1.14× at 16; the 0.5B 1.03×, 1.08×, 1.19×, 1.26×, 1.13×. One row alternated in one
+  process: while the plain read gave 38-41 GB/s the direct kernels read 32.7 and the copy 37.1
+  (1.13×); at 27-30 both read about 30 (0.98×). Not the built panels' bits (prefill's);
+  batch-invariant within themselves. Zen 4;
+  `TOKENTOP_PACKED_PREFETCH=l2 tools/kernel_ab.py MODEL A,B[,C] 1,2,4,8,16 8`.
 * **Q4_0, Q5_0 and Q8_0 packed too.** The 32-weight block types in the same tile order, fp16
   scales as in the file (the GGUF size), read by calls of 2-32 rows, with the built panels' bits.
   Q5_0's direct kernel is bound by its bit work rather than by memory, so a one-row call of Q5_0

@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <type_traits>
@@ -310,10 +311,28 @@ bool has_packed(int isa, int type) {
     return TT_X86 && isa == ISA_AVX512 && block_weights(type) > 0 && use_packed();
 }
 
+// transparent huge pages on request or always (the packed copies ask for them: qmatmul_op.cpp)
+static bool huge_pages_on() {
+    static const bool on = [] {
+        char buf[128] = {0};
+        FILE* f = std::fopen("/sys/kernel/mm/transparent_hugepage/enabled", "r");
+        if (!f) return false;
+        const size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+        std::fclose(f);
+        buf[n] = 0;
+        return std::strstr(buf, "[always]") || std::strstr(buf, "[madvise]");
+    }();
+    return on;
+}
+
 // one-row calls of Q5_0 and the K-quants read the packed copy too: Q5_0's direct kernel is
-// compute-bound, and the K-quants' is too (17-19 GB/s a thread from cache, against 46 for the
-// packed dot, whose copy is the GGUF size: docs/kernels.md, 'K-quants packed for one row')
-bool packed_one_row(int isa, int type) { return (type == Q5_0 || is_k_quant(type)) && has_packed(isa, type); }
+// compute-bound, and the K-quants' is too (17 GB/s a thread from cache, against 47 for the
+// packed dot, whose copy is the GGUF size). Streamed from memory in 4 KiB pages the copy was
+// slower than the direct kernel (0.91x, the 1.5B), so the K-quants need huge pages
+// (docs/kernels.md, 'K-quants packed for one row').
+bool packed_one_row(int isa, int type) {
+    return (type == Q5_0 || (is_k_quant(type) && huge_pages_on())) && has_packed(isa, type);
+}
 
 int64_t packed_max_rows() {
 #if TT_X86

@@ -21,6 +21,10 @@
 #include "ops.h"
 #include "qkernels.h"
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
 namespace {
 
 int env_isa() {
@@ -93,6 +97,8 @@ std::mutex packed_mu;
 // made from one numpy array) have two copies, so a live copy is never replaced under a caller
 std::map<std::pair<const void*, const c10::StorageImpl*>, PackedCopy> packed_cache;
 
+constexpr size_t HUGE_PAGE = size_t(2) << 20;
+
 const uint8_t* packed_matrix(const at::Tensor& w, int64_t type, int64_t rows, int64_t K) {
     std::lock_guard<std::mutex> lock(packed_mu);
     const auto key = std::make_pair(static_cast<const void*>(w.data_ptr()),
@@ -108,8 +114,15 @@ const uint8_t* packed_matrix(const at::Tensor& w, int64_t type, int64_t rows, in
     packed_cache.erase(key);
     const int64_t n = tt::packed_bytes(int(type), rows, K);
     PackedCopy copy{w.storage().getWeakStorageImpl(), type, rows, K};
-    copy.bytes.reset(static_cast<uint8_t*>(std::aligned_alloc(64, size_t((n + 63) / 64 * 64))));
+    copy.bytes.reset(static_cast<uint8_t*>(std::aligned_alloc(HUGE_PAGE, size_t((n + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE))));
     TORCH_CHECK(copy.bytes, "qmatmul: out of memory packing a ", rows, "x", K, " matrix (", n, " bytes)");
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    // 2 MiB pages where transparent huge pages are on request (the usual "madvise" setting), as
+    // the mapped GGUF file's (engine/models/huge_pages.py): the calls stream the copy, and in 4 KiB
+    // pages the 1.5B's linear layers ran 1.08x slower at 1 row, 1.13x at 8 (docs/kernels.md,
+    // 'K-quants packed for one row'). Advice only: refused, the copy keeps small pages.
+    madvise(copy.bytes.get(), size_t((n + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE), MADV_HUGEPAGE);
+#endif
     const uint8_t* src = w.data_ptr<uint8_t>();
     uint8_t* dst = copy.bytes.get();
     at::parallel_for(0, (rows + 15) / 16, 4, [&](int64_t t0, int64_t t1) {
