@@ -86,18 +86,63 @@ at::Tensor pooled_output(int64_t M, int64_t N, const at::TensorOptions& opts) {
 // reused address cannot match a stale entry (the storage object outlives its weak references).
 // The matrices must not change in place (the engine's are the read-only mapped file).
 // TOKENTOP_PACKED=0 turns them off (tt::use_packed).
+// The copies are carved one after another out of slabs aligned to 2 MiB and advised for huge
+// pages where transparent huge pages are on request (the usual "madvise" setting), as the mapped
+// GGUF file is (engine/models/huge_pages.py): the calls stream the copies, and in 4 KiB pages the
+// 1.5B's linear layers ran 1.08x slower at 1 row, 1.13x at 8 (docs/kernels.md, 'K-quants packed
+// for one row'). One allocation a matrix, each padded to 2 MiB, held the 0.5B's many small
+// matrices 0.24 GB more; advising only each copy's whole 2 MiB ranges left a third of the
+// 1.5B's in small pages (0.83-0.98x). A slab goes when its last copy does. Guarded by packed_mu.
+struct Slab {
+    uint8_t* base;
+    size_t size, used = 0;
+    int64_t live = 0;
+};
+constexpr size_t HUGE_PAGE = size_t(2) << 20, SLAB_BYTES = size_t(64) << 20;
+std::vector<Slab*> slabs;
+
+void release(Slab* slab) {
+    if (--slab->live > 0) return;
+    std::free(slab->base);
+    slabs.erase(std::find(slabs.begin(), slabs.end(), slab));
+    delete slab;
+}
+
+struct SlabRelease {
+    Slab* slab = nullptr;
+    void operator()(uint8_t*) const { if (slab) release(slab); }
+};
+
+// n bytes (64-aligned) from the newest slab, or from a new one; nullptr when out of memory
+std::unique_ptr<uint8_t, SlabRelease> slab_bytes(size_t n) {
+    n = (n + 63) / 64 * 64;
+    Slab* slab = slabs.empty() ? nullptr : slabs.back();
+    if (!slab || slab->size - slab->used < n) {
+        const size_t size = std::max(SLAB_BYTES, (n + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE);
+        auto* base = static_cast<uint8_t*>(std::aligned_alloc(HUGE_PAGE, size));
+        if (!base) return {nullptr, SlabRelease{}};
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+        madvise(base, size, MADV_HUGEPAGE);     // advice only: refused, the slab keeps small pages
+#endif
+        slab = new Slab{base, size};
+        slabs.push_back(slab);
+    }
+    uint8_t* p = slab->base + slab->used;
+    slab->used += n;
+    ++slab->live;
+    return {p, SlabRelease{slab}};
+}
+
 struct PackedCopy {
     c10::weak_intrusive_ptr<c10::StorageImpl> owner;
     int64_t type, rows, K;
-    std::unique_ptr<uint8_t, decltype(&std::free)> bytes{nullptr, &std::free};
+    std::unique_ptr<uint8_t, SlabRelease> bytes{nullptr, SlabRelease{}};
 };
 
 std::mutex packed_mu;
 // by (the matrix's first byte, its storage): two storages over the same bytes (e.g. two tensors
 // made from one numpy array) have two copies, so a live copy is never replaced under a caller
 std::map<std::pair<const void*, const c10::StorageImpl*>, PackedCopy> packed_cache;
-
-constexpr size_t HUGE_PAGE = size_t(2) << 20;
 
 const uint8_t* packed_matrix(const at::Tensor& w, int64_t type, int64_t rows, int64_t K) {
     std::lock_guard<std::mutex> lock(packed_mu);
@@ -114,15 +159,8 @@ const uint8_t* packed_matrix(const at::Tensor& w, int64_t type, int64_t rows, in
     packed_cache.erase(key);
     const int64_t n = tt::packed_bytes(int(type), rows, K);
     PackedCopy copy{w.storage().getWeakStorageImpl(), type, rows, K};
-    copy.bytes.reset(static_cast<uint8_t*>(std::aligned_alloc(HUGE_PAGE, size_t((n + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE))));
+    copy.bytes = slab_bytes(size_t(n));
     TORCH_CHECK(copy.bytes, "qmatmul: out of memory packing a ", rows, "x", K, " matrix (", n, " bytes)");
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-    // 2 MiB pages where transparent huge pages are on request (the usual "madvise" setting), as
-    // the mapped GGUF file's (engine/models/huge_pages.py): the calls stream the copy, and in 4 KiB
-    // pages the 1.5B's linear layers ran 1.08x slower at 1 row, 1.13x at 8 (docs/kernels.md,
-    // 'K-quants packed for one row'). Advice only: refused, the copy keeps small pages.
-    madvise(copy.bytes.get(), size_t((n + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE), MADV_HUGEPAGE);
-#endif
     const uint8_t* src = w.data_ptr<uint8_t>();
     uint8_t* dst = copy.bytes.get();
     at::parallel_for(0, (rows + 15) / 16, 4, [&](int64_t t0, int64_t t1) {
