@@ -992,9 +992,10 @@ and the tool that measures it; no report backs them.
   copy keeps the file's fp16 d / dmin and 12 scale bytes (the GGUF size, was 5.5% more), so
   one-row K-quant calls read it too: the direct kernel is bound by its unpacking (one thread, from
   cache, an 8960×1536 Q4_K matrix: 17 GB/s one row against 47 packed; 8 rows 2.39 → 2.73 G
-  `vpdpbusd`/s, of 3.66 at most). Streaming from memory the copies need 2 MiB pages (allocated
-  on 2 MiB boundaries, advised `MADV_HUGEPAGE`; with transparent huge pages off, one-row calls
-  keep the direct kernel). The 1.5B's linear layers, the previous head (float steps, copies in 4
+  `vpdpbusd`/s, of 3.66 at most). Streaming from memory the copies need 2 MiB pages: they are
+  carved from 64 MiB slabs aligned to 2 MiB and advised `MADV_HUGEPAGE` (each copy padded to 2 MiB
+  instead held the 0.5B 0.24 GB more; advising only each copy's whole 2 MiB ranges ran the 1.5B's
+  layers 0.83-0.98× as fast); with transparent huge pages off, one-row calls keep the direct kernel. The 1.5B's linear layers, the previous head (float steps, copies in 4
   KiB pages, one-row K-quants direct) / this dot in 4 KiB pages / in 2 MiB pages: 32.9 / 36.3 /
   33.6 ms at 1 row, 36.5 / 34.9 / 32.4 at 2, 55.4 / 49.8 / 44.0 at 8 (6 rounds alternated). This
   head against the previous (8 rounds, ABBA): the 1.5B 0.99× at 1 row, 1.05× at 2, 1.09× at 4,
@@ -1077,20 +1078,19 @@ today's.""",
 
 BOUNDS = {
     "rows": """\
-What bounds them: one row reads the weights at 27.5 GB/s (0.5B) and 28.5 (1.5B), against a plain
-read measured at 27.0 and 34.6 GB/s beside them (the ceiling swings by a quarter from run to run).
-On AVX-512 every matrix type is packed at load in the panels' tile order, so calls of 2-32 rows
-read the weights with no per-call build: 2 and 4 rows cost little more than one (the 1.5B's 0.93×
-and 1.04×). From 8 rows the integer dots bound the step: the 0.5B's 8-row step costs 1.50× one row
-(runs 1.50-1.53×; a run minutes earlier 2.05×), the 1.5B's 1.85× (runs 1.66-2.06×). Their linear
-layers alone take 1.40× and 1.49× one row's (`tools/kernel_ab.py MODEL A,B 1,8 8`); the rest of an
-8-row step is 8 rows of attention and sampling and the two threads waiting for each other at each
-layer's barrier (libgomp's spin held 10% of an 8-row 0.5B step's samples under `perf`). Per 32
-weights and 16 outputs the 8-row Q4_K dot issues 64 `vpdpbusd` and about 90 other instructions,
-27 of them stack traffic of accumulators that do not fit the 32 registers. On Emerald Rapids, with
-the packed kernels' float steps taken out the 1.5B's linear layers at 8 rows ran 1.13× faster;
-with the integer dots out too, 1.44× (kernels altered for the measurement only): the dots are most
-of what 8 rows add.""",
+What bounds them: one row reads the weights at 31.3 GB/s (0.5B) and 33.4 (1.5B), against a plain
+read measured at 29.5 and 41.5 GB/s beside them (the ceiling swings by a quarter from run to run).
+On AVX-512 every matrix type is packed at load in the panels' tile order (the K-quants at the
+GGUF size, in 2 MiB pages), and calls of 2-32 rows, one-row Q5_0 and K-quant calls too, read the
+copies with no per-call build: 2 rows cost about one (1.03× and 0.94×), 4 rows 1.23× and 1.18×.
+From 8 rows the integer dots bound the step: the 0.5B's 8-row step costs 1.85× one row, the
+1.5B's 1.96× (a run of 1 and 8 rows minutes later: 1.58×, its one-row runs 28.7-35.0 ms). Their
+linear layers alone take 1.19× and 1.30× one row's at 8 rows (`tools/kernel_ab.py MODEL A,B
+1,8 8`); the rest of an 8-row step is 8 rows of attention and sampling and the two threads
+waiting for each other at each layer's barrier. The 8-row Q4_K dot issues, per 32 weights and 16
+outputs, 64 `vpdpbusd`, 8 `vpmulld` and 16 cheap operations, with no stack traffic; from cache it
+runs 2.73 G `vpdpbusd` a second on a core, of the 3.66 the core issues at most (one a cycle).""",
+
     "single": """\
 What bounds them: decode reads every weight once a step (0.5B ~0.39 GB, 1.5B ~1.0 GB), bound by
 memory: on Zen 5 the 0.5B step reads 32 GB/s against a 41-45 GB/s plain 2-thread read, the
@@ -1103,9 +1103,9 @@ again within the spread; the workers' live roofline reads within 1% of the run i
 (`live_vs_run`). Against ik_llama.cpp (native build, run-time repack: `llama-bench -t 2 -n 0 -p 0
 -gp 500,128 -r 3 -rtr 1`), alternated with `tokentop bench single --runs 3` on Emerald Rapids, the
 0.5B decodes at 55.0-56.8 tok/s against its 41.5-42.2 (1.32-1.35×), the 1.5B at 24.7 against
-16.0 (1.54×). On Zen 4, two rounds: the 0.5B at 68.5 and 75.9 against 71.7 and 75.2 (0.96×,
-1.01×), the 1.5B at 28.1 and 28.9 against 33.2 and 35.3 (0.85×, 0.82×): ik_llama.cpp's one-row
-K-quant dots read 33-35 GB/s where the direct kernels read 28-29. Prefill is
+16.0 (1.54×). On Zen 4, two rounds: the 0.5B at 63.6 and 70.9 against 72.6 and 71.9 (0.88×,
+0.99×), the 1.5B at 33.6 and 30.9 against 30.5 and 31.0 (1.10×, 1.00×), since one-row K-quant
+calls read the packed copies (docs/kernels.md, 'K-quants packed for one row'). Prefill is
 compute-bound (the panels). The memory on Emerald Rapids includes the packed copies of the
 weights (0.4 GB for the 0.5B, 1.0 GB for the 1.5B; `TOKENTOP_PACKED=0` goes without them and their
 speed-up of 2-32-row steps).""",
