@@ -360,6 +360,10 @@ int64_t batch_rows_op() { return tt::direct_max_rows(env_isa()) + 1; }
 // (0: none): the self-check runs that form too
 int64_t lane_rows_op() { return tt::lane_min_rows(env_isa()); }
 
+// whether a one-row call of `type` alone reads its packed copy on the default ISA (Q5_0; the
+// K-quants where transparent huge pages can be had)
+bool one_row_packed_op(int64_t type) { return tt::packed_one_row(env_isa(), int(type)); }
+
 // whether the AVX2 panels take AVX-VNNI's vpdpbusd (the CPU has it, TOKENTOP_AVX_VNNI is not 0)
 bool avx_vnni_op() { return tt::use_avx_vnni(); }
 
@@ -390,6 +394,7 @@ TORCH_LIBRARY(tokentop, m) {
     m.def("direct_rows(int isa=-1) -> int", &direct_rows_op);
     m.def("batch_rows() -> int", &batch_rows_op);
     m.def("lane_rows() -> int", &lane_rows_op);
+    m.def("one_row_packed(int type) -> bool", &one_row_packed_op);
     m.def("avx_vnni() -> bool", &avx_vnni_op);
     m.def("packed_bytes() -> int", &packed_bytes_op);
 }
