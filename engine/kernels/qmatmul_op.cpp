@@ -78,8 +78,9 @@ at::Tensor pooled_output(int64_t M, int64_t N, const at::TensorOptions& opts) {
     return t.view({M, N});
 }
 
-// Packed copies of the matrices (every GGUF type the op reads) for the AVX-512 panels (tt::pack_tiles; the same bits
-// as building the panels from the GGUF blocks at every call, at a fraction of the cost). A
+// Packed copies of the matrices (every GGUF type the op reads) for the AVX-512 panels (tt::pack_tiles; for the
+// 32-wise types the bits of panels built from the GGUF blocks at every call, at a fraction of
+// the cost; the K-quants sum a super-block in integers: qkernels.h). A
 // matrix is packed on its first call of 2-32 rows (Q5_0, K-quants: 1-32) (engine/models/quant.py's pack_for_batches
 // makes that call for every layer at load) and the copy lives as long as the matrix: the cache holds a weak reference to the
 // matrix's storage, so a freed model's copies go at the next packing, and a new matrix at a
