@@ -202,6 +202,28 @@ def test_avx_vnni_direct_kernels_give_the_maddubs_bits(qtype, monkeypatch):
 
 @pytest.mark.parametrize("isa", runnable_isas())
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_threads_taking_each_others_work_compute_every_row_once(isa, qtype):
+    """Packed and direct calls hand out output rows as the threads come for them (qmatmul_op.cpp's
+    parallel_steal: own share front to back, then the back half of another's), so the split
+    differs from call to call. Every row of a two-matrix stack, its second matrix starting
+    inside a tile, must come out with the one-thread bits on every call."""
+    k = 256 if qtype in K_TYPES else 96
+    tds = [random_td(qtype, rows=645, cols=k, seed=5), random_td(qtype, rows=333, cols=k, seed=6)]
+    x = torch.randn(8, k, generator=torch.Generator().manual_seed(3))
+    threads = torch.get_num_threads()
+    try:
+        for m in (1, 3, 8):
+            torch.set_num_threads(1)
+            one = run(tds, x[:m], isa)
+            torch.set_num_threads(2)
+            for _ in range(12):
+                assert torch.equal(run(tds, x[:m], isa), one), m
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("isa", runnable_isas())
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_rows_and_threads_do_not_change_any_bit(isa, qtype):
     """With small_m=0 (what deterministic mode passes) one kernel serves every M, and each
     output is computed the same way whatever M or the split over threads: batch-invariant by

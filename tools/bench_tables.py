@@ -1038,6 +1038,17 @@ and the tool that measures it; no report backs them.
   broadcast operand, 1.31 when not (`tools/dpbusd_rate.cpp`): two tiles at once took the 0.5B's
   linear layers at 8 rows 23.95 → 20.64 ms, the 1.5B's 67.9 → 56.0; the `maddubs` build 27.0 →
   31.1, so it keeps one. AVX2 on Zen 5; `tools/kernel_ab.py MODEL A,B 8,64 4`.
+* **Threads take each other's rows.** Packed and direct calls hand out output rows as the threads
+  come for them: each thread its static share front to back, a quarter of what is left at a time,
+  then the back half of what another has left. Over a one-row 0.5B decode one of two threads was
+  busy 12-38% longer than the other in the same kernels, from run to run, and the other spun at
+  each call's end (14% of its samples in libgomp). The packed activations are made once per call
+  and type, and a packed range prefetches the panel past its end, where the thread's next chunk
+  goes on (without, the chunks cost 5-12%). The static split against this, alternated in one
+  process: the 0.5B's linear layers 1.04×, 1.07×, 1.05× faster at 1, 2, 8 rows, the 1.5B's 1.01×,
+  1.00×, 1.01×; whole decode steps 1.02× at 1 and 8 rows (0.5B), 1.02× and 1.27× (1.5B, a slow
+  thread in the static runs). Panels built from the blocks (prefill, AVX2) keep the static split:
+  chunked, 64- and 500-row calls ran 1.04× and 1.02× slower, AVX2 8-row calls 1.08×. Zen 4.
 * **Per-thread activation buffers.** The op's activation buffers are the calling thread's, never
   cleared, against zeroed vectors each call: an 8-row call on 32 output rows 7.85 → 7.35 µs
   (K = 896). Zen 5.

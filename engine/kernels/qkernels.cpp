@@ -359,14 +359,21 @@ void pack_tiles(int type, const uint8_t* w, int64_t rows, int64_t K, int64_t t0,
 #endif
 }
 
-void matmul_packed(int type, const uint8_t* packed, int64_t rows, int64_t K, int64_t n0, int64_t n1,
-                   const int8_t* a, const float* d32, const int32_t* is16, const int8_t* ak, const float* dk,
-                   int64_t M, float* y, int64_t ldy) {
+void prepare_packed(int type, int64_t K, const int8_t* a, const float* d32, const int32_t* is16, const int8_t* ak,
+                    const float* dk, int64_t M, PackedActs& out) {
 #if TT_X86
-    isa_avx512::matmul_packed(type, packed, rows, K, n0, n1, a, d32, is16, ak, dk, M, y, ldy);
+    isa_avx512::prepare_packed(type, K, a, d32, is16, ak, dk, M, out);
 #else
-    (void)type; (void)packed; (void)rows; (void)K; (void)n0; (void)n1; (void)a; (void)d32; (void)is16;
-    (void)ak; (void)dk; (void)M; (void)y; (void)ldy;
+    (void)type; (void)K; (void)a; (void)d32; (void)is16; (void)ak; (void)dk; (void)M; (void)out;
+#endif
+}
+
+void matmul_packed(int type, const uint8_t* packed, int64_t rows, int64_t K, int64_t n0, int64_t n1,
+                   const PackedActs& acts, int64_t M, float* y, int64_t ldy) {
+#if TT_X86
+    isa_avx512::matmul_packed(type, packed, rows, K, n0, n1, acts, M, y, ldy);
+#else
+    (void)type; (void)packed; (void)rows; (void)K; (void)n0; (void)n1; (void)acts; (void)M; (void)y; (void)ldy;
 #endif
 }
 

@@ -2,6 +2,7 @@
 // Which kernel file serves which call size and ISA: the table atop qkernels.cpp.
 #pragma once
 #include <cstdint>
+#include <vector>
 
 namespace tt {
 
@@ -97,8 +98,16 @@ bool packed_prefetch_l2();              // the packed kernels prefetch into L2 (
 int64_t packed_max_rows();              // calls of more rows build their panels from the blocks
 int64_t packed_bytes(int type, int64_t rows, int64_t K);
 void pack_tiles(int type, const uint8_t* w, int64_t rows, int64_t K, int64_t t0, int64_t t1, uint8_t* out);
+// The activations of a call as the packed kernels read them: made once per call and type by
+// prepare_packed, then shared by the threads (each computes its ranges of output rows).
+struct PackedActs {
+    std::vector<int32_t> ail;   // rows interleaved by 4 bytes, per block of 8 rows
+    std::vector<float> s8;      // per block of 8 rows: a scale per 32 weights (K-quants: per 256)
+    std::vector<int32_t> i8;    // and an integer per 32 weights (K-quants: two groups' sums)
+};
+void prepare_packed(int type, int64_t K, const int8_t* a, const float* d32, const int32_t* is16, const int8_t* ak,
+                    const float* dk, int64_t M, PackedActs& out);
 void matmul_packed(int type, const uint8_t* packed, int64_t rows, int64_t K, int64_t n0, int64_t n1,
-                   const int8_t* a, const float* d32, const int32_t* is16, const int8_t* ak, const float* dk,
-                   int64_t M, float* y, int64_t ldy);
+                   const PackedActs& acts, int64_t M, float* y, int64_t ldy);
 
 }  // namespace tt

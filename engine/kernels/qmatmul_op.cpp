@@ -9,6 +9,7 @@
 #include <c10/core/InferenceMode.h>
 
 #include <algorithm>
+#include <atomic>
 #include <iterator>
 #include <cstdlib>
 #include <cstring>
@@ -44,6 +45,49 @@ int env_isa() {
 template <typename T>
 void grow(std::vector<T>& v, int64_t n) {
     if (v.size() < size_t(n)) v.resize(size_t(n));
+}
+
+// f(b, e) over [0, n): each thread takes its static share front to back, a chunk at a time, and
+// one done with its own takes the back half of what another has left, until nothing is left. A
+// static split left the thread that finished first waiting at the region's end for the other
+// (over a one-row decode one of two threads was busy 12-38% longer, from run to run, in the same
+// kernels); the shares stay contiguous, so each thread still streams its weights in order. Each
+// output row is computed alone: who computes it does not change a bit.
+template <typename F>
+void parallel_steal(int64_t n, int64_t grain, const F& f) {
+    const int64_t T = std::min<int64_t>(at::get_num_threads(), n / std::max<int64_t>(grain, 1));
+    if (T <= 1 || at::in_parallel_region()) {
+        if (n > 0) f(0, n);
+        return;
+    }
+    // per thread: what is left of its share, front in the low 32 bits, end in the high
+    struct alignas(64) Share { std::atomic<uint64_t> left; };
+    std::unique_ptr<Share[]> shares(new Share[size_t(T)]);
+    auto pack = [](uint64_t b, uint64_t e) { return b | e << 32; };
+    for (int64_t t = 0; t < T; ++t) shares[t].left.store(pack(uint64_t(n * t / T), uint64_t(n * (t + 1) / T)));
+    // take up to `want(left)` units from the front (own share) or the back (another's)
+    auto take = [&](Share& s, bool front, auto want, int64_t& b, int64_t& e) {
+        uint64_t v = s.left.load(std::memory_order_relaxed);
+        for (;;) {
+            const int64_t lo = int64_t(v & 0xffffffffu), hi = int64_t(v >> 32), left = hi - lo;
+            if (left <= 0) return false;
+            const int64_t k = std::min(left, std::max(grain, want(left)));
+            b = front ? lo : hi - k;
+            e = front ? lo + k : hi;
+            if (s.left.compare_exchange_weak(v, front ? pack(uint64_t(e), uint64_t(hi)) : pack(uint64_t(lo), uint64_t(b)),
+                                             std::memory_order_relaxed))
+                return true;
+        }
+    };
+    at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) {
+            int64_t b = 0, e = 0;
+            // a quarter of what is left at a time: small chunks near the end, few in all
+            while (take(shares[t], true, [](int64_t left) { return left / 4; }, b, e)) f(b, e);
+            for (int64_t v = 1; v < T; ++v)
+                while (take(shares[(t + v) % T], false, [](int64_t left) { return left / 2; }, b, e)) f(b, e);
+        }
+    });
 }
 
 // y + bias, in the activations' dtype
@@ -273,19 +317,39 @@ at::Tensor qmatmul(const at::Tensor& x_in, at::TensorList weights, at::IntArrayR
         const float* const d32 = d32_buf.data();
         const float* const as32 = as32_buf.data();
         const int32_t* const is16 = is16_buf.data();
-        const int8_t* const ak = ak_buf.data();
-        const float* const dk = dk_buf.data();
+        // the packed matrices' activations, once per type (kept per thread, as the buffers above)
+        thread_local std::map<int64_t, tt::PackedActs> acts_buf;
+        std::vector<const tt::PackedActs*> acts(weights.size(), nullptr);
+        for (size_t i = 0; i < weights.size(); ++i) {
+            if (!packed[i]) continue;
+            auto seen = std::find(types.begin(), types.begin() + int64_t(i), types[i]) - types.begin();
+            if (size_t(seen) < i && packed[size_t(seen)]) {
+                acts[i] = acts[size_t(seen)];
+                continue;
+            }
+            tt::PackedActs& pa = acts_buf[types[i]];
+            tt::prepare_packed(int(types[i]), K, a, d32, is16, ak_buf.data(), dk_buf.data(), M, pa);
+            acts[i] = &pa;
+        }
         float* yp = y.data_ptr<float>();
-        // threads take whole panels of output rows (of the stacked matrices)
+        // threads take whole panels of output rows (of the stacked matrices): of packed copies,
+        // as parallel_steal hands them out; panels built from the blocks (prefill, AVX2) in a
+        // static split, where the chunks' restarts cost more than the balance saved (64- and
+        // 500-row calls 1.04x and 1.02x slower, AVX2 8-row calls 1.08x)
         const int64_t P = tt::panel_rows(use);
-        at::parallel_for(0, (N + P - 1) / P, 1, [&](int64_t pb, int64_t pe) {
+        const bool all_packed = std::all_of(packed.begin(), packed.end(), [](const uint8_t* p) { return p != nullptr; });
+        const auto split = [&](int64_t n, const auto& f) {
+            if (all_packed) parallel_steal(n, 1, f);
+            else at::parallel_for(0, n, 1, f);
+        };
+        split((N + P - 1) / P, [&](int64_t pb, int64_t pe) {
             const int64_t b = pb * P, e = std::min(pe * P, N);
             for (size_t i = 0; i < weights.size(); ++i) {
                 const int64_t lo = std::max(b, offset[i]), hi = std::min(e, offset[i + 1]);
                 if (lo >= hi) continue;
                 if (packed[i]) {
-                    tt::matmul_packed(int(types[i]), packed[i], rows[i], K, lo - offset[i], hi - offset[i], a, d32,
-                                      is16, ak, dk, M, yp + offset[i], N);
+                    tt::matmul_packed(int(types[i]), packed[i], rows[i], K, lo - offset[i], hi - offset[i], *acts[i],
+                                      M, yp + offset[i], N);
                     continue;
                 }
                 tt::matmul_panels(use, int(types[i]), weights[i].data_ptr<uint8_t>(), K, lo - offset[i],
@@ -319,7 +383,7 @@ at::Tensor qmatmul(const at::Tensor& x_in, at::TensorList weights, at::IntArrayR
         act.as32k = buf(as32k, k_types, M * (K / 32));
         tt::quantize_direct(use, x.data_ptr<float>(), K, M, K, act);
         // chunks of >= 64 output rows: the per-chunk overhead stays small next to the row reads
-        at::parallel_for(0, N, 64, [&](int64_t b, int64_t e) {
+        parallel_steal(N, 64, [&](int64_t b, int64_t e) {
             for (size_t i = 0; i < weights.size(); ++i) {
                 const int64_t lo = std::max(b, offset[i]), hi = std::min(e, offset[i + 1]);
                 if (lo >= hi) continue;
