@@ -406,39 +406,65 @@ TT_INLINE void prefetch_row(const S* row, int64_t n) {
     for (int64_t b = 0; b < n * int64_t(sizeof(S)); b += 64) __builtin_prefetch((const char*)row + b, 0, 3);
 }
 
+// Lane n of the result is hsum(v[n]), bit for bit: the same pairs of lanes at each level (i and
+// i + W/2 first, as hsum), 3W - 3 shuffles and adds for W sums where hsum takes ~W for one.
+TT_INLINE v16 hsum_lanes(const v16* v) {
+    v16 c[8], e[4], g[2];
+    for (int k = 0; k < 8; ++k)          // lanes i, i + 8: vectors 2k | 2k + 1, 8 lanes each
+        c[k] = __builtin_shufflevector(v[2 * k], v[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               __builtin_shufflevector(v[2 * k], v[2 * k + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int m = 0; m < 4; ++m)          // lanes i, i + 4: vectors 4m .. 4m + 3, 4 lanes each
+        e[m] = __builtin_shufflevector(c[2 * m], c[2 * m + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+               __builtin_shufflevector(c[2 * m], c[2 * m + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int p = 0; p < 2; ++p)          // lanes 0, 2 and 1, 3: vectors 8p .. 8p + 7, 2 lanes each
+        g[p] = __builtin_shufflevector(e[2 * p], e[2 * p + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+               __builtin_shufflevector(e[2 * p], e[2 * p + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return __builtin_shufflevector(g[0], g[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           __builtin_shufflevector(g[0], g[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+TT_INLINE v8 hsum_lanes(const v8* v) {
+    v8 c[4], g[2];
+    for (int k = 0; k < 4; ++k)          // lanes i, i + 4: vectors 2k | 2k + 1, 4 lanes each
+        c[k] = __builtin_shufflevector(v[2 * k], v[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+               __builtin_shufflevector(v[2 * k], v[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int p = 0; p < 2; ++p)          // lanes 0, 2 and 1, 3: vectors 4p .. 4p + 3, 2 lanes each
+        g[p] = __builtin_shufflevector(c[2 * p], c[2 * p + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+               __builtin_shufflevector(c[2 * p], c[2 * p + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+    return __builtin_shufflevector(g[0], g[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+           __builtin_shufflevector(g[0], g[1], 1, 3, 5, 7, 9, 11, 13, 15);
+}
+
 // attend_group for a head size HD and group size G known at compile time, W-float vectors and
 // REGS vector registers. The one-row-at-a-time loops above were bound by the latency of each
-// 128-long dot product and its reduction: here KB keys are dotted with all G heads at once
-// (KB * G independent vector sums in registers), and values are summed CB W-wide slices at a
-// time with the G heads' sums in registers instead of read and written back in memory per key.
-// Each score and output is summed in the same order as there (results agree to an ulp or so);
-// each row on its own, so still batch-invariant to the bit.
+// 128-long dot product and its reduction: here W keys are dotted with one head at a time (W
+// independent vector sums in registers, reduced together by hsum_lanes: one hsum per score took
+// as many operations as its dot), and values are summed CB W-wide slices at a time with the G
+// heads' sums in registers instead of read and written back in memory per key. Each score and
+// output is summed in the same order as there (results agree to an ulp or so); each row on its
+// own, so still batch-invariant to the bit.
 template <typename S, int HD, int G, int W, int REGS>
 TT_INLINE void attend_blocked(const float* q, const S* k, const S* v, int64_t row_stride, const int64_t* slots,
                            int64_t L, float softcap, float* scores, float* out) {
     using F = typename Vec<W>::F;
     constexpr int C = HD / W;
-    // KB * G sums + KB keys + one q slice in registers; at least one key
-    constexpr int KB = (REGS - 1) / (G + 1) > 4 ? 4 : (REGS - 1) / (G + 1) < 1 ? 1 : (REGS - 1) / (G + 1);
     // G * CB sums + CB value slices, CB a power of two dividing C
     constexpr int CB = (G + 1) * 8 <= REGS && C % 8 == 0 ? 8 : (G + 1) * 4 <= REGS && C % 4 == 0 ? 4
                      : (G + 1) * 2 <= REGS && C % 2 == 0 ? 2 : 1;
+    // W keys at a time, one head after the other: the W scores of a head come out of one
+    // hsum_lanes, and the keys' rows are read again per head from L1
     int64_t j = 0;
-    for (; j + KB <= L; j += KB) {
-        F acc[KB][G] = {};
-        const S* rows[KB];
-        for (int b = 0; b < KB; ++b) rows[b] = k + slots[j + b] * row_stride;
-        for (int64_t p = j + PF; p < std::min(j + PF + KB, L); ++p) prefetch_row(k + slots[p] * row_stride, HD);
-        for (int c = 0; c < C; ++c) {
-            F kv[KB];
-            for (int b = 0; b < KB; ++b) kv[b] = loadv<W>(rows[b] + c * W);
-            for (int g = 0; g < G; ++g) {
+    for (; j + W <= L; j += W) {
+        const S* rows[W];
+        for (int b = 0; b < W; ++b) rows[b] = k + slots[j + b] * row_stride;
+        for (int64_t p = j + PF; p < std::min(j + PF + W, L); ++p) prefetch_row(k + slots[p] * row_stride, HD);
+        for (int g = 0; g < G; ++g) {
+            F acc[W] = {};
+            for (int c = 0; c < C; ++c) {
                 const F qg = *(const F*)(q + g * HD + c * W);
-                for (int b = 0; b < KB; ++b) acc[b][g] += qg * kv[b];
+                for (int b = 0; b < W; ++b) acc[b] += qg * loadv<W>(rows[b] + c * W);
             }
+            *(F*)(scores + g * L + j) = hsum_lanes(acc);
         }
-        for (int b = 0; b < KB; ++b)
-            for (int g = 0; g < G; ++g) scores[g * L + j + b] = hsum(acc[b][g]);
     }
     for (; j < L; ++j) {
         F acc[G] = {};
