@@ -1095,18 +1095,19 @@ today's.""",
 
 BOUNDS = {
     "rows": """\
-What bounds them: one row reads the weights at 31.3 GB/s (0.5B) and 33.4 (1.5B), against a plain
-read measured at 29.5 and 41.5 GB/s beside them (the ceiling swings by a quarter from run to run).
-On AVX-512 every matrix type is packed at load in the panels' tile order (the K-quants at the
-GGUF size, in 2 MiB pages), and calls of 2-32 rows, one-row Q5_0 and K-quant calls too, read the
-copies with no per-call build: 2 rows cost about one (1.03× and 0.94×), 4 rows 1.23× and 1.18×.
-From 8 rows the integer dots bound the step: the 0.5B's 8-row step costs 1.85× one row, the
-1.5B's 1.96× (a run of 1 and 8 rows minutes later: 1.58×, its one-row runs 28.7-35.0 ms). Their
-linear layers alone take 1.19× and 1.30× one row's at 8 rows (`tools/kernel_ab.py MODEL A,B
-1,8 8`); the rest of an 8-row step is 8 rows of attention and sampling and the two threads
-waiting for each other at each layer's barrier. The 8-row Q4_K dot issues, per 32 weights and 16
-outputs, 64 `vpdpbusd`, 8 `vpmulld` and 16 cheap operations, with no stack traffic; from cache it
-runs 2.73 G `vpdpbusd` a second on a core, of the 3.66 the core issues at most (one a cycle).""",
+What bounds them: one row reads the weights at 25.4 GB/s (0.5B) and 28.0 (1.5B), against a plain
+read measured at 31.7 and 49.9 GB/s beside them (the ceiling swung between 26 and 50 GB/s within
+the hour). On AVX-512 every matrix type is packed at load in the panels' tile order (the K-quants
+at the GGUF size, in 2 MiB pages), and calls of 2-32 rows, one-row Q5_0 and K-quant calls too,
+read the copies with no per-call build: 2 rows cost about one (1.07× and 0.94×), 4 rows 1.09× and
+1.02×. From 8 rows the integer dots bound the step: the 0.5B's 8-row step costs 1.41× one row, the
+1.5B's 1.66× (the previous build, an hour earlier: 1.72× and 1.48×; the ratio moves with the
+one-row step's read). The rest of an 8-row step is 8 rows of attention and sampling and the
+serial work between the kernels (about 2 ms of the 0.5B's). The 8-row Q4_K dot issues, per 32
+weights and 16 outputs, 64 `vpdpbusd`, 8 `vpmulld` and 16 cheap operations, with no stack
+traffic; from cache it runs 2.73 G `vpdpbusd` a second on a core, of the 3.66 the core issues at
+most (one a cycle). Q6_K (the 1.5B's down) applies its scales per 16 weights, twice Q4_K's
+`vpmulld`: 143 against 171 G multiply-adds a second on a thread from cache.""",
 
     "single": """\
 What bounds them: decode reads every weight once a step (0.5B ~0.39 GB, 1.5B ~1.0 GB), bound by
@@ -1120,9 +1121,9 @@ again within the spread; the workers' live roofline reads within 1% of the run i
 (`live_vs_run`). Against ik_llama.cpp (native build, run-time repack: `llama-bench -t 2 -n 0 -p 0
 -gp 500,128 -r 3 -rtr 1`), alternated with `tokentop bench single --runs 3` on Emerald Rapids, the
 0.5B decodes at 55.0-56.8 tok/s against its 41.5-42.2 (1.32-1.35×), the 1.5B at 24.7 against
-16.0 (1.54×). On Zen 4, two rounds: the 0.5B at 63.6 and 70.9 against 72.6 and 71.9 (0.88×,
-0.99×), the 1.5B at 33.6 and 30.9 against 30.5 and 31.0 (1.10×, 1.00×), since one-row K-quant
-calls read the packed copies (docs/kernels.md, 'K-quants packed for one row'). Prefill is
+16.0 (1.54×). On Zen 4, three rounds alternated with `--runs 1`: the 0.5B at 62.8, 69.5 and 52.2
+against 70.8, 63.0 and 61.6 (0.89×, 1.10×, 0.85×), the 1.5B at 27.2, 26.2 and 30.6 against 32.2,
+24.2 and 26.9 (0.85×, 1.08×, 1.14×): level within the machine's swings, not ahead. Prefill is
 compute-bound (the panels). The memory on Emerald Rapids includes the packed copies of the
 weights (0.4 GB for the 0.5B, 1.0 GB for the 1.5B; `TOKENTOP_PACKED=0` goes without them and their
 speed-up of 2-32-row steps).""",
