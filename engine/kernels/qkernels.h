@@ -45,7 +45,8 @@ int64_t direct_max_rows(int isa);
 //   AVX-512, 32-wise: au = a + 128 (uint8, K), dl = d_g per 4-weight lane (K/4)
 //   AVX2, 32-wise:    a (int8, K), d32 (K/32), ls = sums of each 4 a (K/4)
 //   K-quants, both:   ak (int8, K), dk (K/256), as16k / as32k = dk * the sum of ak over each
-//                     16 / 32 weights (K/16, K/32)
+//                     16 / 32 weights (K/16, K/32; left out when null: the packed K-quants
+//                     read only ak and dk)
 struct DirectActs {
     uint8_t* au = nullptr;
     float* dl = nullptr;

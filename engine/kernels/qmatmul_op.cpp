@@ -284,7 +284,7 @@ at::Tensor qmatmul(const at::Tensor& x_in, at::TensorList weights, at::IntArrayR
             panel_form = panel_form || !packed_k;
         }
         thread_local std::vector<int8_t> a_buf, ak_buf;
-        thread_local std::vector<float> d32_buf, as32_buf, dk_buf, as16k_buf, as32k_buf;
+        thread_local std::vector<float> d32_buf, as32_buf, dk_buf;
         thread_local std::vector<int32_t> is16_buf;
         if (panel_form) {
             grow(a_buf, M * K);
@@ -303,13 +303,9 @@ at::Tensor qmatmul(const at::Tensor& x_in, at::TensorList weights, at::IntArrayR
         if (k_form) {
             grow(ak_buf, M * K);
             grow(dk_buf, M * (K / 256));
-            grow(as16k_buf, M * (K / 16));
-            grow(as32k_buf, M * (K / 32));
             tt::DirectActs act;
             act.ak = ak_buf.data();
             act.dk = dk_buf.data();
-            act.as16k = as16k_buf.data();
-            act.as32k = as32k_buf.data();
             tt::quantize_direct(use, x.data_ptr<float>(), K, M, K, act);
         }
         // (plain pointers for the lambdas: a thread_local named there is the running thread's)
@@ -322,14 +318,10 @@ at::Tensor qmatmul(const at::Tensor& x_in, at::TensorList weights, at::IntArrayR
         std::vector<const tt::PackedActs*> acts(weights.size(), nullptr);
         for (size_t i = 0; i < weights.size(); ++i) {
             if (!packed[i]) continue;
-            auto seen = std::find(types.begin(), types.begin() + int64_t(i), types[i]) - types.begin();
-            if (size_t(seen) < i && packed[size_t(seen)]) {
-                acts[i] = acts[size_t(seen)];
-                continue;
-            }
             tt::PackedActs& pa = acts_buf[types[i]];
-            tt::prepare_packed(int(types[i]), K, a, d32, is16, ak_buf.data(), dk_buf.data(), M, pa);
-            acts[i] = &pa;
+            if (std::find(types.begin(), types.begin() + int64_t(i), types[i]) == types.begin() + int64_t(i))
+                tt::prepare_packed(int(types[i]), K, a, d32, is16, ak_buf.data(), dk_buf.data(), M, pa);
+            acts[i] = &pa;   // a type seen before in the stack: packed alike, prepared then
         }
         float* yp = y.data_ptr<float>();
         // threads take whole panels of output rows (of the stacked matrices): of packed copies,
