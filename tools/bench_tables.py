@@ -1049,12 +1049,14 @@ and the tool that measures it; no report backs them.
   1.00×, 1.01×; whole decode steps 1.02× at 1 and 8 rows (0.5B), 1.02× and 1.27× (1.5B, a slow
   thread in the static runs). Panels built from the blocks (prefill, AVX2) keep the static split:
   chunked, 64- and 500-row calls ran 1.04× and 1.02× slower, AVX2 8-row calls 1.08×. Zen 4.
-* **Scores W keys at a time.** The decode attention dots W keys with one head at a time and
-  reduces the W sums together (`hsum_lanes`: the same pairs of lanes as one `hsum`, so the same
-  bits, 3W - 3 shuffles and adds for W scores), where each score took its own reduction, as many
-  operations as its dot. Against that, alternated in one process on 2 threads: head size 64 (the
-  0.5B) 1.04-1.14× faster at 1 row, 1.11× and 1.22× at 8 rows over 90 and 500 positions; head
-  size 128 (the 1.5B) 1.01-1.03×, bound elsewhere. Zen 4.
+* **Scores W keys at a time.** Over fp32 K/V (the default store) the decode attention dots W keys
+  with one head at a time and reduces the W sums together (`hsum_lanes`: the same pairs of lanes
+  as one `hsum`, so the same bits, 3W - 3 shuffles and adds for W scores), where each score took
+  its own reduction, as many operations as its dot. Against that, alternated in one process on 2
+  threads: head size 64 (the 0.5B) 1.04-1.14× faster at 1 row, 1.11× and 1.22× at 8 rows over 90
+  and 500 positions; head size 128 (the 1.5B) 1.01-1.03×, bound elsewhere. 16-bit stores keep KB
+  keys with all heads at once: converted per head, their rows made fp16 1.6-2× and bf16 1.2-1.5×
+  slower. Zen 4.
 * **Per-thread activation buffers.** The op's activation buffers are the calling thread's, never
   cleared, against zeroed vectors each call: an 8-row call on 32 output rows 7.85 → 7.35 µs
   (K = 896). Zen 5.
