@@ -78,3 +78,21 @@ def tiny_model_path(tmp_path: Path) -> Callable[..., Path]:
         return write_tiny_model(tmp_path / f"tiny-{arch}-{next(counter)}.gguf", arch, **kwargs)
 
     return make
+
+
+@pytest.fixture(autouse=True, scope="session")
+def pilot_idle_means_the_ui_thread_idles():
+    """Textual's pilot, after each key, click and pause(), waits until the process's CPU time
+    stops advancing (textual._wait.wait_for_idle, up to 1 s). The dashboard's process hosts the
+    engine's threads, so during a burst it never stopped and every key cost 2 s of sleep, every
+    click 3 s. What the pilot waits for is the event loop's thread (the UI), so that thread's CPU
+    time is what it reads here."""
+    import time
+
+    import textual._wait as textual_wait
+
+    mp = pytest.MonkeyPatch()
+    if getattr(textual_wait, "process_time", None) is time.process_time:
+        mp.setattr(textual_wait, "process_time", time.thread_time)
+    yield
+    mp.undo()
