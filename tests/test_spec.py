@@ -316,7 +316,7 @@ def test_real_model_greedy_ngram_equals_target_only(real_model_path):
               "def add_all(values):\n    total = 0\n    for v in values:\n        total += v\n"
               "    return total\n")
     params = SamplingParams(max_tokens=48)
-    with start(real_model_path, deterministic=True, spec_k="4") as engine:
+    with start(real_model_path, deterministic=True, spec_k="4", threads=2) as engine:
         plain = engine.generate(prompt, params=params).token_ids
         spec = engine.generate(prompt, params=SamplingParams(max_tokens=48, speculate="ngram"))
     assert spec.token_ids == plain
