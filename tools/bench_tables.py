@@ -1097,19 +1097,20 @@ today's.""",
 
 BOUNDS = {
     "rows": """\
-What bounds them: one row reads the weights at 25.4 GB/s (0.5B) and 28.0 (1.5B), against a plain
-read measured at 31.7 and 49.9 GB/s beside them (the ceiling swung between 26 and 50 GB/s within
-the hour). On AVX-512 every matrix type is packed at load in the panels' tile order (the K-quants
-at the GGUF size, in 2 MiB pages), and calls of 2-32 rows, one-row Q5_0 and K-quant calls too,
-read the copies with no per-call build: 2 rows cost about one (1.07× and 0.94×), 4 rows 1.09× and
-1.02×. From 8 rows the integer dots bound the step: the 0.5B's 8-row step costs 1.41× one row, the
-1.5B's 1.66× (the previous build, an hour earlier: 1.72× and 1.48×; the ratio moves with the
-one-row step's read). The rest of an 8-row step is 8 rows of attention and sampling and the
-serial work between the kernels (about 2 ms of the 0.5B's). The 8-row Q4_K dot issues, per 32
-weights and 16 outputs, 64 `vpdpbusd`, 8 `vpmulld` and 16 cheap operations, with no stack
-traffic; from cache it runs 2.73 G `vpdpbusd` a second on a core, of the 3.66 the core issues at
-most (one a cycle). Q6_K (the 1.5B's down) applies its scales per 16 weights, twice Q4_K's
-`vpmulld`: 143 against 171 G multiply-adds a second on a thread from cache.""",
+What bounds them: one row reads the weights at 26.1 GB/s (0.5B) and 28.5 (1.5B), against a plain
+read measured at 32.2 and 43.2 GB/s beside them (the ceiling swings between 26 and 50 GB/s within
+the hour, and a 1.5B round's 8-row ratio between 1.35 and 1.69). On AVX-512 every matrix type is
+packed at load in the panels' tile order (the K-quants at the GGUF size, in 2 MiB pages), and
+calls of 2-32 rows, one-row Q5_0 and K-quant calls too, read the copies with no per-call build:
+2 rows cost about one (1.08× and 0.91×), 4 rows 1.17× and 0.95×. From 8 rows the integer dots
+bound the step: the 0.5B's 8-row step costs 1.42× one row, the 1.5B's 1.54×. Of the 1.5B's
+8-row step (a full-detail trace, 57.8 ms against 38.2 at one row): gate|up 20.3 ms (13.2 at one
+row, about 150 G multiply-adds a second on each thread), down 13.1 (10.0), lm_head 7.3 (5.6),
+attention 3.5 (0.8: 8 rows read their fp32 K/V from memory), sampling 0.7 (0.3). The 8-row Q4_K
+dot issues, per 32 weights and 16 outputs, 64 `vpdpbusd`, 8 `vpmulld` and 16 cheap operations,
+with no stack traffic; from cache it runs 2.73 G `vpdpbusd` a second on a core, of the 3.66 the
+core issues at most (one a cycle). Q6_K (the 1.5B's down and lm_head) applies its scales per 16
+weights, twice Q4_K's `vpmulld` per weight.""",
 
     "single": """\
 What bounds them: decode reads every weight once a step (0.5B ~0.39 GB, 1.5B ~1.0 GB), bound by
