@@ -91,8 +91,7 @@ def pilot_idle_means_the_ui_thread_idles():
 
     import textual._wait as textual_wait
 
-    mp = pytest.MonkeyPatch()
-    if getattr(textual_wait, "process_time", None) is time.process_time:
-        mp.setattr(textual_wait, "process_time", time.thread_time)
-    yield
-    mp.undo()
+    with pytest.MonkeyPatch.context() as mp:
+        if getattr(textual_wait, "process_time", None) is time.process_time:
+            mp.setattr(textual_wait, "process_time", time.thread_time)
+        yield
