@@ -1004,6 +1004,16 @@ and the tool that measures it; no report backs them.
   (1.13×); at 27-30 both read about 30 (0.98×). Not the built panels' bits (prefill's);
   batch-invariant within themselves. Zen 4;
   `TOKENTOP_PACKED_PREFETCH=l2 tools/kernel_ab.py MODEL A,B[,C] 1,2,4,8,16 8`.
+* **Fewer than 8 rows interleave only their own.** The packed dots read 8 activation rows
+  interleaved by 4 bytes; a block of fewer rows (a one-row call: all of it) now interleaves only
+  those, so one row reads K bytes of activations, not 8 K. Spread over 8 rows' slots, the 1.5B's
+  down projection's (K = 8960, 72 KB) missed L1, and its one-row calls read the weights at
+  20.4-21.3 GB/s against 26-27 for the other layers and a 28 GB/s plain read; after, 24.1-24.7.
+  The linear layers: the 1.5B 1.045× faster at 1 row, 1.05× at 2, 1.07× at 4, 0.99× at 8 (6
+  rounds), the 0.5B 1.045×, 1.045×, 1.01×, 1.01× (10 rounds); the decode step, the two ways
+  alternated in one engine (8 rounds): the 1.5B 1.042× at 1 row (every round 1.026-1.082), 1.043×
+  at 2, 1.035× at 4; the 0.5B 1.078×, 1.090×, 1.017×. The same bits. Emerald Rapids;
+  `TOKENTOP_PACKED_PREFETCH=l2 tools/kernel_ab.py MODEL A,B 1,2,4,8 6`.
 * **Q4_0, Q5_0 and Q8_0 packed too.** The 32-weight block types in the same tile order, fp16
   scales as in the file (the GGUF size), read by calls of 2-32 rows, with the built panels' bits.
   Q5_0's direct kernel is bound by its bit work rather than by memory, so a one-row call of Q5_0
