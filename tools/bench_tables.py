@@ -1011,7 +1011,7 @@ and the tool that measures it; no report backs them.
   20.4-21.3 GB/s against 26-27 for the other layers and a 28 GB/s plain read; after, 24.1-24.7.
   The linear layers: the 1.5B 1.045× faster at 1 row, 1.05× at 2, 1.07× at 4, 0.99× at 8 (6
   rounds), the 0.5B 1.045×, 1.045×, 1.01×, 1.01× (10 rounds); the decode step, the two ways
-  alternated in one engine (8 rounds): the 1.5B 1.042× at 1 row (every round 1.026-1.082), 1.043×
+  alternated in one engine (8 rounds): the 1.5B 1.042× at 1 row (each of the 8 within 1.026-1.082), 1.043×
   at 2, 1.035× at 4; the 0.5B 1.078×, 1.090×, 1.017×. The same bits. Emerald Rapids;
   `TOKENTOP_PACKED_PREFETCH=l2 tools/kernel_ab.py MODEL A,B 1,2,4,8 6`.
 * **Q4_0, Q5_0 and Q8_0 packed too.** The 32-weight block types in the same tile order, fp16
