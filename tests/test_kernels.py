@@ -70,13 +70,13 @@ def packed_on() -> bool:
 
 def one_row_reads_packed(qtype: T) -> bool:
     """Whether an AVX-512 one-row call of qtype alone reads its packed copy (qkernels.cpp's
-    packed_one_row): Q5_0, and the K-quants where transparent huge pages can be had."""
+    packed_one_row): Q5_0, Q8_0, and the K-quants where transparent huge pages can be had."""
     try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
             thp = f.read()
     except OSError:
         thp = ""
-    return packed_on() and (qtype == T.Q5_0 or (qtype in K_TYPES and ("[always]" in thp or "[madvise]" in thp)))
+    return packed_on() and (qtype in (T.Q5_0, T.Q8_0) or (qtype in K_TYPES and ("[always]" in thp or "[madvise]" in thp)))
 
 
 def act_group(qtype: T, m: int, isa: str | None = None, small_m: int = -1, big_m: int = -1) -> int:
@@ -590,7 +590,7 @@ def test_packed_k_quants_keep_each_super_block_in_integers(qtype, monkeypatch):
                 for start in (0, 32 - m):
                     rows = x[start:start + m]
                     assert torch.equal(run([td], rows, "avx512"), full[start:start + m]), (t, m, start)
-                    if m > 1:     # (one row stacked with Q8_0 takes the direct kernels)
+                    if m > 1 or one_row_reads_packed(qtype):   # (else one row takes the direct kernels)
                         stacked = run([head, td], rows, "avx512")
                         assert torch.equal(stacked[:, 19:], full[start:start + m]), (t, m, start, "stacked")
     finally:
@@ -624,18 +624,18 @@ def test_prefetching_into_l2_gives_the_same_bits(qtype, monkeypatch):
 
 
 @pytest.mark.skipif("avx512" not in runnable_isas(), reason="the packed panels are AVX-512's")
-@pytest.mark.parametrize("qtype", (T.Q5_0, *K_TYPES), ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", (T.Q5_0, T.Q8_0, *K_TYPES), ids=lambda t: t.name)
 def test_one_row_calls_read_the_packed_copy(qtype, monkeypatch):
-    """On AVX-512 a one-row call of Q5_0 or K-quant matrices alone takes the panels over their
-    packed copy by default (those types' direct kernels are compute-bound; the K-quants where
-    the copy can have 2 MiB pages): the packed bits, which differ from the direct kernel's.
+    """On AVX-512 a one-row call of Q5_0, Q8_0 or K-quant matrices alone takes the panels over
+    their packed copy by default (the K-quants where the copy can have 2 MiB pages): the packed
+    bits, which differ from the direct kernel's.
     TOKENTOP_PACKED=0 gives the direct kernel back, and a call that stacks them with another
     type keeps it."""
     if not one_row_reads_packed(qtype):
         pytest.skip("transparent huge pages are off: one-row K-quant calls keep the direct kernel")
     k = 768
     td = random_td(qtype, rows=77, cols=k, seed=95 + int(qtype))
-    other = random_td(T.Q8_0, rows=32, cols=k, seed=96)
+    other = random_td(T.Q4_0, rows=32, cols=k, seed=96)
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(97))
     panels, direct = run([td], x, "avx512", big_m=1), run([td], x, "avx512", small_m=16)
     assert not torch.equal(panels, direct)

@@ -327,7 +327,7 @@ def describe() -> str:
     what = (f"every call size runs on the GGUF bytes (direct block-to-register kernels up to {n} "
             f"row{'s' if n != 1 else ''}, {larger} above)")
     if isa_name() == "avx512" and n == 1:      # the packed copies are on
-        one_row = "Q5_0 and K-quants" if torch.ops.tokentop.one_row_packed(12) else "Q5_0"   # 12: Q4_K
+        one_row = "Q5_0, Q8_0 and K-quants" if torch.ops.tokentop.one_row_packed(12) else "Q5_0 and Q8_0"   # 12: Q4_K
         what = (f"direct block-to-register kernels for one row, panels above; 2-32 rows ({one_row}: 1-32) "
                 "from copies packed at load (TOKENTOP_PACKED=0: none)")
     return f"quantized kernels: GGUF-native, {isa_name()} (best on this CPU: {isa_name(best_isa())}); {what}"

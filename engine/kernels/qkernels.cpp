@@ -325,13 +325,14 @@ static bool huge_pages_on() {
     return on;
 }
 
-// one-row calls of Q5_0 and the K-quants read the packed copy too: Q5_0's direct kernel is
+// one-row calls of Q5_0, Q8_0 and the K-quants read the packed copy too: Q5_0's direct kernel is
 // compute-bound, and the K-quants' is too (17 GB/s a thread from cache, against 47 for the
-// packed dot, whose copy is the GGUF size). Streamed from memory in 4 KiB pages the copy was
-// slower than the direct kernel (0.91x, the 1.5B), so the K-quants need huge pages
-// (docs/kernels.md, 'K-quants packed for one row').
+// packed dot, whose copy is the GGUF size); with Q8_0's (the 0.5B's head and v) the 0.5B's step
+// was 1.05x faster. Streamed from memory in 4 KiB pages the K-quant copies were slower than the
+// direct kernel (0.91x, the 1.5B), so those need huge pages (docs/kernels.md, 'K-quants packed
+// for one row', 'Q4_0, Q5_0 and Q8_0 packed too').
 bool packed_one_row(int isa, int type) {
-    return (type == Q5_0 || (is_k_quant(type) && huge_pages_on())) && has_packed(isa, type);
+    return (type == Q5_0 || type == Q8_0 || (is_k_quant(type) && huge_pages_on())) && has_packed(isa, type);
 }
 
 int64_t packed_max_rows() {
