@@ -4,11 +4,12 @@ Which is faster depends on the machine's memory system, not on its ISA. On a Zen
 the prefetches into L1 held the core's L1 miss buffers, the current panel's loads waited behind
 them, and the 0.5B's linear layers ran 1.19x slower at one row, 1.34x at two; on Zen 5 the
 built panels' prefetch into L2 measured 1.06-1.15x slower than into L1. So neither is assumed:
-the first load of a model on a machine times the model's own linear layers at 2 rows (every
-type reads its packed copy there) both ways, alternated, and takes L2 only where it is clearly
-faster. The choice is cached (profiles.json, beside the speed profiles) per CPU, kernel build and
-model file; TOKENTOP_PACKED_PREFETCH=l1|l2
-set by hand wins, and --recalibrate measures again. It applies to calls of up to 8 rows (the
+the first load of a model on a machine times the model's own linear layers at 1 and 2 rows
+both ways, alternated, and takes L2 only where it is clearly faster. One row counts because it
+is decode's common case and reads the packed copies of every type (timed at 2 rows alone, an
+Emerald Rapids chose L1 where L2 made the 0.5B's one-row layers 1.10x faster). The choice is
+cached (profiles.json, beside the speed profiles) per CPU, kernel build and model file;
+TOKENTOP_PACKED_PREFETCH=l1|l2 set by hand wins, and --recalibrate measures again. It applies to calls of up to 8 rows (the
 kernels' PREFETCH_L2_MAX_ROWS); larger ones keep L1. Both ways compute the same bits.
 """
 from __future__ import annotations
@@ -28,8 +29,9 @@ log = logging.getLogger(__name__)
 
 ENV = "TOKENTOP_PACKED_PREFETCH"
 CHOICES = ("l1", "l2")
-ROUNDS = 4            # alternated rounds per way (ABBA)
-CLEAR_WIN = 0.95      # L2 is taken only when its median is below this share of L1's
+ROUNDS = 8            # alternated rounds per way (ABBA)
+TIMED_ROWS = (1, 2)   # one stream's decode, and the smallest batch
+CLEAR_WIN = 0.98      # L2 is taken only when the rounds' median L2 / L1 is below this
 _set_here: str | None = None    # what this module put in ENV (a value the user set wins)
 
 
@@ -64,14 +66,16 @@ def _time_once(calls) -> float:
 
 
 def measure(model, rounds: int = ROUNDS) -> dict:
-    """Seconds to run every packed linear layer once at 2 rows, per way (medians of alternated
-    rounds, ABBA), and the way that won."""
+    """Seconds to run every packed linear layer once at 1 row and once at 2 rows, per way
+    (medians of alternated rounds, ABBA), the median of the rounds' L2 / L1, and the way that
+    won."""
     calls = []
-    for m in _packed_layers(model):
-        g = m.gguf
-        x = torch.zeros(2, m.in_features)
-        calls.append((lambda x, g=g, m=m: torch.ops.tokentop.qmatmul(x, g.tensors, g.types, g.rows, None, -1,
-                                                                      m.small_m), x))
+    for rows in TIMED_ROWS:
+        for m in _packed_layers(model):
+            g = m.gguf
+            x = torch.zeros(rows, m.in_features)
+            calls.append((lambda x, g=g, m=m: torch.ops.tokentop.qmatmul(x, g.tensors, g.types, g.rows, None, -1,
+                                                                          m.small_m), x))
     times = {c: [] for c in CHOICES}
     before = os.environ.get(ENV)
     try:
@@ -86,7 +90,11 @@ def measure(model, rounds: int = ROUNDS) -> dict:
         else:
             os.environ[ENV] = before
     l1, l2 = median(times["l1"]), median(times["l2"])
-    return {"l1_s": round(l1, 6), "l2_s": round(l2, 6), "choice": "l2" if l2 < CLEAR_WIN * l1 else "l1"}
+    # the median of the rounds' ratios: a drift of the machine's bandwidth over the rounds
+    # moves both ways of a round alike
+    ratio = median([b / a for a, b in zip(times["l1"], times["l2"])])
+    return {"l1_s": round(l1, 6), "l2_s": round(l2, 6), "l2_over_l1": round(ratio, 3),
+            "choice": "l2" if ratio < CLEAR_WIN else "l1"}
 
 
 def choose(model, model_path: str, recalibrate: bool = False) -> str:
@@ -107,7 +115,7 @@ def choose(model, model_path: str, recalibrate: bool = False) -> str:
     entry = cached.get(key) if isinstance(cached, dict) else None
     if recalibrate or not isinstance(entry, dict) or entry.get("choice") not in CHOICES:
         entry = measure(model)
-        log.info("packed kernels prefetch into %s (2-row linear layers: L1 %.1f ms, L2 %.1f ms)",
+        log.info("packed kernels prefetch into %s (1- and 2-row linear layers: L1 %.1f ms, L2 %.1f ms)",
                  entry["choice"].upper(), entry["l1_s"] * 1000, entry["l2_s"] * 1000)
         try:
             save_profile(key, entry)
