@@ -66,7 +66,7 @@ def isa_summary(isa: list[str]) -> str:
     isa = set(isa)
     if not isa:
         return "—"
-    base = "AVX-512 F/BW/VL/VNNI/BF16" if "avx512f" in isa else "AVX2/FMA"
+    base = ("AVX-512 F/BW/VL/VNNI" + ("/BF16" if "avx512_bf16" in isa else "")) if "avx512f" in isa else "AVX2/FMA"
     extra = [name for flag, name in (("avx_vnni", "AVX-VNNI"), ("amx_tile", "AMX")) if flag in isa]
     return base + "".join(f" + {e}" for e in extra) + ("" if "avx512f" in isa else " only")
 
@@ -843,8 +843,8 @@ The figures come from the reports in `docs/bench/`, each written by the command 
 what chose the kernels' forms and the defaults (no report backs it): [kernels.md](kernels.md).
 The CPUs are 2-core shared VMs (torch 2.13.0+cpu, 2 threads): AMD EPYC Zen 3 (cpuid family 25
 model 1, AVX2 only), Zen 4 (25/17, AVX-512 without AVX-VNNI), Zen 5 (26/2, AVX-512 with
-AVX-VNNI), and Intel Emerald Rapids (6/207, AVX-512 with AVX-VNNI and AMX, which the kernels do
-not use); each benchmark keeps its latest report per class.
+AVX-VNNI), and Intel Emerald Rapids (6/207, AVX-512 with VNNI; AMX where the VM shows it, which
+the kernels do not use); each benchmark keeps its latest report per class.
 
 Comparisons run their sides interleaved (fresh processes) and quote the median of the pairs'
 ratios: memory bandwidth swings up to 1.5× over minutes, absolute rates ±10–20%.
@@ -925,10 +925,9 @@ SIGKILLed at a third, the remote restarted at two thirds. Once idle: requests by
 doubled (both ledgers), the most RSS grew after warm-up, KV pages held, seconds from each
 disruption to serving again. Goals: RSS within 5%, nothing held, lost or doubled, both back.""",
     "rows": """\
-A decode step's time by its rows (N requests decoding together), against one row. A step reads
-the weights once whatever its rows: one row is bound by that read (its share of the read
-bandwidth measured in the same run), many rows by the arithmetic and the unpacking of the
-weight blocks (the share of a float32 matmul peak measured in the same run).""",
+A decode step's time by its rows (N requests decoding together), against one row: one row is
+bound by the weights' read (its share of the read bandwidth measured in the same run), many rows
+by the arithmetic (the share of a float32 matmul peak measured in the same run).""",
     "first_start": """\
 A first start: the seconds to each stage the report records (model assembled, worker ready, first
 token, kernels switched in for the torch matmuls), every number under its own name.""",
@@ -1109,20 +1108,15 @@ today's.""",
 
 BOUNDS = {
     "rows": """\
-What bounds them: one row reads the weights at 26.1 GB/s (0.5B) and 28.5 (1.5B), against a plain
-read measured at 32.2 and 43.2 GB/s beside them (the ceiling swings between 26 and 50 GB/s within
-the hour, and a 1.5B round's 8-row ratio between 1.35 and 1.69). On AVX-512 every matrix type is
-packed at load in the panels' tile order (the K-quants at the GGUF size, in 2 MiB pages), and
-calls of 2-32 rows, one-row Q5_0 and K-quant calls too, read the copies with no per-call build:
-2 rows cost about one (1.08× and 0.91×), 4 rows 1.17× and 0.95×. From 8 rows the integer dots
-bound the step: the 0.5B's 8-row step costs 1.42× one row, the 1.5B's 1.54×. Of the 1.5B's
-8-row step (a full-detail trace, 57.8 ms against 38.2 at one row): gate|up 20.3 ms (13.2 at one
-row, about 150 G multiply-adds a second on each thread), down 13.1 (10.0), lm_head 7.3 (5.6),
-attention 3.5 (0.8: 8 rows read their fp32 K/V from memory), sampling 0.7 (0.3). The 8-row Q4_K
-dot issues, per 32 weights and 16 outputs, 64 `vpdpbusd`, 8 `vpmulld` and 16 cheap operations,
-with no stack traffic; from cache it runs 2.73 G `vpdpbusd` a second on a core, of the 3.66 the
-core issues at most (one a cycle). Q6_K (the 1.5B's down and lm_head) applies its scales per 16
-weights, twice Q4_K's `vpmulld` per weight.""",
+What bounds them: one row, the weights' read: 26.1 and 28.5 GB/s (0.5B, 1.5B) on Zen 4 against a
+plain read of 32.2 and 43.2 beside; 22.7 and 24.2 on Emerald Rapids against 27.1 and 26.9
+(the ceiling swings up to 1.5× in an hour). On AVX-512 every matrix type is packed at load
+in the panels' tile order and calls of 1-32 rows read the copies: 2 rows cost 0.91-1.11× one row;
+from 8 rows the integer dots bound it (1.42-1.55×). The 1.5B's 8-row step on Zen 4 (a
+full-detail trace, 57.8 ms; 38.2 at one row): gate|up 20.3 ms (13.2), down 13.1 (10.0), lm_head
+7.3 (5.6), attention 3.5 (0.8: fp32 K/V read from memory). The AVX2 kernels (forced on the
+same CPU) have no packed copies; their `vpmaddubsw` dots bound every call from 4 rows (60-97 G
+multiply-adds a second on 2 cores): 8 rows cost 2.7× (0.5B) and 3.8× (1.5B).""",
 
     "single": """\
 What bounds them: decode reads every weight once a step (0.5B ~0.39 GB, 1.5B ~1.0 GB), bound by
@@ -1134,11 +1128,12 @@ Rapids each run's read is set against the read ceiling measured just before and 
 reads 75% of it (runs 61-77%), the 1.5B 87% (runs 73-96%), the framework around the kernels
 again within the spread; the workers' live roofline reads within 1% of the run it follows
 (`live_vs_run`). Against ik_llama.cpp (native build, run-time repack: `llama-bench -t 2 -n 0 -p 0
--gp 500,128 -r 3 -rtr 1`), alternated with `tokentop bench single --runs 3` on Emerald Rapids, the
-0.5B decodes at 55.0-56.8 tok/s against its 41.5-42.2 (1.32-1.35×), the 1.5B at 24.7 against
-16.0 (1.54×). On Zen 4, three rounds alternated with `--runs 1`: the 0.5B at 62.8, 69.5 and 52.2
-against 70.8, 63.0 and 61.6 (0.89×, 1.10×, 0.85×), the 1.5B at 27.2, 26.2 and 30.6 against 32.2,
-24.2 and 26.9 (0.85×, 1.08×, 1.14×): level within the machine's swings, not ahead. Prefill is
+-gp 500,128 -r 2 -rtr 1`), alternated with `tokentop bench single --runs 1`, 4 rounds on an
+Emerald Rapids (no AMX): the 0.5B 53.3-57.1 tok/s against 39.8-41.9 (1.32-1.39×; a
+fourth, the process slow (prefill 380 tok/s, not 650): 27.7 against 37.8), the
+1.5B 25.1-26.0 against 16.7-17.3 (1.46-1.56×), at 91-101% of the paired ceiling (median
+93%). On Zen 4 (an earlier build), 3 rounds: 0.5B 0.85-1.10×, 1.5B 0.85-1.14×, level within
+the machine's swings. Prefill is
 compute-bound (the panels). The memory on Emerald Rapids includes the packed copies of the
 weights (0.4 GB for the 0.5B, 1.0 GB for the 1.5B; `TOKENTOP_PACKED=0` goes without them and their
 speed-up of 2-32-row steps).""",

@@ -9,7 +9,7 @@
 //   AVX-512 + VNNI      quant_avx512_direct.inc    quant_avx512_panels.inc   quant_avx512_tiles.inc
 //                                                  (to 32 rows: _packed.inc)
 // direct_max_rows is 4, except 1 on AVX-512 with the packed panels (TOKENTOP_PACKED), where
-// one-row calls of Q5_0 and K-quant matrices alone read the packed copies too.
+// one-row calls of Q5_0, Q8_0 and K-quant matrices alone read the packed copies too.
 // Deterministic mode (small_m = 0) takes the last column at every M, so that a row's bits do not
 // depend on its batch; a forced small_m / big_m moves the thresholds (tests, benchmarks). On AVX2
 // where the CPU has AVX-VNNI (unless TOKENTOP_AVX_VNNI=0), the direct kernels and panels run from
