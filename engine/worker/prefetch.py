@@ -31,7 +31,7 @@ ENV = "TOKENTOP_PACKED_PREFETCH"
 CHOICES = ("l1", "l2")
 ROUNDS = 8            # alternated rounds per way (ABBA)
 TIMED_ROWS = (1, 2)   # one stream's decode, and the smallest batch
-CLEAR_WIN = 0.98      # L2 is taken only when the rounds' median L2 / L1 is below this
+CLEAR_WIN = 0.99      # L2 is taken only when the rounds' median L2 / L1 is below this
 _set_here: str | None = None    # what this module put in ENV (a value the user set wins)
 
 
