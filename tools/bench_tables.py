@@ -1040,8 +1040,10 @@ and the tool that measures it; no report backs them.
   the prefetches into L2 against L1 (8 rounds, ABBA): the 0.5B 1.12× faster at 1 row, 1.25× at 2,
   1.23× at 4, 1.09× at 8, 0.98× at 16; the 1.5B (its one-row calls are the direct kernels') 1.01×,
   1.24×, 1.28×, 1.04×, 0.98×. Since Zen 5's built panels measured the other way (above), the first
-  load of a model on a machine times its 2-row layers both ways and keeps L2 only when it is 5%
-  faster (cached; `TOKENTOP_PACKED_PREFETCH=l1|l2` by hand), for calls of up to 8 rows: at 16 and 32
+  load of a model on a machine times its 1- and 2-row layers both ways (8 rounds alternated) and
+  keeps L2 when the rounds' median ratio is below 0.99 (cached; `TOKENTOP_PACKED_PREFETCH=l1|l2`
+  by hand), for calls of up to 8 rows (on Emerald Rapids L2 made the 0.5B's decode step 1.03×
+  faster at 1 and 2 rows, 1.04× at 8): at 16 and 32
   rows L2 measured 0.96-1.00×, so those keep L1. The level is a template argument picked once per
   call: picked inside the loops it cost the 1.5B's 8-row calls 3-40%. Zen 4;
   `TOKENTOP_PACKED_PREFETCH=l2 tools/kernel_ab.py MODEL A,B 1,2,4,8,16 8`.
