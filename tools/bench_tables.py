@@ -1126,15 +1126,14 @@ memory: on Zen 5 the 0.5B step reads 32 GB/s against a 41-45 GB/s plain 2-thread
 framework around the kernels within the timings' spread (`framework_overhead_ms_per_step`). On
 Zen 3 the Q5_0 direct kernel is bound by its bit work (10 GB/s; Q8_0 and Q4_K 17). On Emerald
 Rapids each run's read is set against the read ceiling measured just before and just after it
-(`roofline.paired`; the ceiling itself moved between 20 and 27 GB/s within the run): the 0.5B
-reads 75% of it (runs 61-77%), the 1.5B 87% (runs 73-96%), the framework around the kernels
-again within the spread; the workers' live roofline reads within 1% of the run it follows
+(`roofline.paired`; a share above 100%: the ceiling fell between the readings): the 0.5B reads
+79% of it (runs 74-108%), the 1.5B 95% (runs 86-100%; 91-101%, median 93%, in the 4 rounds
+below); the workers' live roofline reads within 1.5% of the run it follows
 (`live_vs_run`). Against ik_llama.cpp (native build, run-time repack: `llama-bench -t 2 -n 0 -p 0
 -gp 500,128 -r 2 -rtr 1`), alternated with `tokentop bench single --runs 1`, 4 rounds on an
 Emerald Rapids (no AMX): the 0.5B 53.3-57.1 tok/s against 39.8-41.9 (1.32-1.39×; a
 fourth, the process slow (prefill 380 tok/s, not 650): 27.7 against 37.8), the
-1.5B 25.1-26.0 against 16.7-17.3 (1.46-1.56×), at 91-101% of the paired ceiling (median
-93%). On Zen 4 (an earlier build), 3 rounds: 0.5B 0.85-1.10×, 1.5B 0.85-1.14×, level within
+1.5B 25.1-26.0 against 16.7-17.3 (1.46-1.56×). On Zen 4 (an earlier build), 3 rounds: 0.5B 0.85-1.10×, 1.5B 0.85-1.14×, level within
 the machine's swings. Prefill is
 compute-bound (the panels). The memory on Emerald Rapids includes the packed copies of the
 weights (0.4 GB for the 0.5B, 1.0 GB for the 1.5B; `TOKENTOP_PACKED=0` goes without them and their
