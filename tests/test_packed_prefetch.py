@@ -91,7 +91,7 @@ def test_a_later_model_of_this_process_is_chosen_again(setup, monkeypatch):
 @pytest.mark.parametrize("l2_share, want", [(0.80, "l2"), (0.99, "l1"), (1.10, "l1")])
 def test_l2_is_taken_only_when_clearly_faster(l2_share, want, monkeypatch):
     """measure() alternates the two ways (ABBA), times each after a warming pass, compares
-    medians and leaves the environment as it found it."""
+    the rounds' ratios and leaves the environment as it found it."""
     monkeypatch.setenv(prefetch.ENV, "l1")
     seen = []
 

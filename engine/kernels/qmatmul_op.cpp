@@ -217,8 +217,8 @@ const uint8_t* packed_matrix(const at::Tensor& w, int64_t type, int64_t rows, in
 // Calls of more rows than tt::direct_max_rows take the panel kernel where the ISA has it (AVX-512,
 // AVX2): from 5 rows on AVX2, from 2 on AVX-512 with the packed K-quants (tools/kernel_bench.py;
 // docs/kernels.md, 'Panels built straight from the GGUF blocks', 'K-quants packed for the panels'),
-// and on AVX-512 one-row calls of Q5_0, Q8_0 and K-quant matrices alone too, over their packed copies
-// ('Q5_0 packed for one row', 'K-quants packed for one row').
+// and on AVX-512 one-row calls of Q5_0, Q8_0 and K-quant matrices alone too, over their packed
+// copies ('Q4_0, Q5_0 and Q8_0 packed too', 'K-quants packed for one row').
 // The tiles are slower than both at every row count and serve only deterministic mode (and the
 // portable path). The files behind each choice: the table atop qkernels.cpp.
 //

@@ -9,8 +9,9 @@ both ways, alternated, and takes L2 only where it is clearly faster. One row cou
 is decode's common case and reads the packed copies of every type (timed at 2 rows alone, an
 Emerald Rapids chose L1 where L2 made the 0.5B's one-row layers 1.10x faster). The choice is
 cached (profiles.json, beside the speed profiles) per CPU, kernel build and model file;
-TOKENTOP_PACKED_PREFETCH=l1|l2 set by hand wins, and --recalibrate measures again. It applies to calls of up to 8 rows (the
-kernels' PREFETCH_L2_MAX_ROWS); larger ones keep L1. Both ways compute the same bits.
+TOKENTOP_PACKED_PREFETCH=l1|l2 set by hand wins, and --recalibrate measures again. It applies
+to calls of up to 8 rows (the kernels' PREFETCH_L2_MAX_ROWS); larger ones keep L1. Both ways
+compute the same bits.
 """
 from __future__ import annotations
 
