@@ -254,6 +254,77 @@ def test_top_candidates_is_topk(V):
 
 
 @needs_kernels
+@pytest.mark.parametrize("V", [151936, 262144, 5000, 64 * 32 + 1, 64 * 32, 40])
+def test_top_candidates_op_is_topk(V):
+    """The C++ top_candidates (the decoder's refinement on the CPU): each row's k largest
+    logits, largest first, ties to the lowest index; NaN ranks below every number."""
+    kernels.load()
+    g = _gen(V)
+    logits = torch.randn(5, V, generator=g)
+    logits[1, :] = logits[1, :].round()              # many ties
+    logits[2, -20:] = 10.0 + torch.arange(20.0)      # winners in the last (maybe short) chunk
+    logits[3, ::3] = float("nan")
+    logits[3, 1::3] = float("-inf")
+    logits[4, :] = float("nan")                      # nothing to rank: still k distinct ids
+    got = torch.ops.tokentop.top_candidates(logits, 32)
+    assert got.shape == (5, 32) and got.dtype == torch.int64
+    for r in (0, 2):
+        assert torch.equal(got[r], logits[r].topk(32).indices)
+    # ties: the k largest values, and among equal values the lowest ids first
+    order = sorted(range(V), key=lambda i: (-float(logits[1, i]), i))[:32]
+    assert got[1].tolist() == order
+    ranked = logits[3].masked_fill(logits[3].isnan(), float("-inf"))
+    torch.testing.assert_close(ranked[got[3]], ranked.topk(32).values, atol=0, rtol=0)
+    for r in range(5):
+        assert len(set(got[r].tolist())) == 32 and 0 <= int(got[r].min()) and int(got[r].max()) < V
+
+
+@needs_kernels
+@pytest.mark.parametrize("threads", [1, 2])
+def test_top_candidates_rows_do_not_depend_on_the_batch(threads):
+    kernels.load()
+    logits = torch.randn(8, 151936, generator=_gen(11)) * 4
+    logits[3] = logits[3].round()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        together = torch.ops.tokentop.top_candidates(logits, 32)
+        alone = torch.cat([torch.ops.tokentop.top_candidates(logits[r:r + 1].contiguous(), 32) for r in range(8)])
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(together, alone)
+    assert set(together[0].tolist()) == set(top_candidates(logits[:1], 32)[0].tolist())   # torch's form
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", ["native", "avx2", "scalar"])
+def test_vector_builds_agree_and_read_unaligned_rows(isa, monkeypatch):
+    """The activation products, greedy_pick and top_candidates run in 16-float vectors on
+    AVX-512 and 8-float ones elsewhere (vec_math.h TT_BY_WIDTH; TOKENTOP_KERNEL_ISA caps the
+    build). Each build matches torch, on rows 4 bytes past an aligned start: a vector type
+    passed to a template loses its aligned(4), and a plain dereference then assumes (and on
+    a misaligned row faults on) full vector alignment."""
+    kernels.load()
+    if isa != "native":
+        monkeypatch.setenv("TOKENTOP_KERNEL_ISA", isa)
+
+    def unaligned(t: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(t.numel() + 1)[1:].view(t.shape)
+        return out.copy_(t)
+
+    gu = unaligned(torch.randn(3, 2 * 53, generator=_gen(1)) * 4)
+    assert gu.data_ptr() % 8 != 0
+    for act in (0, 1):
+        torch.testing.assert_close(FUSED.act_mul(gu, act), TORCH.act_mul(gu, act), **TOL)
+    logits = unaligned(torch.randn(3, 5003, generator=_gen(2)) * 4)
+    ids, lp, ok = torch.ops.tokentop.greedy_pick(logits)
+    assert bool(ok.all()) and torch.equal(ids, logits.argmax(-1))
+    want = torch.log_softmax(logits.double(), -1).gather(1, ids.view(-1, 1)).view(-1).float()
+    torch.testing.assert_close(lp, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(torch.ops.tokentop.top_candidates(logits, 32), logits.topk(32, dim=-1).indices)
+
+
+@needs_kernels
 @pytest.mark.parametrize("V", [151936, 1000, 65, 1])
 def test_greedy_pick_matches_the_full_sampler(V, monkeypatch):
     from engine.worker import sampling

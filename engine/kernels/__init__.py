@@ -65,8 +65,10 @@ log = logging.getLogger("tokentop.kernels")
 _DIR = Path(__file__).parent
 # fused_ops.cpp: the per-layer ops around the matmuls (engine/models/fused.py); decode_layers.cpp:
 # every layer of a decode step in one call from Python (engine/models/decoder.py); gguf_rows.cpp:
-# exact dot products with a few dequantized rows (the decoder's refinement of the top logits)
-SOURCES = ("qmatmul_op.cpp", "qkernels.cpp", "fused_ops.cpp", "decode_layers.cpp", "gguf_rows.cpp")
+# exact dot products with a few dequantized rows and top_candidates.cpp: each row's largest logits
+# (the decoder's refinement of the top logits)
+SOURCES = ("qmatmul_op.cpp", "qkernels.cpp", "fused_ops.cpp", "decode_layers.cpp", "gguf_rows.cpp",
+           "top_candidates.cpp")
 # every header and included kernel file: all of them key the build (a file left out of the key
 # would let an edited kernel run its stale build)
 DEPENDS = tuple(sorted(p.name for p in _DIR.iterdir() if p.suffix in (".h", ".inc")))
@@ -294,6 +296,10 @@ def _register_fake() -> None:
     @torch.library.register_fake("tokentop::gguf_rows_dot")
     def _(h, weight, type, ids):
         return h.new_empty(ids.shape[0], ids.shape[1])
+
+    @torch.library.register_fake("tokentop::top_candidates")
+    def _(logits, k):
+        return logits.new_empty(logits.shape[0], k, dtype=torch.int64)
 
     @torch.library.register_fake("tokentop::greedy_pick")
     def _(logits):

@@ -125,22 +125,27 @@ TT_CLONES void add_rms_norm_row(float* x, const float* d, const float* w, float 
     rms_norm_row(x, w, eps, out, n);
 }
 
-// silu(g) * u and gelu_tanh(g) * u, 8 values at a time in explicit vectors, then the tail: left
-// to the auto-vectorizer, the silu loop got a second division and three blends per vector and
-// ran several times slower on AVX2 (docs/kernels.md, '8-float vectors on AVX2'). Each value
-// goes through the same operations either way, so the bits are the same.
-TT_CLONES void silu_mul_row(const float* g, const float* u, float* out, int64_t n) {
+// silu(g) * u and gelu_tanh(g) * u, a vector at a time (16 values on AVX-512, 8 elsewhere:
+// TT_BY_WIDTH), then the tail: left to the auto-vectorizer, the silu loop got a second division
+// and three blends per vector and ran several times slower on AVX2 (docs/kernels.md, 'Vector
+// width per instruction set'). Each value goes through the same operations either way, so the
+// bits are the same.
+template <typename F>
+TT_INLINE void silu_mul_row_w(const float* g, const float* u, float* out, int64_t n) {
+    constexpr int W = sizeof(F) / sizeof(float);
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        const v8 x = *reinterpret_cast<const v8*>(g + i);
-        *reinterpret_cast<v8*>(out + i) = x / (1.0f + exp_approx8(-x)) * *reinterpret_cast<const v8*>(u + i);
+    for (; i + W <= n; i += W) {
+        const F x = load_lanes<F>(g + i);
+        store_lanes(out + i, F(x / (1.0f + exp_approxv(-x)) * load_lanes<F>(u + i)));
     }
     for (; i < n; ++i) out[i] = g[i] / (1.0f + exp_approx(-g[i])) * u[i];
 }
+TT_BY_WIDTH(silu_mul_row, (const float* g, const float* u, float* out, int64_t n), (g, u, out, n))
 
 // gelu with the tanh approximation; tanh(y) = 1 - 2 / (exp(2y) + 1)
 TT_INLINE float exp_of(float x) { return exp_approx(x); }
-TT_INLINE v8 exp_of(v8 x) { return exp_approx8(x); }
+template <typename F>
+TT_INLINE F exp_of(F x) { return exp_approxv(x); }
 
 template <typename F>
 TT_INLINE F gelu_tanh(F x) {
@@ -149,12 +154,15 @@ TT_INLINE F gelu_tanh(F x) {
     return 0.5f * x * (1.0f + t);
 }
 
-TT_CLONES void gelu_tanh_mul_row(const float* g, const float* u, float* out, int64_t n) {
+template <typename F>
+TT_INLINE void gelu_tanh_mul_row_w(const float* g, const float* u, float* out, int64_t n) {
+    constexpr int W = sizeof(F) / sizeof(float);
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        *reinterpret_cast<v8*>(out + i) = gelu_tanh(*reinterpret_cast<const v8*>(g + i)) * *reinterpret_cast<const v8*>(u + i);
+    for (; i + W <= n; i += W)
+        store_lanes(out + i, F(gelu_tanh(load_lanes<F>(g + i)) * load_lanes<F>(u + i)));
     for (; i < n; ++i) out[i] = gelu_tanh(g[i]) * u[i];
 }
+TT_BY_WIDTH(gelu_tanh_mul_row, (const float* g, const float* u, float* out, int64_t n), (g, u, out, n))
 
 // Rows of a [T, ...] op: one thread for a decode row (waking the pool costs more than the row).
 template <typename F>
@@ -541,19 +549,9 @@ __attribute__((target("avx2,fma"))) void attend_avx2(
                                     softcap, scores, out);
 }
 
-// 2 avx512, 1 avx2, 0 neither (the runtime-size loops); TOKENTOP_KERNEL_ISA=scalar|avx2 caps it
-// as it caps the quantized matmuls (read per call, so a test can force each build)
-int attention_isa() {
-    static const int best = __builtin_cpu_supports("avx512f") ? 2
-                          : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0;
-    const char* s = std::getenv("TOKENTOP_KERNEL_ISA");
-    const int want = !s ? best : std::strcmp(s, "scalar") == 0 ? 0 : std::strcmp(s, "avx2") == 0 ? 1 : best;
-    return std::min(want, best);
-}
-
 template <typename S, int HD, int G>
 AttendFn blocked_isa() {
-    switch (attention_isa()) {
+    switch (simd_level()) {   // 0: the runtime-size loops
         case 2: return &attend_avx512<S, HD, G>;
         case 1: return &attend_avx2<S, HD, G>;
         default: return nullptr;

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 
@@ -57,18 +58,68 @@ TT_INLINE float exp_approx(float x) {
     return p * scale;
 }
 
-// exp_approx on 8 lanes: the same operations per lane, so the same bits. 8, not 16: GCC lowers a
-// 16-float vector's compares, selects and int conversions on AVX2 through memory, so greedy
-// pick's exp-sum runs slower in 16 lanes than in two 8-lane halves there
-// (tools/fused_vector_width.cpp; docs/kernels.md, '8-float vectors on AVX2').
 typedef int32_t vi8 __attribute__((vector_size(32), aligned(4)));
+typedef int32_t vi16 __attribute__((vector_size(64), aligned(4)));
+template <int BYTES> struct IntLanes;   // the int32 vector as wide as a float vector
+template <> struct IntLanes<32> { typedef vi8 T; };
+template <> struct IntLanes<64> { typedef vi16 T; };
 
-TT_INLINE v8 exp_approx8(v8 x) {
-    v8 n;
-    const v8 p = exp_parts(x, n);
-    const vi8 bits = (__builtin_convertvector(n, vi8) + 127) << 23;
-    return p * (v8)bits;   // a vector cast keeps the bits
+// exp_approx on a vector of 8 or 16 lanes: the same operations per lane, so the same bits
+template <typename F>
+TT_INLINE F exp_approxv(F x) {
+    F n;
+    const F p = exp_parts(x, n);
+    using I = typename IntLanes<sizeof(F)>::T;
+    const I bits = (__builtin_convertvector(n, I) + 127) << 23;
+    return p * (F)bits;   // a vector cast keeps the bits
 }
+
+// The vector build to run: 2 AVX-512, 1 AVX2 with FMA, 0 neither. TOKENTOP_KERNEL_ISA=scalar|avx2
+// caps it as it caps the quantized matmuls (read per call, so a test can run each build).
+inline int simd_level() {
+#if defined(__GNUC__) && defined(__x86_64__)
+    static const int best = __builtin_cpu_supports("avx512f") ? 2
+                          : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0;
+#else
+    static const int best = 0;
+#endif
+    const char* s = std::getenv("TOKENTOP_KERNEL_ISA");
+    const int want = !s ? best : std::strcmp(s, "scalar") == 0 ? 0 : std::strcmp(s, "avx2") == 0 ? 1 : best;
+    return std::min(want, best);
+}
+
+// A function in two vector widths: name##_w<v16> in an AVX-512 build, name##_w<v8> in an AVX2
+// one and a baseline one, chosen per call by simd_level(). GCC lowers a 16-float vector's
+// compares, selects and int conversions through memory on AVX2 (a 151936-logit exp-sum 4x
+// slower there), while on AVX-512 the 8-lane form runs at a third of the 16-lane one's speed
+// (tools/fused_vector_width.cpp; docs/kernels.md, 'Vector width per instruction set'). Within a
+// build each value goes through the same operations in either width (the AVX-512 build fuses
+// multiply-adds, as the avx512f clone of target_clones does).
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define TT_BY_WIDTH(name, params, args)                                                    \
+    __attribute__((target("avx512f"))) void name##_avx512 params { name##_w<v16> args; }    \
+    __attribute__((target("avx2"))) void name##_avx2 params { name##_w<v8> args; }          \
+    void name##_baseline params { name##_w<v8> args; }                                     \
+    void name params {                                                                     \
+        const int level = simd_level();                                                    \
+        if (level == 2) name##_avx512 args;                                                \
+        else if (level == 1) name##_avx2 args;                                             \
+        else name##_baseline args;                                                         \
+    }
+#else
+#define TT_BY_WIDTH(name, params, args) void name params { name##_w<v8> args; }
+#endif
+
+// Unaligned vector loads and stores for a vector type passed as a template argument, which
+// loses the typedef's aligned(4) (a plain dereference would assume full alignment)
+template <typename F>
+TT_INLINE F load_lanes(const float* p) {
+    F v;
+    __builtin_memcpy(&v, p, sizeof v);
+    return v;
+}
+template <typename F>
+TT_INLINE void store_lanes(float* p, F v) { __builtin_memcpy(p, &v, sizeof v); }
 
 // a vector's lanes added as a tree (halving shuffles)
 TT_INLINE float hsum(v8 h) {
@@ -103,15 +154,24 @@ TT_INLINE float hmax(v8 h) {
     return m1 > m0 ? m1 : m0;
 }
 
-// The max of x[b0, b1): 32 values a step in four 8-lane chains, then the tail (NaN lanes never
-// win a comparison). Inlined into each clone of its caller, as every helper here.
+TT_INLINE float hmax(v16 a) {
+    const v8 lo = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7);
+    const v8 hi = __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+    return hmax(hi > lo ? hi : lo);
+}
+
+// The max of x[b0, b1): four chains of F vectors, then the tail (NaN lanes never win a
+// comparison, and the max of the rest does not depend on the order). Inlined into each build
+// of its caller, as every helper here.
+template <typename F>
 TT_INLINE float max_of(const float* x, int64_t b0, int64_t b1) {
+    constexpr int W = sizeof(F) / sizeof(float);
     const float ninf = -std::numeric_limits<float>::infinity();
-    v8 m0 = ninf + v8{}, m1 = m0, m2 = m0, m3 = m0;
+    F m0 = ninf + F{}, m1 = m0, m2 = m0, m3 = m0;
     int64_t i = b0;
-    for (; i + 32 <= b1; i += 32) {
-        const v8 a = *reinterpret_cast<const v8*>(x + i), b = *reinterpret_cast<const v8*>(x + i + 8);
-        const v8 c = *reinterpret_cast<const v8*>(x + i + 16), d = *reinterpret_cast<const v8*>(x + i + 24);
+    for (; i + 4 * W <= b1; i += 4 * W) {
+        const F a = load_lanes<F>(x + i), b = load_lanes<F>(x + i + W);
+        const F c = load_lanes<F>(x + i + 2 * W), d = load_lanes<F>(x + i + 3 * W);
         m0 = a > m0 ? a : m0;
         m1 = b > m1 ? b : m1;
         m2 = c > m2 ? c : m2;
@@ -126,17 +186,19 @@ TT_INLINE float max_of(const float* x, int64_t b0, int64_t b1) {
 
 // Max and exp-sum of one row of logits, in chunks of CHUNK values: pass 1 reduces the lanes' max
 // once per chunk and notes the first chunk that holds the row's max, where the first index of
-// the max is then searched; pass 2 sums exp(x - max) in 16 lanes across a chunk and adds each
+// the max is then searched; pass 2 sums exp(x - max) in 16 lanes across a chunk (one 16-float
+// vector or two 8-float ones, the same sums: hsum adds a v16's halves first) and adds each
 // chunk's sum to a double. (Reduced every 64 values in 16-lane vectors, the row took a visible
-// share of an 8-row decode step on AVX2: docs/kernels.md, '8-float vectors on AVX2'.) A NaN
-// logit makes the exp-sum NaN (exp_approx and the additions carry it), so the row is flagged
-// from it.
-TT_CLONES void greedy_row(const float* x, int64_t V, int64_t* id, float* logprob, bool* ok) {
+// share of an 8-row decode step on AVX2: docs/kernels.md.) A NaN logit makes the exp-sum NaN
+// (exp_approx and the additions carry it), so the row is flagged from it.
+template <typename F>
+TT_INLINE void greedy_row_w(const float* x, int64_t V, int64_t* id, float* logprob, bool* ok) {
     constexpr int64_t CHUNK = 1024;   // 64 values a lane a chunk
+    constexpr int W = sizeof(F) / sizeof(float), PARTS = 16 / W;
     float best = -std::numeric_limits<float>::infinity();
     int64_t best_chunk = 0;
     for (int64_t c0 = 0; c0 < V; c0 += CHUNK) {
-        const float m = max_of(x, c0, std::min(V, c0 + CHUNK));
+        const float m = max_of<F>(x, c0, std::min(V, c0 + CHUNK));
         if (m > best) {                    // strictly greater: the first chunk with the max wins
             best = m;
             best_chunk = c0;
@@ -147,13 +209,13 @@ TT_CLONES void greedy_row(const float* x, int64_t V, int64_t* id, float* logprob
     double sum = 0.0;
     for (int64_t c0 = 0; c0 < V; c0 += CHUNK) {
         const int64_t c1 = std::min(V, c0 + CHUNK);
-        v8 acc0 = {}, acc1 = {};
+        F acc[PARTS] = {};
         int64_t j = c0;
-        for (; j + 16 <= c1; j += 16) {
-            acc0 += exp_approx8(*reinterpret_cast<const v8*>(x + j) - best);
-            acc1 += exp_approx8(*reinterpret_cast<const v8*>(x + j + 8) - best);
-        }
-        float s = hsum(v8(acc0 + acc1));
+        for (; j + 16 <= c1; j += 16)
+            for (int p = 0; p < PARTS; ++p) acc[p] += exp_approxv(load_lanes<F>(x + j + p * W) - best);
+        float s;
+        if constexpr (PARTS == 1) s = hsum(acc[0]);
+        else s = hsum(v8(acc[0] + acc[1]));
         for (; j < c1; ++j) s += exp_approx(x[j] - best);
         sum += s;
     }
@@ -161,5 +223,6 @@ TT_CLONES void greedy_row(const float* x, int64_t V, int64_t* id, float* logprob
     *id = i;
     *logprob = float(-std::log(sum));   // the chosen token's logit is the max: x - max = 0
 }
+TT_BY_WIDTH(greedy_row, (const float* x, int64_t V, int64_t* id, float* logprob, bool* ok), (x, V, id, logprob, ok))
 
 }  // namespace

@@ -280,12 +280,13 @@ class Decoder(nn.Module):
         amounts. The few rows that can win cost well under a millisecond.
         """
         R, hidden = h.shape
-        cand = top_candidates(logits, REFINED_CANDIDATES)
         g = self.lm_head.gguf
         if self.ops is FUSED and g is not None and len(g.types) == 1:
-            # the C++ op dequantizes each row as ggml does, without numpy's copies
+            # the C++ ops: the candidates in one pass a row, each row dequantized as ggml does
+            cand = torch.ops.tokentop.top_candidates(logits, REFINED_CANDIDATES)
             exact = torch.ops.tokentop.gguf_rows_dot(h.contiguous(), g.tensors[0], g.types[0], cand)
             return logits.scatter_(1, cand, exact)
+        cand = top_candidates(logits, REFINED_CANDIDATES)
         if self.head_rows is not None:
             rows = self.head_rows.index_select(0, cand.reshape(-1))
         else:
