@@ -336,14 +336,18 @@ def test_greedy_pick_matches_the_full_sampler(V, monkeypatch):
     logits[1] = logits[1].round()                 # ties: the lowest id wins
     logits[2, : V // 2] = float("-inf")           # masked tokens
     logits[3, -1] = 50.0                          # the max in the last (partial) block
-    samplers = [sampling.RequestSampler(SamplingParams(max_tokens=1, temperature=0.0)) for _ in range(5)]
-    fast = sampling._plain_greedy(logits, samplers)
-    assert fast is not None
+    asking = [sampling.RequestSampler(SamplingParams(max_tokens=1, temperature=0.0, return_logprobs=r == 3))
+              for r in range(5)]
+    silent = [sampling.RequestSampler(SamplingParams(max_tokens=1, temperature=0.0)) for _ in range(5)]
+    fast, fast_silent = sampling._plain_greedy(logits, asking), sampling._plain_greedy(logits, silent)
+    assert fast is not None and fast_silent is not None
     monkeypatch.setattr(sampling, "_plain_greedy", lambda *a: None)
-    full = sampling.sample(logits, samplers)
-    assert torch.equal(fast.tokens, full.tokens)
+    full = sampling.sample(logits, asking)
+    assert torch.equal(fast.tokens, full.tokens) and torch.equal(fast_silent.tokens, full.tokens)
     assert torch.equal(fast.tokens, logits.argmax(-1))
+    # one request in the step returns logprobs: every row gets its logprob; none does: none
     torch.testing.assert_close(fast.logprobs, full.logprobs, atol=1e-5, rtol=1e-5)
+    assert bool(fast_silent.logprobs.isnan().all())
 
 
 @needs_kernels
@@ -384,6 +388,9 @@ def test_greedy_pick_rows_do_not_depend_on_the_batch(threads):
     assert torch.equal(lp[ok], lp_alone[ok])   # the NaN row is flagged, its logprob not compared
     assert ok.tolist() == [r != 5 for r in range(8)] and ok.tolist() == torch.cat([a[2] for a in alone]).tolist()
     assert torch.equal(ids[ok], logits[ok].argmax(-1))
+    # without the logprobs (no exp-sum) the same ids, and the NaN row still flagged
+    ids_only, lp_none, ok_only = torch.ops.tokentop.greedy_pick(logits, False)
+    assert torch.equal(ids_only, ids) and torch.equal(ok_only, ok) and bool(lp_none.isnan().all())
 
 
 @needs_kernels

@@ -119,6 +119,12 @@ def test_logprobs_completion_and_chat(client, greedy):
     entries = c.choices[0].logprobs.content
     assert len(entries) == c.usage.completion_tokens
     assert all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in entries)
+    # no alternatives asked: greedy's fast path, which computes the logprob only when asked
+    bare = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                          temperature=0, logprobs=True)
+    got = bare.choices[0].logprobs.content
+    assert [e.token for e in got] == [e.token for e in entries]
+    assert all(math.isclose(a.logprob, b.logprob, abs_tol=1e-4) for a, b in zip(got, entries))
 
 
 def test_chat_content_never_becomes_special_tokens(client, tokenizer):

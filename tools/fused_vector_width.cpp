@@ -33,13 +33,13 @@ TT_CLONES float exp_sum8(const float* x, int64_t n, float mx) {
 TT_CLONES float greedy_row16(const float* x, int64_t V, int64_t* id) {
     float logprob;
     bool ok;
-    greedy_row_w<v16>(x, V, id, &logprob, &ok);
+    greedy_row_w<v16>(x, V, true, id, &logprob, &ok);
     return logprob;
 }
 TT_CLONES float greedy_row8(const float* x, int64_t V, int64_t* id) {
     float logprob;
     bool ok;
-    greedy_row_w<v8>(x, V, id, &logprob, &ok);
+    greedy_row_w<v8>(x, V, true, id, &logprob, &ok);
     return logprob;
 }
 

@@ -302,7 +302,7 @@ def _register_fake() -> None:
         return logits.new_empty(logits.shape[0], k, dtype=torch.int64)
 
     @torch.library.register_fake("tokentop::greedy_pick")
-    def _(logits):
+    def _(logits, logprobs=True):
         R = logits.shape[0]
         return (logits.new_empty(R, dtype=torch.int64), logits.new_empty(R),
                 logits.new_empty(R, dtype=torch.bool))

@@ -637,8 +637,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_store, cons
     return out;
 }
 
-// Greedy choice of each row (the lowest id among equal maxima) and its logprob.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> greedy_pick(const at::Tensor& logits) {
+// Greedy choice of each row (the lowest id among equal maxima), its logprob (NaN unless
+// `logprobs`) and whether the row is usable (no NaN, a finite max).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> greedy_pick(const at::Tensor& logits, bool logprobs) {
     check_f32(logits, "logits");
     TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "logits [R, V]");
     const int64_t R = logits.size(0), V = logits.size(1);
@@ -652,7 +653,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> greedy_pick(const at::Tensor& log
     // rows spread over the threads; each row is computed alone, so its result does not depend on
     // the batch or the split
     for_rows(R, 1, [&](int64_t r0, int64_t r1) {
-        for (int64_t r = r0; r < r1; ++r) greedy_row(x + r * V, V, ip + r, lpp + r, okp + r);
+        for (int64_t r = r0; r < r1; ++r) greedy_row(x + r * V, V, logprobs, ip + r, lpp + r, okp + r);
     });
     return {ids, lp, ok};
 }
@@ -687,7 +688,7 @@ TORCH_LIBRARY_FRAGMENT(tokentop, m) {
           "Tensor slots) -> Tensor");
     m.def("decode_attention(Tensor q, Tensor k_store, Tensor v_store, Tensor slots, Tensor lengths, "
           "float softcap) -> Tensor");
-    m.def("greedy_pick(Tensor logits) -> (Tensor, Tensor, Tensor)");
+    m.def("greedy_pick(Tensor logits, bool logprobs=True) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(tokentop, CPU, m) {

@@ -190,9 +190,26 @@ TT_INLINE float max_of(const float* x, int64_t b0, int64_t b1) {
 // vector or two 8-float ones, the same sums: hsum adds a v16's halves first) and adds each
 // chunk's sum to a double. (Reduced every 64 values in 16-lane vectors, the row took a visible
 // share of an 8-row decode step on AVX2: docs/kernels.md.) A NaN logit makes the exp-sum NaN
-// (exp_approx and the additions carry it), so the row is flagged from it.
+// (exp_approx and the additions carry it), so the row is flagged from it. Without want_logprob
+// the exp-sum is skipped (the logprob is NaN) and a compare pass looks for NaN instead.
+// Whether x[0, n) holds a NaN (a vector compare a step, the lanes ORed at the end)
 template <typename F>
-TT_INLINE void greedy_row_w(const float* x, int64_t V, int64_t* id, float* logprob, bool* ok) {
+TT_INLINE bool any_nan(const float* x, int64_t n) {
+    constexpr int W = sizeof(F) / sizeof(float);
+    typename IntLanes<sizeof(F)>::T bad = {};
+    int64_t i = 0;
+    for (; i + W <= n; i += W) {
+        const F v = load_lanes<F>(x + i);
+        bad |= v != v;
+    }
+    int32_t any = 0;
+    for (int l = 0; l < W; ++l) any |= bad[l];
+    for (; i < n; ++i) any |= x[i] != x[i];
+    return any != 0;
+}
+
+template <typename F>
+TT_INLINE void greedy_row_w(const float* x, int64_t V, bool want_logprob, int64_t* id, float* logprob, bool* ok) {
     constexpr int64_t CHUNK = 1024;   // 64 values a lane a chunk
     constexpr int W = sizeof(F) / sizeof(float), PARTS = 16 / W;
     float best = -std::numeric_limits<float>::infinity();
@@ -206,6 +223,12 @@ TT_INLINE void greedy_row_w(const float* x, int64_t V, int64_t* id, float* logpr
     }
     int64_t i = best_chunk;
     while (i + 1 < V && x[i] != best) ++i;   // found in this chunk unless the row is all NaN
+    *id = i;
+    if (!want_logprob) {   // the exp-sum costs 4x the max: only for a client that reads it
+        *ok = std::isfinite(best) && !any_nan<F>(x, V);
+        *logprob = std::numeric_limits<float>::quiet_NaN();
+        return;
+    }
     double sum = 0.0;
     for (int64_t c0 = 0; c0 < V; c0 += CHUNK) {
         const int64_t c1 = std::min(V, c0 + CHUNK);
@@ -220,9 +243,9 @@ TT_INLINE void greedy_row_w(const float* x, int64_t V, int64_t* id, float* logpr
         sum += s;
     }
     *ok = std::isfinite(best) && !std::isnan(sum);
-    *id = i;
     *logprob = float(-std::log(sum));   // the chosen token's logit is the max: x - max = 0
 }
-TT_BY_WIDTH(greedy_row, (const float* x, int64_t V, int64_t* id, float* logprob, bool* ok), (x, V, id, logprob, ok))
+TT_BY_WIDTH(greedy_row, (const float* x, int64_t V, bool want_logprob, int64_t* id, float* logprob, bool* ok),
+            (x, V, want_logprob, id, logprob, ok))
 
 }  // namespace

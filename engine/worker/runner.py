@@ -190,7 +190,8 @@ class ModelRunner(Runner):
                     errors[seq_id] = str(result.errors[row])
                     continue
                 top = result.top_logprobs[row] if result.top_logprobs else ()
-                sampled[seq_id] = SampledToken(int(result.tokens[row]), float(result.logprobs[row]), top)
+                logprob = float(result.logprobs[row])   # NaN: not computed (nobody asked)
+                sampled[seq_id] = SampledToken(int(result.tokens[row]), None if logprob != logprob else logprob, top)
         if verifies:
             with get_tracer().span("spec accept", requests=len(verifies)):
                 for seq, first, n in verifies:
