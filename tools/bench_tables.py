@@ -964,7 +964,9 @@ and the tool that measures it; no report backs them.
   call against ten op calls a layer from Python: the forward 1.05-1.07× faster. Direct kernels
   reading one output row at a time against four side by side: the 1.5B's linear layers at 1 row
   26.4 → 22.0 ms. The top-32 logit refinement in C++, not numpy: 0.60 → 0.39 ms a step at 8 rows
-  (0.5B). Zen 5; `tools/kernel_ab.py MODEL A,B 1,4 4`.
+  (0.5B). Zen 5; `tools/kernel_ab.py MODEL A,B 1,4 4`. Its candidates in C++ too
+  (`top_candidates`: chunk maxima read once, in vectors) against torch's chunk maxima and topk: 360 →
+  123 µs at 8 rows, 58 → 22 at 1 (Emerald Rapids).
 * **Panels built straight from the GGUF blocks.** Tiles of 16 rows' bytes at one block offset,
   transposed by 32-bit words, against unpacking each row and a 16×16 transpose: the 0.5B's linear
   layers at 8 rows 22.5 → 15.0 ms. The panels then win from 5 rows, the direct kernels up to 4
@@ -1077,10 +1079,14 @@ and the tool that measures it; no report backs them.
   broadcasts each weight row's codes from its blocks, no tile build: the 0.5B's lm_head 1.12×
   faster at 8 rows, 1.05× at 7. Zen 3 (forced on Zen 5: 0.80×); `tools/kernel_ab.py MODEL A,B 7,8 8
   --op lm-head`.
-* **8-float vectors on AVX2.** GCC lowers a 16-float vector's compares, selects and int conversions
-  there through memory: a 151936-logit exp-sum 0.58 ms in 16 lanes against 0.135 in 2 × 8
-  (`tools/fused_vector_width.cpp`), greedy_pick 2.44 → 0.67 ms at 8 rows, the silu 17 → 5.8 µs
-  (Zen 3); the decode attention's 16-float blocks ran 5× slower than plain loops (AVX2 on Zen 5).
+* **Vector width per instruction set.** The fused ops' vector loops are built in 8-float vectors
+  for AVX2 and 16-float ones for AVX-512 (`vec_math.h` `TT_BY_WIDTH`). On AVX2 GCC lowers a
+  16-float vector's compares, selects and int conversions through memory: a 151936-logit exp-sum
+  0.58 ms in 16 lanes against 0.135 in 2 × 8, greedy_pick 2.44 → 0.67 ms at 8 rows, the silu 17 →
+  5.8 µs (Zen 3); the decode attention's 16-float blocks ran 5× slower than plain loops (AVX2 on
+  Zen 5). On AVX-512 the 8-float form is the slow one: the exp-sum 0.128 ms against 0.044 in 16
+  lanes, greedy_pick 633 → 245 µs at 8 rows, the silu product 25 → 11 µs (Emerald Rapids).
+  `tools/fused_vector_width.cpp` times both widths on the CPU it runs on.
 * **Framework overhead: fused per-layer ops.** Four fused C++ ops a layer against ~40 small torch
   ops: the 0.5B's overhead 4.78 → 1.65 ms a step (`tokentop bench single`'s
   `framework_overhead_ms_per_step`); `torch.compile` of a layer: 15.9 ms a call against 0.31. Zen 5.""",

@@ -222,13 +222,16 @@ at::Tensor act_mul(const at::Tensor& gate_up, int64_t act) {
 
 // out = x * c + swap(x) * s, swap pairing dims (i, i + hd/2) (NeoX) or (2i, 2i+1) (interleaved);
 // the sign of rotate-half lives in the signed-sin table, as in engine/models/rope.py
+// (NeoX as two plain loops, which vectorize: a per-element choice of the partner did not)
 inline void rotate(const float* x, const float* c, const float* s, bool interleaved, int64_t hd,
                    float* out) {
     const int64_t half = hd / 2;
-    for (int64_t i = 0; i < hd; ++i) {
-        const int64_t j = interleaved ? (i ^ 1) : (i < half ? i + half : i - half);
-        out[i] = x[i] * c[i] + x[j] * s[i];
+    if (interleaved) {
+        for (int64_t i = 0; i < hd; ++i) out[i] = x[i] * c[i] + x[i ^ 1] * s[i];
+        return;
     }
+    for (int64_t i = 0; i < half; ++i) out[i] = x[i] * c[i] + x[i + half] * s[i];
+    for (int64_t i = half; i < hd; ++i) out[i] = x[i] * c[i] + x[i - half] * s[i];
 }
 
 template <typename S>
@@ -368,8 +371,8 @@ TT_CLONES void attend_group(const float* q, const S* k, const S* v, int64_t row_
 // --- the blocked decode attention --------------------------------------------------------
 // Vectors of W floats: W = 16 in the AVX-512 build of the kernel, 8 (one ymm register) in the
 // AVX2 one. GCC splits a 16-float vector into two ymm registers on AVX2, and the AVX-512 block
-// sizes then spilled to memory, slower than the plain loops there (docs/kernels.md, '8-float
-// vectors on AVX2').
+// sizes then spilled to memory, slower than the plain loops there (docs/kernels.md, 'Vector
+// width per instruction set').
 template <int W> struct Vec;
 template <> struct Vec<16> {
     typedef v16 F;
