@@ -1117,14 +1117,14 @@ today's.""",
 BOUNDS = {
     "rows": """\
 What bounds them: one row, the weights' read: 26.1 and 28.5 GB/s (0.5B, 1.5B) on Zen 4 against a
-plain read of 32.2 and 43.2 beside; 22.7 and 24.2 on Emerald Rapids against 27.1 and 26.9
+plain read of 32.2 and 43.2 beside; 22.9 and 25.3 on Emerald Rapids against 26.6 and 25.3
 (the ceiling swings up to 1.5× in an hour). On AVX-512 every matrix type is packed at load
-in the panels' tile order and calls of 1-32 rows read the copies: 2 rows cost 0.91-1.11× one row;
-from 8 rows the integer dots bound it (1.42-1.55×). The 1.5B's 8-row step on Zen 4 (a
+in the panels' tile order and calls of 1-32 rows read the copies: 2 rows cost 0.91-1.08× one row;
+from 8 rows the integer dots bound it (1.40-1.54×). The 1.5B's 8-row step on Zen 4 (a
 full-detail trace, 57.8 ms; 38.2 at one row): gate|up 20.3 ms (13.2), down 13.1 (10.0), lm_head
 7.3 (5.6), attention 3.5 (0.8: fp32 K/V read from memory). The AVX2 kernels (forced on the
 same CPU) have no packed copies; their `vpmaddubsw` dots bound every call from 4 rows (60-97 G
-multiply-adds a second on 2 cores): 8 rows cost 2.7× (0.5B) and 3.8× (1.5B).""",
+multiply-adds a second on 2 cores): 8 rows cost 2.4× (0.5B) and 3.6× (1.5B).""",
 
     "single": """\
 What bounds them: decode reads every weight once a step (0.5B ~0.39 GB, 1.5B ~1.0 GB), bound by
@@ -1133,13 +1133,13 @@ framework around the kernels within the timings' spread (`framework_overhead_ms_
 Zen 3 the Q5_0 direct kernel is bound by its bit work (10 GB/s; Q8_0 and Q4_K 17). On Emerald
 Rapids each run's read is set against the read ceiling measured just before and just after it
 (`roofline.paired`; a share above 100%: the ceiling fell between the readings): the 0.5B reads
-79% of it (runs 74-108%), the 1.5B 95% (runs 86-100%; 91-101%, median 93%, in the 4 rounds
-below); the workers' live roofline reads within 1.5% of the run it follows
+88% of it (runs 86-89%), the 1.5B 97% (runs 94-99%, and 70% in a run whose process ran slow,
+decode 18.3 tok/s); the workers' live roofline reads within 1.2% of the run it follows
 (`live_vs_run`). Against ik_llama.cpp (native build, run-time repack: `llama-bench -t 2 -n 0 -p 0
--gp 500,128 -r 2 -rtr 1`), alternated with `tokentop bench single --runs 1`, 4 rounds on an
-Emerald Rapids (no AMX): the 0.5B 53.3-57.1 tok/s against 39.8-41.9 (1.32-1.39×; a
-fourth, the process slow (prefill 380 tok/s, not 650): 27.7 against 37.8), the
-1.5B 25.1-26.0 against 16.7-17.3 (1.46-1.56×). On Zen 4 (an earlier build), 3 rounds: 0.5B 0.85-1.10×, 1.5B 0.85-1.14×, level within
+-gp 500,128 -r 2 -rtr 1`), alternated with `tokentop bench single --runs 3`, 2 rounds on an
+Emerald Rapids (no AMX): the 0.5B 56.2-58.0 tok/s against 41.3-42.3 (1.36-1.37×), the 1.5B
+25.0-25.4 against 15.8-17.1 (1.48-1.58×). On Zen 4 (an earlier build), 3 rounds: 0.5B
+0.85-1.10×, 1.5B 0.85-1.14×, level within
 the machine's swings. Prefill is
 compute-bound (the panels). The memory on Emerald Rapids includes the packed copies of the
 weights (0.4 GB for the 0.5B, 1.0 GB for the 1.5B; `TOKENTOP_PACKED=0` goes without them and their
