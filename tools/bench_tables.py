@@ -1167,9 +1167,11 @@ the shared document every request needs its 800 tokens computed once first: `aft
 gain at most ~35% on `incremental`.""",
     "spec": """\
 What bounds them: an 8-row step of the 1.5B costs about 1.5× a one-row step (rows, below), a
-draft step half a target step. This run's 1.5B target-only code rows ran slow (10.6 tok/s, 16-23
-before), so the refactor's ratios overstate; alternated in fresh engines (compare section)
-`adaptive:cost` gives 1.51×. On the sampled creative prompt a fixed k loses, `adaptive:cost` not.""",
+draft step half a target step, so 6 drafts and a verify cost ~4.5 target steps for up to 7 tokens.
+On the sampled creative prompt a fixed k loses (acceptance 0.26-0.42), `adaptive:cost` not. The
+repeated burst runs four requests at once outside `--deterministic`: its second run without
+speculation (prefix hits, other row counts per step) may differ from the first at a near-tie, as
+it did here.""",
     "seeds": """\
 What bounds them: theirs ran on an M2 (GPU; its CPU for routing), ours on 2 Zen 4 cores, so the
 changes compare, not the rates. Single flight: every first token waits for the leader's prefill

@@ -1,8 +1,8 @@
-// Vector math shared by fused_ops.cpp and tools/fused_vector_width.cpp (which times these
-// against their 16-lane forms): no torch here, so the tool builds with plain g++. Hot loops are
-// GCC vector types in functions cloned per ISA (target_clones picks one at load time); helpers
-// are always inlined into their cloned callers. Everything has internal linkage: each includer
-// gets its own copy.
+// Vector math shared by fused_ops.cpp, top_candidates.cpp and tools/fused_vector_width.cpp
+// (which times the 8- and 16-lane forms): no torch here, so the tool builds with plain g++. Hot
+// loops are GCC vector types in functions built per ISA (target_clones, or TT_BY_WIDTH where the
+// vector width differs by ISA); helpers are always inlined into their callers' builds.
+// Everything has internal linkage: each includer gets its own copy.
 #pragma once
 
 #include <algorithm>
@@ -184,14 +184,6 @@ TT_INLINE float max_of(const float* x, int64_t b0, int64_t b1) {
     return m;
 }
 
-// Max and exp-sum of one row of logits, in chunks of CHUNK values: pass 1 reduces the lanes' max
-// once per chunk and notes the first chunk that holds the row's max, where the first index of
-// the max is then searched; pass 2 sums exp(x - max) in 16 lanes across a chunk (one 16-float
-// vector or two 8-float ones, the same sums: hsum adds a v16's halves first) and adds each
-// chunk's sum to a double. (Reduced every 64 values in 16-lane vectors, the row took a visible
-// share of an 8-row decode step on AVX2: docs/kernels.md.) A NaN logit makes the exp-sum NaN
-// (exp_approx and the additions carry it), so the row is flagged from it. Without want_logprob
-// the exp-sum is skipped (the logprob is NaN) and a compare pass looks for NaN instead.
 // Whether x[0, n) holds a NaN (a vector compare a step, the lanes ORed at the end)
 template <typename F>
 TT_INLINE bool any_nan(const float* x, int64_t n) {
@@ -208,6 +200,14 @@ TT_INLINE bool any_nan(const float* x, int64_t n) {
     return any != 0;
 }
 
+// Max and exp-sum of one row of logits, in chunks of CHUNK values: pass 1 reduces the lanes' max
+// once per chunk and notes the first chunk that holds the row's max, where the first index of
+// the max is then searched; pass 2 sums exp(x - max) in 16 lanes across a chunk (one 16-float
+// vector or two 8-float ones, the same sums: hsum adds a v16's halves first) and adds each
+// chunk's sum to a double. (Reduced every 64 values in 16-lane vectors, the row took a visible
+// share of an 8-row decode step on AVX2: docs/kernels.md.) A NaN logit makes the exp-sum NaN
+// (exp_approx and the additions carry it), so the row is flagged from it. Without want_logprob
+// the exp-sum is skipped (the logprob is NaN) and a compare pass looks for NaN instead.
 template <typename F>
 TT_INLINE void greedy_row_w(const float* x, int64_t V, bool want_logprob, int64_t* id, float* logprob, bool* ok) {
     constexpr int64_t CHUNK = 1024;   // 64 values a lane a chunk
