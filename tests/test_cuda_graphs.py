@@ -438,7 +438,8 @@ def test_greedy_pick_is_the_samplers_greedy_choice():
     logits[2, 17] = logits[2, 40] = logits[2].max() + 1     # a tie: the lower id wins
     logits[4, 3] = float("nan")
     picked = greedy_pick(logits)
-    samplers = [RequestSampler(SamplingParams()) for _ in range(4)]
+    # a request that returns logprobs: the CPU's greedy path computes them only then
+    samplers = [RequestSampler(SamplingParams(return_logprobs=True)) for _ in range(4)]
     full = sample(logits[:4], samplers)
     assert picked[:4, 0].long().tolist() == full.tokens.tolist() and picked[2, 0] == 17
     torch.testing.assert_close(picked[:4, 1].float(), full.logprobs, rtol=1e-5, atol=1e-6)
