@@ -210,11 +210,12 @@ at::Tensor act_mul(const at::Tensor& gate_up, int64_t act) {
     at::Tensor out = at::empty({T, F}, gate_up.options());
     const float* g = gate_up.data_ptr<float>();
     float* o = out.data_ptr<float>();
+    const int level = simd_level();
+    const auto row = act == 0 ? silu_mul_row_for(level) : gelu_tanh_mul_row_for(level);
     for_rows(T, 4, [&](int64_t b, int64_t e) {
         for (int64_t t = b; t < e; ++t) {
             const float* gt = g + t * 2 * F;
-            if (act == 0) silu_mul_row(gt, gt + F, o + t * F, F);
-            else gelu_tanh_mul_row(gt, gt + F, o + t * F, F);
+            row(gt, gt + F, o + t * F, F);
         }
     });
     return out;
@@ -655,8 +656,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> greedy_pick(const at::Tensor& log
     bool* okp = ok.data_ptr<bool>();
     // rows spread over the threads; each row is computed alone, so its result does not depend on
     // the batch or the split
+    const auto row = greedy_row_for(simd_level());
     for_rows(R, 1, [&](int64_t r0, int64_t r1) {
-        for (int64_t r = r0; r < r1; ++r) greedy_row(x + r * V, V, logprobs, ip + r, lpp + r, okp + r);
+        for (int64_t r = r0; r < r1; ++r) row(x + r * V, V, logprobs, ip + r, lpp + r, okp + r);
     });
     return {ids, lp, ok};
 }

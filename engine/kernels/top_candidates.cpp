@@ -36,6 +36,7 @@ TT_INLINE void chunk_maxima_w(const float* x, int64_t V, float* out) {
     for (int64_t c0 = 0, c = 0; c0 < V; c0 += CHUNK, ++c) out[c] = max_of<F>(x, c0, std::min(V, c0 + CHUNK));
 }
 TT_BY_WIDTH(chunk_maxima, (const float* x, int64_t V, float* out), (x, V, out))
+using ChunkMaxima = decltype(chunk_maxima_for(0));
 
 using Entry = std::pair<float, int64_t>;   // (value, index), NaN stored as -inf
 
@@ -67,7 +68,7 @@ struct Best {
 };
 
 // scratch: at least 2 * chunks(V) floats
-void top_row(const float* x, int64_t V, int64_t k, float* scratch, int64_t* out) {
+void top_row(ChunkMaxima chunk_maxima, const float* x, int64_t V, int64_t k, float* scratch, int64_t* out) {
     const float ninf = -std::numeric_limits<float>::infinity();
     const int64_t n_chunks = (V + CHUNK - 1) / CHUNK;
     float* maxima = scratch;   // never NaN: max_of skips NaN lanes (an all-NaN chunk gives -inf)
@@ -108,9 +109,10 @@ at::Tensor top_candidates(const at::Tensor& logits, int64_t k) {
     at::Tensor out = at::empty({R, k}, logits.options().dtype(at::kLong));
     const float* x = logits.data_ptr<float>();
     int64_t* op = out.data_ptr<int64_t>();
+    const ChunkMaxima maxima = chunk_maxima_for(simd_level());
     auto rows = [&](int64_t r0, int64_t r1) {
         std::vector<float> scratch(2 * ((V + CHUNK - 1) / CHUNK));
-        for (int64_t r = r0; r < r1; ++r) top_row(x + r * V, V, k, scratch.data(), op + r * k);
+        for (int64_t r = r0; r < r1; ++r) top_row(maxima, x + r * V, V, k, scratch.data(), op + r * k);
     };
     if (R == 1) rows(0, 1);   // one row: waking the pool costs more than the row
     else at::parallel_for(0, R, 1, rows);

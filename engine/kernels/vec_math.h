@@ -89,25 +89,24 @@ inline int simd_level() {
 }
 
 // A function in two vector widths: name##_w<v16> in an AVX-512 build, name##_w<v8> in an AVX2
-// one and a baseline one, chosen per call by simd_level(). GCC lowers a 16-float vector's
-// compares, selects and int conversions through memory on AVX2 (a 151936-logit exp-sum 4x
-// slower there), while on AVX-512 the 8-lane form runs at a third of the 16-lane one's speed
-// (tools/fused_vector_width.cpp; docs/kernels.md, 'Vector width per instruction set'). Within a
-// build each value goes through the same operations in either width (the AVX-512 build fuses
-// multiply-adds, as the avx512f clone of target_clones does).
+// one and a baseline one; name##_for(simd_level()) gives the build to run, looked up once per op
+// call, not per row. GCC lowers a 16-float vector's compares, selects and int conversions through
+// memory on AVX2 (a 151936-logit exp-sum 4x slower there), while on AVX-512 the 8-lane form runs
+// at a third of the 16-lane one's speed (tools/fused_vector_width.cpp; docs/kernels.md, 'Vector
+// width per instruction set'). Within a build each value goes through the same operations in
+// either width (the AVX-512 build fuses multiply-adds, as the avx512f clone of target_clones does).
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
 #define TT_BY_WIDTH(name, params, args)                                                    \
     __attribute__((target("avx512f"))) void name##_avx512 params { name##_w<v16> args; }    \
     __attribute__((target("avx2"))) void name##_avx2 params { name##_w<v8> args; }          \
     void name##_baseline params { name##_w<v8> args; }                                     \
-    void name params {                                                                     \
-        const int level = simd_level();                                                    \
-        if (level == 2) name##_avx512 args;                                                \
-        else if (level == 1) name##_avx2 args;                                             \
-        else name##_baseline args;                                                         \
+    inline auto name##_for(int level) {                                                    \
+        return level == 2 ? &name##_avx512 : level == 1 ? &name##_avx2 : &name##_baseline;  \
     }
 #else
-#define TT_BY_WIDTH(name, params, args) void name params { name##_w<v8> args; }
+#define TT_BY_WIDTH(name, params, args)                                                    \
+    void name##_baseline params { name##_w<v8> args; }                                     \
+    inline auto name##_for(int) { return &name##_baseline; }
 #endif
 
 // Unaligned vector loads and stores for a vector type passed as a template argument, which
